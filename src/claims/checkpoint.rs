@@ -1,0 +1,233 @@
+//! The checkpoint: which claims this plugin prepared, so that a restart knows what to keep and what to
+//! roll back. Versioned JSON with a SHA-256 checksum over the `data` object as stored, so a file written
+//! by a newer version with added fields still verifies; carries the node's boot id; atomic writes.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use thiserror::Error;
+
+use crate::fsutil::write_atomically;
+
+/// The format version this build writes; files with a higher version are refused rather than misread.
+pub const CHECKPOINT_VERSION: u32 = 1;
+
+#[derive(Debug, Error)]
+pub enum CheckpointError {
+    #[error("reading checkpoint {path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("writing checkpoint {path}: {source}")]
+    Write {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("checkpoint {path} is corrupt: {reason}")]
+    Corrupt { path: String, reason: String },
+    #[error("checkpoint {path} has version {found}, newer than the {CHECKPOINT_VERSION} this plugin understands")]
+    TooNew { path: String, found: u32 },
+}
+
+/// Where a claim is in its life on this node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum ClaimState {
+    /// Prepare began; anything it created may be half done and is rolled back after a crash.
+    Started,
+    /// Prepare finished and was (or will be) reported to the kubelet.
+    Completed,
+}
+
+/// One device prepared for a claim, as reported to the kubelet.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PreparedDevice {
+    pub request_names: Vec<String>,
+    pub pool: String,
+    pub device: String,
+    pub cdi_device_ids: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub share_id: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ClaimRecord {
+    pub namespace: String,
+    pub name: String,
+    pub state: ClaimState,
+    pub devices: Vec<PreparedDevice>,
+}
+
+/// The checkpoint's content.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CheckpointData {
+    pub boot_id: String,
+    /// Keyed by claim UID.
+    pub claims: BTreeMap<String, ClaimRecord>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct Envelope {
+    version: u32,
+    checksum: String,
+    data: serde_json::Value,
+}
+
+/// The checkpoint file.
+#[derive(Debug, Clone)]
+pub struct CheckpointFile {
+    path: PathBuf,
+}
+
+impl CheckpointFile {
+    pub fn new(path: impl Into<PathBuf>) -> Self {
+        CheckpointFile { path: path.into() }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The stored checkpoint, or `None` if there is none yet.
+    pub fn load(&self) -> Result<Option<CheckpointData>, CheckpointError> {
+        let shown = self.path.display().to_string();
+        let bytes = match std::fs::read(&self.path) {
+            Ok(bytes) => bytes,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(source) => {
+                return Err(CheckpointError::Read {
+                    path: shown,
+                    source,
+                })
+            }
+        };
+        let corrupt = |reason: String| CheckpointError::Corrupt {
+            path: shown.clone(),
+            reason,
+        };
+        let envelope: Envelope = serde_json::from_slice(&bytes)
+            .map_err(|e| corrupt(format!("not a checkpoint: {e}")))?;
+        if envelope.version > CHECKPOINT_VERSION {
+            return Err(CheckpointError::TooNew {
+                path: shown,
+                found: envelope.version,
+            });
+        }
+        if checksum(&envelope.data) != envelope.checksum {
+            return Err(corrupt("checksum mismatch".to_string()));
+        }
+        let data = serde_json::from_value(envelope.data)
+            .map_err(|e| corrupt(format!("unreadable data: {e}")))?;
+        Ok(Some(data))
+    }
+
+    pub fn store(&self, data: &CheckpointData) -> Result<(), CheckpointError> {
+        let write_error = |source| CheckpointError::Write {
+            path: self.path.display().to_string(),
+            source,
+        };
+        let data = serde_json::to_value(data).map_err(|e| write_error(std::io::Error::other(e)))?;
+        let envelope = Envelope {
+            version: CHECKPOINT_VERSION,
+            checksum: checksum(&data),
+            data,
+        };
+        let bytes =
+            serde_json::to_vec(&envelope).map_err(|e| write_error(std::io::Error::other(e)))?;
+        write_atomically(&self.path, &bytes, 0o600).map_err(write_error)
+    }
+}
+
+/// SHA-256 over the canonical JSON of `data` (serde_json sorts object keys), in hex.
+fn checksum(data: &serde_json::Value) -> String {
+    hex::encode(Sha256::digest(data.to_string().as_bytes()))
+}
+
+/// This boot of the node, from the kernel; empty where it cannot be read.
+pub fn current_boot_id() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> CheckpointData {
+        let mut data = CheckpointData {
+            boot_id: "boot-1".into(),
+            ..Default::default()
+        };
+        data.claims.insert(
+            "uid-1".into(),
+            ClaimRecord {
+                namespace: "default".into(),
+                name: "claim".into(),
+                state: ClaimState::Completed,
+                devices: vec![PreparedDevice {
+                    request_names: vec!["gpu".into()],
+                    pool: "node-a".into(),
+                    device: "gpu-0".into(),
+                    cdi_device_ids: vec!["k8s.gpu.dra.dev/gpu=uid-1-gpu-0".into()],
+                    share_id: None,
+                }],
+            },
+        );
+        data
+    }
+
+    #[test]
+    fn round_trips() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = CheckpointFile::new(dir.path().join("checkpoint.json"));
+        assert_eq!(file.load().unwrap(), None);
+        file.store(&sample()).unwrap();
+        assert_eq!(file.load().unwrap(), Some(sample()));
+    }
+
+    #[test]
+    fn tampering_is_detected() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = CheckpointFile::new(dir.path().join("checkpoint.json"));
+        file.store(&sample()).unwrap();
+        let text = std::fs::read_to_string(file.path()).unwrap();
+        std::fs::write(file.path(), text.replace("gpu-0", "gpu-1")).unwrap();
+        let err = file.load().unwrap_err().to_string();
+        assert!(err.contains("checksum mismatch"), "{err}");
+        std::fs::write(file.path(), &text[..text.len() / 2]).unwrap();
+        assert!(matches!(file.load(), Err(CheckpointError::Corrupt { .. })));
+    }
+
+    #[test]
+    fn fields_added_by_a_newer_writer_still_verify() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = CheckpointFile::new(dir.path().join("checkpoint.json"));
+        // What a later version might write: extra fields inside data, checksummed over what it stored.
+        let mut data = serde_json::to_value(sample()).unwrap();
+        data["futureField"] = serde_json::json!({"x": 1});
+        data["claims"]["uid-1"]["mig"] = serde_json::json!("added");
+        let envelope = serde_json::json!({"version": 1, "checksum": checksum(&data), "data": data});
+        std::fs::write(file.path(), envelope.to_string()).unwrap();
+        assert_eq!(file.load().unwrap(), Some(sample()));
+    }
+
+    #[test]
+    fn newer_versions_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = CheckpointFile::new(dir.path().join("checkpoint.json"));
+        let data = serde_json::to_value(sample()).unwrap();
+        let envelope = serde_json::json!({"version": 2, "checksum": checksum(&data), "data": data});
+        std::fs::write(file.path(), envelope.to_string()).unwrap();
+        assert!(matches!(
+            file.load(),
+            Err(CheckpointError::TooNew { found: 2, .. })
+        ));
+    }
+}

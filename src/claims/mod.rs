@@ -1,0 +1,702 @@
+//! Prepare and unprepare: what happens when the kubelet calls NodePrepareResources for a claim.
+//! Read top to bottom: validate the claim reference → fetch the ResourceClaim → take this driver's
+//! results for this node's pool → reserve the devices (exclusive) and checkpoint `started` → write the
+//! CDI spec → checkpoint `completed` → answer. Calls for different claims run in parallel; calls for
+//! one claim are serialised by a per-claim lock.
+
+pub mod checkpoint;
+pub mod names;
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::resource::v1::ResourceClaim;
+use kube::Api;
+use thiserror::Error;
+use tokio::sync::watch;
+use tracing::{info, info_span, warn, Instrument};
+
+pub use checkpoint::{ClaimRecord, ClaimState, PreparedDevice};
+
+use crate::cdi::{CdiRegistry, ContainerEdits, DeviceNode};
+use crate::devices::DeviceName;
+use crate::gpu::Inventory;
+use crate::observability::Metrics;
+use checkpoint::{CheckpointData, CheckpointError, CheckpointFile};
+
+/// How often a failed GET of a ResourceClaim is tried within one call, and the pause before each retry.
+const CLAIM_GET_ATTEMPTS: u32 = 3;
+const CLAIM_GET_RETRY_PAUSE: Duration = Duration::from_millis(100);
+
+/// A claim as the kubelet names it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimRef {
+    pub uid: String,
+    pub namespace: String,
+    pub name: String,
+}
+
+impl std::fmt::Display for ClaimRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{} ({})", self.namespace, self.name, self.uid)
+    }
+}
+
+/// Why one claim could not be prepared or unprepared; the message names the claim and, where it
+/// applies, the device, in words an operator can act on.
+#[derive(Debug, Error)]
+pub enum ClaimError {
+    #[error("ResourceClaim {claim}: {reason}")]
+    Invalid { claim: String, reason: String },
+    #[error("ResourceClaim {claim}: reading it from the API server: {source}")]
+    Fetch { claim: String, source: kube::Error },
+    #[error("ResourceClaim {claim} not found in the API server")]
+    NotFound { claim: String },
+    #[error("ResourceClaim {claim} was replaced: the API server has UID {found}")]
+    Replaced { claim: String, found: String },
+    #[error("ResourceClaim {claim} is not allocated")]
+    NotAllocated { claim: String },
+    #[error("ResourceClaim {claim} has no devices of driver {driver} in pool {pool}")]
+    NoDevicesHere {
+        claim: String,
+        driver: String,
+        pool: String,
+    },
+    #[error("ResourceClaim {claim}: device {device} is not published by this node")]
+    UnknownDevice { claim: String, device: String },
+    #[error("ResourceClaim {claim}: device {device} is already prepared for claim {owner}")]
+    DeviceInUse {
+        claim: String,
+        device: String,
+        owner: String,
+    },
+    #[error("ResourceClaim {claim}: writing CDI spec: {source}")]
+    Cdi {
+        claim: String,
+        source: crate::cdi::CdiError,
+    },
+    #[error("ResourceClaim {claim}: {source}")]
+    Checkpoint {
+        claim: String,
+        source: CheckpointError,
+    },
+    #[error("ResourceClaim {claim}: internal error: {reason}")]
+    Internal { claim: String, reason: String },
+}
+
+/// What a restart found and did.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Recovery {
+    /// Completed claims kept.
+    pub kept: Vec<String>,
+    /// Claims whose prepare had started but not completed; rolled back.
+    pub rolled_back: Vec<String>,
+    /// CDI spec files no claim owned; removed.
+    pub orphan_specs_removed: Vec<String>,
+    /// Whether the node rebooted since the checkpoint was written.
+    pub rebooted: bool,
+}
+
+struct State {
+    data: CheckpointData,
+    /// Bumped on every change of `data`; the checkpoint writer persists up to a revision.
+    revision: u64,
+    /// Device name → UID of the claim it is prepared for (exclusive devices only).
+    owners: HashMap<String, String>,
+}
+
+pub struct ClaimsConfig {
+    pub driver_name: String,
+    /// This node's name, which is also the pool name.
+    pub pool: String,
+    pub cdi: CdiRegistry,
+    pub checkpoint_path: std::path::PathBuf,
+}
+
+/// The claim state machine of one plugin instance.
+pub struct Preparer {
+    driver: String,
+    pool: String,
+    client: kube::Client,
+    cdi: CdiRegistry,
+    checkpoint: CheckpointFile,
+    inventory: watch::Receiver<Arc<Inventory>>,
+    metrics: Arc<Metrics>,
+    state: Mutex<State>,
+    /// The revision last written to disk; held while writing, so concurrent changes share one write.
+    persisted: tokio::sync::Mutex<u64>,
+    claim_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+impl Preparer {
+    /// Loads the checkpoint and converges after a crash: started claims are rolled back, completed ones
+    /// kept (their CDI specs re-written if the node lost them), and CDI specs no claim owns removed.
+    pub async fn start(
+        config: ClaimsConfig,
+        client: kube::Client,
+        inventory: watch::Receiver<Arc<Inventory>>,
+        metrics: Arc<Metrics>,
+    ) -> Result<(Arc<Preparer>, Recovery), ClaimError> {
+        let preparer = Arc::new(Preparer {
+            driver: config.driver_name,
+            pool: config.pool,
+            client,
+            cdi: config.cdi,
+            checkpoint: CheckpointFile::new(config.checkpoint_path),
+            inventory,
+            metrics,
+            state: Mutex::new(State {
+                data: CheckpointData::default(),
+                revision: 0,
+                owners: HashMap::new(),
+            }),
+            persisted: tokio::sync::Mutex::new(0),
+            claim_locks: Mutex::new(HashMap::new()),
+        });
+        let worker = preparer.clone();
+        let recovery = tokio::task::spawn_blocking(move || worker.recover())
+            .await
+            .map_err(|e| internal("startup", e))??;
+        Ok((preparer, recovery))
+    }
+
+    fn recover(&self) -> Result<Recovery, ClaimError> {
+        let checkpoint_error = |source| ClaimError::Checkpoint {
+            claim: "(startup)".to_string(),
+            source,
+        };
+        let boot_id = checkpoint::current_boot_id();
+        let stored = match self.checkpoint.load() {
+            Ok(stored) => stored.unwrap_or_default(),
+            Err(error @ CheckpointError::Corrupt { .. }) => {
+                // Keep the evidence, start empty: the kubelet prepares again whatever it still needs.
+                let aside = self.checkpoint.path().with_extension("corrupt");
+                warn!(%error, moved_to = %aside.display(), "checkpoint unreadable; starting with no prepared claims");
+                std::fs::rename(self.checkpoint.path(), &aside).map_err(|source| {
+                    checkpoint_error(CheckpointError::Write {
+                        path: aside.display().to_string(),
+                        source,
+                    })
+                })?;
+                CheckpointData::default()
+            }
+            Err(error) => return Err(checkpoint_error(error)),
+        };
+        let mut recovery = Recovery {
+            rebooted: !stored.boot_id.is_empty() && stored.boot_id != boot_id,
+            ..Default::default()
+        };
+        let inventory = self.inventory.borrow().clone();
+        let mut data = CheckpointData {
+            boot_id,
+            claims: BTreeMap::new(),
+        };
+        for (uid, record) in stored.claims {
+            match record.state {
+                ClaimState::Started => {
+                    self.cdi
+                        .remove_claim_spec(&uid)
+                        .map_err(|source| ClaimError::Cdi {
+                            claim: describe(&uid, &record),
+                            source,
+                        })?;
+                    recovery.rolled_back.push(uid);
+                }
+                ClaimState::Completed => {
+                    if !self.cdi.spec_path(&uid).exists() {
+                        // /var/run/cdi is tmpfs: after a reboot the spec must be written again.
+                        self.write_spec(&uid, &record.devices, &inventory)
+                            .map_err(|source| ClaimError::Cdi {
+                                claim: describe(&uid, &record),
+                                source,
+                            })?;
+                    }
+                    recovery.kept.push(uid.clone());
+                    data.claims.insert(uid, record);
+                }
+            }
+        }
+        let on_disk = self.cdi.claim_specs().map_err(|source| ClaimError::Cdi {
+            claim: "(startup)".to_string(),
+            source,
+        })?;
+        for uid in on_disk {
+            if !data.claims.contains_key(&uid) {
+                self.cdi
+                    .remove_claim_spec(&uid)
+                    .map_err(|source| ClaimError::Cdi {
+                        claim: uid.clone(),
+                        source,
+                    })?;
+                recovery.orphan_specs_removed.push(uid);
+            }
+        }
+        self.checkpoint.store(&data).map_err(checkpoint_error)?;
+        let mut state = lock(&self.state);
+        state.owners = owners_of(&data);
+        state.data = data;
+        info!(
+            kept = recovery.kept.len(),
+            rolled_back = recovery.rolled_back.len(),
+            orphans_removed = recovery.orphan_specs_removed.len(),
+            rebooted = recovery.rebooted,
+            "claims recovered from checkpoint"
+        );
+        Ok(recovery)
+    }
+
+    /// Prepares every claim in parallel; one result per claim, in order.
+    pub async fn prepare(
+        self: &Arc<Self>,
+        claims: Vec<ClaimRef>,
+    ) -> Vec<(ClaimRef, Result<Vec<PreparedDevice>, ClaimError>)> {
+        let calls = claims.into_iter().map(|claim| {
+            let this = self.clone();
+            async move {
+                let span = info_span!("prepare", claim_uid = %claim.uid, namespace = %claim.namespace, claim = %claim.name);
+                let started = Instant::now();
+                let result = this.with_claim_lock(&claim.uid, this.prepare_one(&claim)).instrument(span).await;
+                this.metrics.claim_prepared(result.is_ok(), started.elapsed());
+                if let Err(error) = &result {
+                    warn!(%error, "prepare failed");
+                }
+                (claim, result)
+            }
+        });
+        futures::future::join_all(calls).await
+    }
+
+    /// Unprepares every claim in parallel; unknown or already unprepared claims succeed.
+    pub async fn unprepare(
+        self: &Arc<Self>,
+        claims: Vec<ClaimRef>,
+    ) -> Vec<(ClaimRef, Result<(), ClaimError>)> {
+        let calls = claims.into_iter().map(|claim| {
+            let this = self.clone();
+            async move {
+                let span = info_span!("unprepare", claim_uid = %claim.uid, namespace = %claim.namespace, claim = %claim.name);
+                let started = Instant::now();
+                let result = this.with_claim_lock(&claim.uid, this.unprepare_one(&claim)).instrument(span).await;
+                this.metrics.claim_unprepared(result.is_ok(), started.elapsed());
+                if let Err(error) = &result {
+                    warn!(%error, "unprepare failed");
+                }
+                (claim, result)
+            }
+        });
+        futures::future::join_all(calls).await
+    }
+
+    /// Claims currently prepared (completed), by UID.
+    pub fn prepared_claims(&self) -> BTreeMap<String, ClaimRecord> {
+        lock(&self.state).data.claims.clone()
+    }
+
+    async fn prepare_one(&self, claim: &ClaimRef) -> Result<Vec<PreparedDevice>, ClaimError> {
+        check_ref(claim)?;
+        if let Some(record) = lock(&self.state).data.claims.get(&claim.uid) {
+            if record.state == ClaimState::Completed {
+                return Ok(record.devices.clone());
+            }
+        }
+        let resource_claim = self.fetch(claim).await?;
+        let inventory = self.inventory.borrow().clone();
+        let (devices, shared) = self.allocated_devices(claim, &resource_claim, &inventory)?;
+
+        self.reserve(claim, &devices, &shared)?;
+        self.persist(claim)
+            .await
+            .inspect_err(|_| self.release(claim))?;
+
+        let written = {
+            let cdi = self.cdi.clone();
+            let uid = claim.uid.clone();
+            let devices = devices.clone();
+            let inventory = inventory.clone();
+            tokio::task::spawn_blocking(move || write_spec_with(&cdi, &uid, &devices, &inventory))
+                .await
+        };
+        match written {
+            Ok(Ok(())) => {}
+            Ok(Err(source)) => {
+                self.roll_back(claim).await;
+                return Err(ClaimError::Cdi {
+                    claim: claim.to_string(),
+                    source,
+                });
+            }
+            Err(join) => {
+                self.roll_back(claim).await;
+                return Err(internal(&claim.to_string(), join));
+            }
+        }
+
+        self.complete(claim);
+        if let Err(error) = self.persist(claim).await {
+            self.roll_back(claim).await;
+            return Err(error);
+        }
+        info!(devices = ?devices.iter().map(|d| &d.device).collect::<Vec<_>>(), "claim prepared");
+        Ok(devices)
+    }
+
+    async fn unprepare_one(&self, claim: &ClaimRef) -> Result<(), ClaimError> {
+        check_ref(claim)?;
+        if !lock(&self.state).data.claims.contains_key(&claim.uid) {
+            return Ok(());
+        }
+        let cdi = self.cdi.clone();
+        let uid = claim.uid.clone();
+        tokio::task::spawn_blocking(move || cdi.remove_claim_spec(&uid))
+            .await
+            .map_err(|e| internal(&claim.to_string(), e))?
+            .map_err(|source| ClaimError::Cdi {
+                claim: claim.to_string(),
+                source,
+            })?;
+        self.release(claim);
+        self.persist(claim).await?;
+        info!("claim unprepared");
+        Ok(())
+    }
+
+    /// GETs the ResourceClaim, retrying briefly on errors that may pass (server errors, throttling,
+    /// transport), and checks that it is the claim the kubelet means and that it is allocated.
+    async fn fetch(&self, claim: &ClaimRef) -> Result<ResourceClaim, ClaimError> {
+        let api: Api<ResourceClaim> = Api::namespaced(self.client.clone(), &claim.namespace);
+        let mut attempt = 1;
+        let found = loop {
+            match api.get(&claim.name).await {
+                Ok(found) => break found,
+                Err(kube::Error::Api(status)) if status.is_not_found() => {
+                    return Err(ClaimError::NotFound {
+                        claim: claim.to_string(),
+                    })
+                }
+                Err(error) => {
+                    self.metrics.api_error("get_claim");
+                    if attempt >= CLAIM_GET_ATTEMPTS || !is_transient(&error) {
+                        return Err(ClaimError::Fetch {
+                            claim: claim.to_string(),
+                            source: error,
+                        });
+                    }
+                    attempt += 1;
+                    tokio::time::sleep(CLAIM_GET_RETRY_PAUSE * attempt).await;
+                }
+            }
+        };
+        let found_uid = found.metadata.uid.clone().unwrap_or_default();
+        if found_uid != claim.uid {
+            return Err(ClaimError::Replaced {
+                claim: claim.to_string(),
+                found: found_uid,
+            });
+        }
+        if found
+            .status
+            .as_ref()
+            .and_then(|s| s.allocation.as_ref())
+            .is_none()
+        {
+            return Err(ClaimError::NotAllocated {
+                claim: claim.to_string(),
+            });
+        }
+        Ok(found)
+    }
+
+    /// This driver's devices in this node's pool from the claim's allocation, grouped by device, each
+    /// checked against what the node publishes. The second value names the devices allocated with admin
+    /// access, which do not make the device exclusive.
+    fn allocated_devices(
+        &self,
+        claim: &ClaimRef,
+        resource_claim: &ResourceClaim,
+        inventory: &Inventory,
+    ) -> Result<(Vec<PreparedDevice>, Vec<String>), ClaimError> {
+        let results = resource_claim
+            .status
+            .as_ref()
+            .and_then(|s| s.allocation.as_ref())
+            .and_then(|a| a.devices.as_ref())
+            .and_then(|d| d.results.as_ref())
+            .map(Vec::as_slice)
+            .unwrap_or_default();
+        let mut devices: Vec<PreparedDevice> = Vec::new();
+        let mut admin_access = Vec::new();
+        for result in results
+            .iter()
+            .filter(|r| r.driver == self.driver && r.pool == self.pool)
+        {
+            if find_gpu(inventory, &result.device).is_none() {
+                return Err(ClaimError::UnknownDevice {
+                    claim: claim.to_string(),
+                    device: result.device.clone(),
+                });
+            }
+            // The kubelet matches containers to requests by the request's own name, not `request/subrequest`.
+            let request = result
+                .request
+                .split('/')
+                .next()
+                .unwrap_or_default()
+                .to_string();
+            if result.admin_access == Some(true) {
+                admin_access.push(result.device.clone());
+            }
+            match devices.iter_mut().find(|d| d.device == result.device) {
+                Some(existing) if !existing.request_names.contains(&request) => {
+                    existing.request_names.push(request)
+                }
+                Some(_) => {}
+                None => devices.push(PreparedDevice {
+                    request_names: vec![request],
+                    pool: self.pool.clone(),
+                    device: result.device.clone(),
+                    cdi_device_ids: vec![self.cdi.qualified_device_id(&claim.uid, &result.device)],
+                    share_id: result.share_id.clone(),
+                }),
+            }
+        }
+        if devices.is_empty() {
+            return Err(ClaimError::NoDevicesHere {
+                claim: claim.to_string(),
+                driver: self.driver.clone(),
+                pool: self.pool.clone(),
+            });
+        }
+        Ok((devices, admin_access))
+    }
+
+    /// Takes the devices for the claim and records it as started, or fails if another claim holds one.
+    fn reserve(
+        &self,
+        claim: &ClaimRef,
+        devices: &[PreparedDevice],
+        shared: &[String],
+    ) -> Result<(), ClaimError> {
+        let mut state = lock(&self.state);
+        for device in devices.iter().filter(|d| !shared.contains(&d.device)) {
+            if let Some(owner) = state
+                .owners
+                .get(&device.device)
+                .filter(|owner| **owner != claim.uid)
+            {
+                let owner = state
+                    .data
+                    .claims
+                    .get(owner)
+                    .map(|record| describe(owner, record))
+                    .unwrap_or_else(|| owner.clone());
+                return Err(ClaimError::DeviceInUse {
+                    claim: claim.to_string(),
+                    device: device.device.clone(),
+                    owner,
+                });
+            }
+        }
+        for device in devices.iter().filter(|d| !shared.contains(&d.device)) {
+            state
+                .owners
+                .insert(device.device.clone(), claim.uid.clone());
+        }
+        state.data.claims.insert(
+            claim.uid.clone(),
+            ClaimRecord {
+                namespace: claim.namespace.clone(),
+                name: claim.name.clone(),
+                state: ClaimState::Started,
+                devices: devices.to_vec(),
+            },
+        );
+        state.revision += 1;
+        Ok(())
+    }
+
+    fn complete(&self, claim: &ClaimRef) {
+        let mut state = lock(&self.state);
+        if let Some(record) = state.data.claims.get_mut(&claim.uid) {
+            record.state = ClaimState::Completed;
+        }
+        state.revision += 1;
+    }
+
+    /// Forgets the claim and frees its devices (in memory; the caller persists).
+    fn release(&self, claim: &ClaimRef) {
+        let mut state = lock(&self.state);
+        state.data.claims.remove(&claim.uid);
+        state.owners.retain(|_, owner| *owner != claim.uid);
+        state.revision += 1;
+    }
+
+    /// Undoes a prepare that failed half way: spec removed, devices freed, checkpoint updated. Failures
+    /// here are logged; the restart recovery finishes the job if the plugin dies meanwhile.
+    async fn roll_back(&self, claim: &ClaimRef) {
+        if let Err(error) = self.cdi.remove_claim_spec(&claim.uid) {
+            warn!(%error, "removing CDI spec during roll-back");
+        }
+        self.release(claim);
+        if let Err(error) = self.persist(claim).await {
+            warn!(%error, "writing checkpoint during roll-back");
+        }
+    }
+
+    /// Writes the checkpoint if it is behind the in-memory state. Concurrent callers share one write:
+    /// whoever takes the writer lock writes everything changed so far.
+    async fn persist(&self, claim: &ClaimRef) -> Result<(), ClaimError> {
+        let wanted = lock(&self.state).revision;
+        let mut persisted = self.persisted.lock().await;
+        if *persisted >= wanted {
+            return Ok(());
+        }
+        let (snapshot, revision) = {
+            let state = lock(&self.state);
+            (state.data.clone(), state.revision)
+        };
+        let file = self.checkpoint.clone();
+        tokio::task::spawn_blocking(move || file.store(&snapshot))
+            .await
+            .map_err(|e| internal(&claim.to_string(), e))?
+            .map_err(|source| ClaimError::Checkpoint {
+                claim: claim.to_string(),
+                source,
+            })?;
+        *persisted = revision;
+        Ok(())
+    }
+
+    fn write_spec(
+        &self,
+        uid: &str,
+        devices: &[PreparedDevice],
+        inventory: &Inventory,
+    ) -> Result<(), crate::cdi::CdiError> {
+        write_spec_with(&self.cdi, uid, devices, inventory)
+    }
+
+    async fn with_claim_lock<T>(&self, uid: &str, work: impl std::future::Future<Output = T>) -> T {
+        let claim_lock = lock(&self.claim_locks)
+            .entry(uid.to_string())
+            .or_default()
+            .clone();
+        let result = {
+            let _guard = claim_lock.lock().await;
+            work.await
+        };
+        // Drop the lock's map entry when nobody else is waiting on it, so the map does not grow forever.
+        let mut locks = lock(&self.claim_locks);
+        if Arc::strong_count(&claim_lock) == 2 {
+            locks.remove(uid);
+        }
+        result
+    }
+}
+
+fn write_spec_with(
+    cdi: &CdiRegistry,
+    uid: &str,
+    devices: &[PreparedDevice],
+    inventory: &Inventory,
+) -> Result<(), crate::cdi::CdiError> {
+    let edits: Vec<(String, ContainerEdits)> = devices
+        .iter()
+        .map(|device| {
+            (
+                device.device.clone(),
+                container_edits(inventory, &device.device),
+            )
+        })
+        .collect();
+    cdi.write_claim_spec(uid, &edits).map(|_| ())
+}
+
+/// What a container that gets `device` needs: its device file and the driver's control files, and an
+/// environment variable naming the GPU, so the workload (and a person) can see what it was given.
+pub fn container_edits(inventory: &Inventory, device: &str) -> ContainerEdits {
+    let mut edits = ContainerEdits::default();
+    let Some(gpu) = find_gpu(inventory, device) else {
+        return edits;
+    };
+    let files =
+        std::iter::once(gpu.device_file()).chain(inventory.control_device_files.iter().cloned());
+    edits.device_nodes = files
+        .map(|path| DeviceNode {
+            path,
+            host_path: inventory.stand_in_device_file.clone(),
+            ..Default::default()
+        })
+        .collect();
+    let variable = format!(
+        "GPU_DRA_DEVICE_{}",
+        device.to_ascii_uppercase().replace(['-', '.'], "_")
+    );
+    edits.env = vec![format!("{variable}={}", gpu.uuid)];
+    edits
+}
+
+fn find_gpu<'a>(inventory: &'a Inventory, device: &str) -> Option<&'a crate::gpu::Gpu> {
+    match DeviceName::parse(device)? {
+        DeviceName::Gpu { minor } => inventory.gpus.iter().find(|gpu| gpu.minor == minor),
+    }
+}
+
+fn check_ref(claim: &ClaimRef) -> Result<(), ClaimError> {
+    names::check_uid(&claim.uid)
+        .and_then(|_| names::check_namespace(&claim.namespace))
+        .and_then(|_| names::check_claim_name(&claim.name))
+        .map_err(|reason| ClaimError::Invalid {
+            // The parts may be garbage: show them through Debug so control characters stay visible.
+            claim: format!(
+                "{:.80?}/{:.80?} ({:.80?})",
+                claim.namespace, claim.name, claim.uid
+            ),
+            reason,
+        })
+}
+
+fn is_transient(error: &kube::Error) -> bool {
+    match error {
+        kube::Error::Api(status) => status.code >= 500 || status.code == 429,
+        kube::Error::HyperError(_) | kube::Error::Service(_) => true,
+        _ => false,
+    }
+}
+
+fn owners_of(data: &CheckpointData) -> HashMap<String, String> {
+    data.claims
+        .iter()
+        .flat_map(|(uid, record)| {
+            record
+                .devices
+                .iter()
+                .map(move |d| (d.device.clone(), uid.clone()))
+        })
+        .collect()
+}
+
+fn describe(uid: &str, record: &ClaimRecord) -> String {
+    format!("{}/{} ({uid})", record.namespace, record.name)
+}
+
+fn internal(claim: &str, error: impl std::fmt::Display) -> ClaimError {
+    ClaimError::Internal {
+        claim: claim.to_string(),
+        reason: error.to_string(),
+    }
+}
+
+/// Locks a std mutex, recovering the data if a panicking thread poisoned it: every critical section
+/// here leaves the state consistent before anything that could panic.
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// The checkpoint's place: beside the DRA socket, in the plugin's own directory.
+pub fn checkpoint_path(plugin_dir: &Path) -> std::path::PathBuf {
+    plugin_dir.join("checkpoint.json")
+}

@@ -1,0 +1,160 @@
+//! Fake GPU profiles: the YAML shape a `--fake-profile` file has, and the built-in profiles modelled
+//! on real nodes (same product names, memory sizes, PCI layout and NUMA split as the real machines).
+
+use serde::{Deserialize, Serialize};
+
+/// A fake node: what `--fake-profile` names (built-in) or holds (YAML file).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct FakeProfile {
+    pub name: String,
+    #[serde(default)]
+    pub description: String,
+    pub driver_version: String,
+    pub cuda_driver_version: String,
+    pub gpus: Vec<FakeGpuSpec>,
+}
+
+/// One GPU of a fake profile. Values a real node derives from its hardware (UUID, minor) are filled in
+/// by the fake backend when absent, stable for a node name.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct FakeGpuSpec {
+    pub product_name: String,
+    #[serde(default = "default_brand")]
+    pub brand: String,
+    pub architecture: String,
+    pub cuda_compute_capability: String,
+    pub memory_bytes: u64,
+    #[serde(rename = "pciBusID")]
+    pub pci_bus_id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pcie_root: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub numa_node: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub minor: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uuid: Option<String>,
+    /// GPUs that set this share one NVLink domain on the node.
+    #[serde(default)]
+    pub nvlink: bool,
+    #[serde(default)]
+    pub mig_capable: bool,
+}
+
+fn default_brand() -> String {
+    "Nvidia".to_string()
+}
+
+struct Model {
+    product_name: &'static str,
+    architecture: &'static str,
+    compute_capability: &'static str,
+    memory_bytes: u64,
+    nvlink: bool,
+    mig_capable: bool,
+}
+
+const H100_SXM: Model = Model {
+    product_name: "NVIDIA H100 80GB HBM3",
+    architecture: "Hopper",
+    compute_capability: "9.0",
+    // 81559 MiB, what NVML reports as total memory on an H100 SXM5 80GB.
+    memory_bytes: 81559 * 1024 * 1024,
+    nvlink: true,
+    mig_capable: true,
+};
+
+const A100_SXM4_40GB: Model = Model {
+    product_name: "NVIDIA A100-SXM4-40GB",
+    architecture: "Ampere",
+    compute_capability: "8.0",
+    memory_bytes: 40960 * 1024 * 1024,
+    nvlink: true,
+    mig_capable: true,
+};
+
+const L40S: Model = Model {
+    product_name: "NVIDIA L40S",
+    architecture: "Ada Lovelace",
+    compute_capability: "8.9",
+    memory_bytes: 46068 * 1024 * 1024,
+    nvlink: false,
+    mig_capable: false,
+};
+
+/// Builds a profile of identical GPUs at the given PCI buses; the first half sits on NUMA node 0,
+/// the second on NUMA node 1, as on two-socket servers.
+fn uniform(
+    name: &str,
+    description: &str,
+    model: &Model,
+    buses: &[u8],
+    driver: &str,
+    cuda: &str,
+) -> FakeProfile {
+    let half = buses.len().div_ceil(2);
+    let gpus = buses
+        .iter()
+        .enumerate()
+        .map(|(i, bus)| FakeGpuSpec {
+            product_name: model.product_name.to_string(),
+            brand: default_brand(),
+            architecture: model.architecture.to_string(),
+            cuda_compute_capability: model.compute_capability.to_string(),
+            memory_bytes: model.memory_bytes,
+            pci_bus_id: format!("0000:{bus:02x}:00.0"),
+            // Each GPU sits behind its own PCIe switch under a root one bus number below it.
+            pcie_root: Some(format!("pci0000:{:02x}", bus.saturating_sub(1))),
+            numa_node: Some(if i < half { 0 } else { 1 }),
+            minor: None,
+            uuid: None,
+            nvlink: model.nvlink,
+            mig_capable: model.mig_capable,
+        })
+        .collect();
+    FakeProfile {
+        name: name.to_string(),
+        description: description.to_string(),
+        driver_version: driver.to_string(),
+        cuda_driver_version: cuda.to_string(),
+        gpus,
+    }
+}
+
+/// The names of the built-in profiles, the default first.
+pub fn builtin_profile_names() -> Vec<&'static str> {
+    vec!["dgx-h100", "dgx-a100", "l40s-4"]
+}
+
+/// A built-in profile by name.
+pub fn builtin_profile(name: &str) -> Option<FakeProfile> {
+    match name {
+        "dgx-h100" => Some(uniform(
+            "dgx-h100",
+            "DGX H100: 8x H100 80GB HBM3 on one NVSwitch NVLink domain, MIG capable",
+            &H100_SXM,
+            &[0x18, 0x2a, 0x3a, 0x5d, 0x9a, 0xab, 0xba, 0xdb],
+            "550.90.07",
+            "12.4",
+        )),
+        "dgx-a100" => Some(uniform(
+            "dgx-a100",
+            "DGX A100: 8x A100-SXM4-40GB on one NVSwitch NVLink domain, MIG capable",
+            &A100_SXM4_40GB,
+            &[0x07, 0x0f, 0x47, 0x4e, 0x87, 0x90, 0xb7, 0xbd],
+            "535.183.01",
+            "12.2",
+        )),
+        "l40s-4" => Some(uniform(
+            "l40s-4",
+            "4x L40S PCIe, no MIG, no NVLink",
+            &L40S,
+            &[0x01, 0x41, 0x81, 0xc1],
+            "550.90.07",
+            "12.4",
+        )),
+        _ => None,
+    }
+}

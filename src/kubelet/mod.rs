@@ -1,0 +1,10 @@
+//! The kubelet-facing gRPC servers: plugin registration on `<registry-dir>/<driver>-reg.sock` and the
+//! DRA service (v1 and v1beta1) on `<plugins-dir>/<driver>/dra.sock`.
+
+pub mod dra;
+pub mod registration;
+pub mod socket;
+
+pub use dra::{DraV1, DraV1beta1};
+pub use registration::RegistrationService;
+pub use socket::{bind_private_socket, SocketError};

@@ -1,0 +1,80 @@
+//! Unix sockets the kubelet dials: a stale file from a previous instance is replaced, and the socket is
+//! made accessible to its owner only (the kubelet runs as root), never to the world.
+
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::path::Path;
+
+use thiserror::Error;
+use tokio::net::UnixListener;
+
+#[derive(Debug, Error)]
+pub enum SocketError {
+    #[error("creating directory {path}: {source}")]
+    Directory {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("{path} exists and is not a socket; refusing to replace it")]
+    NotASocket { path: String },
+    #[error("removing stale socket {path}: {source}")]
+    RemoveStale {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("listening on {path}: {source}")]
+    Bind {
+        path: String,
+        source: std::io::Error,
+    },
+}
+
+/// Binds a listening socket at `path` with mode 0600, creating the directory if needed.
+pub fn bind_private_socket(path: &Path) -> Result<UnixListener, SocketError> {
+    let shown = path.display().to_string();
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(|source| SocketError::Directory {
+            path: dir.display().to_string(),
+            source,
+        })?;
+    }
+    match std::fs::symlink_metadata(path) {
+        Ok(meta) if meta.file_type().is_socket() => {
+            std::fs::remove_file(path).map_err(|source| SocketError::RemoveStale {
+                path: shown.clone(),
+                source,
+            })?
+        }
+        Ok(_) => return Err(SocketError::NotASocket { path: shown }),
+        Err(_) => {}
+    }
+    // The umask would leave a window where the socket is world-accessible between bind and chmod, so
+    // bind under a restrictive umask. umask is process-wide; sockets are bound at start only.
+    let previous = set_umask(0o077);
+    let bound = UnixListener::bind(path);
+    set_umask(previous);
+    let listener = bound.map_err(|source| SocketError::Bind {
+        path: shown.clone(),
+        source,
+    })?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(|source| {
+        SocketError::Bind {
+            path: shown,
+            source,
+        }
+    })?;
+    Ok(listener)
+}
+
+/// Removes the socket file at `path` if it is one (used at shutdown).
+pub fn remove_socket(path: &Path) {
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        if meta.file_type().is_socket() {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
+fn set_umask(mask: u32) -> u32 {
+    let mode = nix::sys::stat::Mode::from_bits_truncate(mask as nix::libc::mode_t);
+    nix::sys::stat::umask(mode).bits() as u32
+}

@@ -1,0 +1,19 @@
+//! gpu-dra: a Kubernetes Dynamic Resource Allocation driver for NVIDIA GPUs.
+//!
+//! The modules follow the data flow: `gpu` (backends) → `devices` (DRA devices) → `slices` (planner and
+//! publisher); the kubelet calls `kubelet` (gRPC) → `claims` (prepare/unprepare) → `cdi` (spec files).
+//! `plugin` wires them together; `demo` walks through it all with the test doubles in `support`.
+
+pub mod cdi;
+pub mod claims;
+pub mod devices;
+pub mod fsutil;
+pub mod gpu;
+pub mod kubelet;
+pub mod observability;
+pub mod plugin;
+pub mod proto;
+pub mod slices;
+
+#[path = "../tests/support/mod.rs"]
+pub mod support;

@@ -1,0 +1,215 @@
+//! The `gpu-dra` command line: parses flags and calls into the library; no logic of its own.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use gpu_dra::observability::{init_logging, LogFormat};
+use gpu_dra::plugin::{BackendChoice, PluginConfig};
+
+#[derive(Parser)]
+#[command(
+    name = "gpu-dra",
+    version,
+    about = "Kubernetes DRA driver for NVIDIA GPUs"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the kubelet plugin on this node.
+    Plugin(PluginArgs),
+    /// Print the ResourceSlices this node would publish.
+    Devices(DevicesArgs),
+    /// A local end-to-end walkthrough with the fake backend and in-process API server and kubelet.
+    Demo,
+    /// Fake GPU backend tools.
+    Fake {
+        #[command(subcommand)]
+        command: FakeCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum FakeCommand {
+    /// List the built-in fake GPU profiles.
+    Profiles,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Backend {
+    Nvml,
+    Fake,
+}
+
+#[derive(Args)]
+struct BackendArgs {
+    /// GPU backend.
+    #[arg(
+        long = "backend",
+        env = "GPU_BACKEND",
+        value_enum,
+        default_value = "nvml"
+    )]
+    backend: Backend,
+    /// Built-in fake profile name or YAML profile path (with --backend fake).
+    #[arg(long, env = "FAKE_GPU_PROFILE", default_value = "dgx-h100")]
+    fake_profile: String,
+}
+
+impl BackendArgs {
+    fn choice(&self) -> BackendChoice {
+        match self.backend {
+            Backend::Nvml => BackendChoice::Nvml,
+            Backend::Fake => BackendChoice::Fake {
+                profile: self.fake_profile.clone(),
+            },
+        }
+    }
+}
+
+#[derive(Args)]
+struct PluginArgs {
+    #[arg(long, env = "DRIVER_NAME", default_value = "gpu.dra.dev")]
+    driver_name: String,
+    #[arg(long, env = "NODE_NAME")]
+    node_name: String,
+    /// Kubeconfig file; in-cluster configuration when absent.
+    #[arg(long, env = "KUBECONFIG")]
+    kubeconfig: Option<PathBuf>,
+    #[arg(
+        long,
+        env = "KUBELET_REGISTRY_DIR",
+        default_value = "/var/lib/kubelet/plugins_registry"
+    )]
+    kubelet_registry_dir: PathBuf,
+    #[arg(
+        long,
+        env = "KUBELET_PLUGINS_DIR",
+        default_value = "/var/lib/kubelet/plugins"
+    )]
+    kubelet_plugins_dir: PathBuf,
+    #[arg(long, env = "CDI_ROOT", default_value = "/var/run/cdi")]
+    cdi_root: PathBuf,
+    #[command(flatten)]
+    backend: BackendArgs,
+    /// Address for /healthz, /readyz and /metrics; empty disables.
+    #[arg(long, env = "HTTP_ADDR", default_value = "0.0.0.0:8080")]
+    http_addr: String,
+    #[arg(long, env = "LOG_FORMAT", value_enum, default_value = "text")]
+    log_format: LogFormat,
+    /// Seconds between checks of the backend for changed GPUs.
+    #[arg(long, env = "RESCAN_SECONDS", default_value_t = 5)]
+    rescan_seconds: u64,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Output {
+    Yaml,
+    Json,
+    Table,
+}
+
+#[derive(Args)]
+struct DevicesArgs {
+    #[arg(long, env = "DRIVER_NAME", default_value = "gpu.dra.dev")]
+    driver_name: String,
+    #[arg(long, env = "NODE_NAME", default_value = "local-node")]
+    node_name: String,
+    #[command(flatten)]
+    backend: BackendArgs,
+    #[arg(short = 'o', long, value_enum, default_value = "table")]
+    output: Output,
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Plugin(args) => run_plugin(args),
+        Command::Devices(args) => print_devices(args),
+        Command::Demo => {
+            init_logging(LogFormat::Text);
+            runtime()?.block_on(gpu_dra::demo::run(&mut std::io::stdout()))
+        }
+        Command::Fake {
+            command: FakeCommand::Profiles,
+        } => {
+            print!("{}", gpu_dra::gpu::describe_builtin_profiles());
+            Ok(())
+        }
+    }
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
+}
+
+fn run_plugin(args: PluginArgs) -> Result<()> {
+    init_logging(args.log_format);
+    let http_addr = match args.http_addr.trim() {
+        "" => None,
+        addr => Some(
+            addr.parse::<SocketAddr>()
+                .with_context(|| format!("--http-addr {addr:?} is not an address:port"))?,
+        ),
+    };
+    let config = PluginConfig {
+        driver_name: args.driver_name,
+        node_name: args.node_name,
+        registry_dir: args.kubelet_registry_dir,
+        plugins_dir: args.kubelet_plugins_dir,
+        cdi_root: args.cdi_root,
+        backend: args.backend.choice(),
+        http_addr,
+        rescan_interval: Duration::from_secs(args.rescan_seconds.max(1)),
+    };
+    let kubeconfig = args.kubeconfig;
+    runtime()?.block_on(async move {
+        let client = gpu_dra::plugin::kube_client(kubeconfig.as_deref()).await?;
+        let plugin = gpu_dra::plugin::start(config, client).await?;
+        wait_for_signal().await?;
+        plugin.shutdown().await;
+        Ok(())
+    })
+}
+
+/// SIGTERM (the kubelet stopping the pod) or SIGINT.
+async fn wait_for_signal() -> Result<()> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).context("installing SIGTERM handler")?;
+    let mut int = signal(SignalKind::interrupt()).context("installing SIGINT handler")?;
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM received, shutting down"),
+        _ = int.recv() => tracing::info!("SIGINT received, shutting down"),
+    }
+    Ok(())
+}
+
+fn print_devices(args: DevicesArgs) -> Result<()> {
+    let backend = gpu_dra::plugin::open_backend(&args.backend.choice(), &args.node_name)?;
+    let inventory = backend.inventory()?;
+    let devices = gpu_dra::devices::devices(&inventory);
+    let slices = gpu_dra::slices::desired_slices(&args.driver_name, &args.node_name, "", &devices);
+    let text = match args.output {
+        Output::Json => serde_json::to_string_pretty(&slices)? + "\n",
+        Output::Yaml => slices
+            .iter()
+            .map(serde_yaml::to_string)
+            .collect::<Result<Vec<_>, _>>()?
+            .iter()
+            .map(|doc| format!("---\n{doc}"))
+            .collect(),
+        Output::Table => gpu_dra::devices::table(&devices),
+    };
+    print!("{text}");
+    Ok(())
+}

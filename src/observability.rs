@@ -1,0 +1,254 @@
+//! What operators watch: Prometheus metrics, the `/healthz`, `/readyz` and `/metrics` endpoints, and
+//! logging set-up (text or JSON).
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::routing::get;
+use axum::Router;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabels {
+    outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OperationLabels {
+    operation: &'static str,
+}
+
+/// The plugin's metrics; cheap to update from any task.
+pub struct Metrics {
+    registry: Registry,
+    prepared: Family<OutcomeLabels, Counter>,
+    unprepared: Family<OutcomeLabels, Counter>,
+    prepare_seconds: Histogram,
+    unprepare_seconds: Histogram,
+    published_devices: Gauge,
+    api_errors: Family<OperationLabels, Counter>,
+}
+
+impl Metrics {
+    pub fn new() -> Arc<Self> {
+        let mut registry = Registry::with_prefix("gpu_dra");
+        let prepared = Family::<OutcomeLabels, Counter>::default();
+        let unprepared = Family::<OutcomeLabels, Counter>::default();
+        // 0.5 ms .. ~16 s: a prepare is milliseconds normally and up to the kubelet's 45 s deadline when stuck.
+        let prepare_seconds = Histogram::new(exponential_buckets(0.0005, 2.0, 16));
+        let unprepare_seconds = Histogram::new(exponential_buckets(0.0005, 2.0, 16));
+        let published_devices = Gauge::default();
+        let api_errors = Family::<OperationLabels, Counter>::default();
+        registry.register(
+            "claims_prepared",
+            "Claims handled by NodePrepareResources, by outcome (ok or error)",
+            prepared.clone(),
+        );
+        registry.register(
+            "claims_unprepared",
+            "Claims handled by NodeUnprepareResources, by outcome (ok or error)",
+            unprepared.clone(),
+        );
+        registry.register(
+            "prepare_duration_seconds",
+            "Time to prepare one claim",
+            prepare_seconds.clone(),
+        );
+        registry.register(
+            "unprepare_duration_seconds",
+            "Time to unprepare one claim",
+            unprepare_seconds.clone(),
+        );
+        registry.register(
+            "published_devices",
+            "Devices in the ResourceSlices of this node",
+            published_devices.clone(),
+        );
+        registry.register(
+            "api_errors",
+            "Failed requests to the Kubernetes API server, by operation",
+            api_errors.clone(),
+        );
+        Arc::new(Metrics {
+            registry,
+            prepared,
+            unprepared,
+            prepare_seconds,
+            unprepare_seconds,
+            published_devices,
+            api_errors,
+        })
+    }
+
+    pub fn claim_prepared(&self, ok: bool, elapsed: Duration) {
+        self.prepared.get_or_create(&outcome(ok)).inc();
+        self.prepare_seconds.observe(elapsed.as_secs_f64());
+    }
+
+    pub fn claim_unprepared(&self, ok: bool, elapsed: Duration) {
+        self.unprepared.get_or_create(&outcome(ok)).inc();
+        self.unprepare_seconds.observe(elapsed.as_secs_f64());
+    }
+
+    pub fn set_published_devices(&self, count: usize) {
+        self.published_devices.set(count as i64);
+    }
+
+    pub fn api_error(&self, operation: &'static str) {
+        self.api_errors
+            .get_or_create(&OperationLabels { operation })
+            .inc();
+    }
+
+    /// The Prometheus text exposition of all metrics.
+    pub fn encode(&self) -> String {
+        let mut text = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut text, &self.registry);
+        text
+    }
+}
+
+fn outcome(ok: bool) -> OutcomeLabels {
+    OutcomeLabels {
+        outcome: if ok { "ok" } else { "error" },
+    }
+}
+
+/// What `/readyz` waits for: the DRA socket serving, the kubelet's registration, the first publish.
+#[derive(Default)]
+pub struct Readiness {
+    serving: AtomicBool,
+    registered: AtomicBool,
+    slices_published: AtomicBool,
+    registration_error: Mutex<Option<String>>,
+}
+
+impl Readiness {
+    pub fn set_serving(&self) {
+        self.serving.store(true, Ordering::SeqCst);
+    }
+
+    pub fn set_registration(&self, registered: bool, error: Option<String>) {
+        self.registered.store(registered, Ordering::SeqCst);
+        if let Ok(mut slot) = self.registration_error.lock() {
+            *slot = error;
+        }
+    }
+
+    pub fn set_slices_published(&self) {
+        self.slices_published.store(true, Ordering::SeqCst);
+    }
+
+    pub fn is_registered(&self) -> bool {
+        self.registered.load(Ordering::SeqCst)
+    }
+
+    /// `Ok` when ready, else the list of what is missing, in words.
+    pub fn check(&self) -> Result<(), Vec<String>> {
+        let mut missing = Vec::new();
+        if !self.serving.load(Ordering::SeqCst) {
+            missing.push("DRA gRPC server not serving yet".to_string());
+        }
+        if !self.registered.load(Ordering::SeqCst) {
+            let why = self
+                .registration_error
+                .lock()
+                .ok()
+                .and_then(|e| e.clone())
+                .map(|e| format!(": {e}"))
+                .unwrap_or_default();
+            missing.push(format!("not registered with the kubelet{why}"));
+        }
+        if !self.slices_published.load(Ordering::SeqCst) {
+            missing.push("ResourceSlices not published yet".to_string());
+        }
+        if missing.is_empty() {
+            Ok(())
+        } else {
+            Err(missing)
+        }
+    }
+}
+
+#[derive(Clone)]
+struct HttpState {
+    metrics: Arc<Metrics>,
+    readiness: Arc<Readiness>,
+}
+
+/// Serves `/healthz`, `/readyz` and `/metrics` on `addr` until `shutdown` fires; returns the bound address.
+pub async fn serve_http(
+    addr: SocketAddr,
+    metrics: Arc<Metrics>,
+    readiness: Arc<Readiness>,
+    mut shutdown: tokio::sync::watch::Receiver<bool>,
+) -> std::io::Result<SocketAddr> {
+    let router = Router::new()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics_text))
+        .with_state(HttpState { metrics, readiness });
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    let bound = listener.local_addr()?;
+    tokio::spawn(async move {
+        let server = axum::serve(listener, router).with_graceful_shutdown(async move {
+            let _ = shutdown.wait_for(|stop| *stop).await;
+        });
+        if let Err(error) = server.await {
+            tracing::error!(%error, "HTTP server failed");
+        }
+    });
+    Ok(bound)
+}
+
+async fn readyz(State(state): State<HttpState>) -> (StatusCode, String) {
+    match state.readiness.check() {
+        Ok(()) => (StatusCode::OK, "ready\n".to_string()),
+        Err(missing) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not ready: {}\n", missing.join("; ")),
+        ),
+    }
+}
+
+async fn metrics_text(
+    State(state): State<HttpState>,
+) -> ([(axum::http::HeaderName, &'static str); 1], String) {
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        state.metrics.encode(),
+    )
+}
+
+/// Log format of `--log-format`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+/// Installs the global tracing subscriber; `RUST_LOG` filters (default `info`). Safe to call twice.
+pub fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    let _ = match format {
+        LogFormat::Text => builder.try_init(),
+        LogFormat::Json => builder.json().with_current_span(true).try_init(),
+    };
+}

@@ -1,0 +1,317 @@
+//! `gpu-dra plugin`: wires the backend, the claim state machine, the gRPC servers, the ResourceSlice
+//! publisher and the HTTP endpoints together, and takes them down cleanly (sockets removed) on shutdown.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use thiserror::Error;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio_stream::wrappers::UnixListenerStream;
+use tracing::{error, info, warn};
+
+use crate::cdi::CdiRegistry;
+use crate::claims::{self, ClaimsConfig, Preparer, Recovery};
+use crate::gpu::{FakeBackend, GpuBackend, GpuError, Inventory};
+use crate::kubelet::{self, DraV1, DraV1beta1, RegistrationService};
+use crate::observability::{self, Metrics, Readiness};
+use crate::proto::dra_v1::dra_plugin_server::DraPluginServer as DraV1Server;
+use crate::proto::dra_v1beta1::dra_plugin_server::DraPluginServer as DraV1beta1Server;
+use crate::proto::pluginregistration::registration_server::RegistrationServer;
+use crate::slices::Publisher;
+
+/// Which GPU backend to read the node from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BackendChoice {
+    Nvml,
+    /// A built-in fake profile name or a YAML profile path.
+    Fake {
+        profile: String,
+    },
+}
+
+#[derive(Debug, Clone)]
+pub struct PluginConfig {
+    pub driver_name: String,
+    pub node_name: String,
+    pub registry_dir: PathBuf,
+    pub plugins_dir: PathBuf,
+    pub cdi_root: PathBuf,
+    pub backend: BackendChoice,
+    /// `None` disables the HTTP endpoints.
+    pub http_addr: Option<SocketAddr>,
+    /// How often the backend is asked whether the GPUs changed.
+    pub rescan_interval: Duration,
+}
+
+impl PluginConfig {
+    /// The DRA socket: `<plugins-dir>/<driver>/dra.sock`.
+    pub fn dra_socket(&self) -> PathBuf {
+        self.plugin_dir().join("dra.sock")
+    }
+
+    /// The registration socket: `<registry-dir>/<driver>-reg.sock`.
+    pub fn registration_socket(&self) -> PathBuf {
+        self.registry_dir
+            .join(format!("{}-reg.sock", self.driver_name))
+    }
+
+    /// The plugin's own directory: the DRA socket and the checkpoint live here.
+    pub fn plugin_dir(&self) -> PathBuf {
+        self.plugins_dir.join(&self.driver_name)
+    }
+}
+
+#[derive(Debug, Error)]
+pub enum PluginError {
+    #[error("invalid --driver-name {0:?}: must be a DNS subdomain of at most 63 characters")]
+    DriverName(String),
+    #[error("invalid --node-name {0:?}: must be a DNS subdomain")]
+    NodeName(String),
+    #[error(transparent)]
+    Backend(#[from] GpuError),
+    #[error("creating {path}: {source}")]
+    Directory {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Socket(#[from] kubelet::SocketError),
+    #[error("recovering prepared claims: {0}")]
+    Recovery(#[from] claims::ClaimError),
+    #[error("serving HTTP on {addr}: {source}")]
+    Http {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+}
+
+/// Opens the configured backend.
+pub fn open_backend(
+    choice: &BackendChoice,
+    node_name: &str,
+) -> Result<Arc<dyn GpuBackend>, GpuError> {
+    match choice {
+        BackendChoice::Fake { profile } => Ok(Arc::new(FakeBackend::new(node_name, profile)?)),
+        BackendChoice::Nvml => Err(GpuError::Unavailable(
+            "nvml (not built yet; use --backend fake)".to_string(),
+        )),
+    }
+}
+
+/// A started plugin; [`RunningPlugin::shutdown`] stops it and removes its sockets.
+pub struct RunningPlugin {
+    pub config: PluginConfig,
+    pub http_addr: Option<SocketAddr>,
+    pub recovery: Recovery,
+    pub preparer: Arc<Preparer>,
+    pub metrics: Arc<Metrics>,
+    pub readiness: Arc<Readiness>,
+    shutdown: watch::Sender<bool>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl RunningPlugin {
+    pub async fn shutdown(self) {
+        let _ = self.shutdown.send(true);
+        for task in self.tasks {
+            let _ = tokio::time::timeout(Duration::from_secs(5), task).await;
+        }
+        kubelet::socket::remove_socket(&self.config.registration_socket());
+        kubelet::socket::remove_socket(&self.config.dra_socket());
+        info!("plugin stopped; sockets removed");
+    }
+}
+
+/// Starts the plugin: recovery first, then the DRA server, then registration (so the kubelet never
+/// dials a socket that does not answer), then publishing.
+pub async fn start(
+    config: PluginConfig,
+    client: kube::Client,
+) -> Result<RunningPlugin, PluginError> {
+    if !claims::names::is_dns_subdomain(&config.driver_name, 63) {
+        return Err(PluginError::DriverName(config.driver_name.clone()));
+    }
+    if !claims::names::is_dns_subdomain(&config.node_name, 253) {
+        return Err(PluginError::NodeName(config.node_name.clone()));
+    }
+    let backend = open_backend(&config.backend, &config.node_name)?;
+    let inventory = Arc::new(backend.inventory()?);
+    info!(
+        backend = backend.name(),
+        gpus = inventory.gpus.len(),
+        "GPU inventory read"
+    );
+
+    let plugin_dir = config.plugin_dir();
+    create_private_dir(&plugin_dir)?;
+    let metrics = Metrics::new();
+    let readiness = Arc::new(Readiness::default());
+    let (shutdown_tx, shutdown_rx) = watch::channel(false);
+    let (inventory_tx, inventory_rx) = watch::channel(inventory.clone());
+    let (devices_tx, devices_rx) = watch::channel(Arc::new(crate::devices::devices(&inventory)));
+
+    let (preparer, recovery) = Preparer::start(
+        ClaimsConfig {
+            driver_name: config.driver_name.clone(),
+            pool: config.node_name.clone(),
+            cdi: CdiRegistry::new(&config.cdi_root, &config.driver_name),
+            checkpoint_path: claims::checkpoint_path(&plugin_dir),
+        },
+        client.clone(),
+        inventory_rx,
+        metrics.clone(),
+    )
+    .await?;
+
+    let mut tasks = Vec::new();
+    let dra_listener = kubelet::bind_private_socket(&config.dra_socket())?;
+    let dra_server = tonic::transport::Server::builder()
+        .add_service(DraV1Server::new(DraV1::new(preparer.clone())))
+        .add_service(DraV1beta1Server::new(DraV1beta1::new(preparer.clone())))
+        .serve_with_incoming_shutdown(
+            UnixListenerStream::new(dra_listener),
+            stopped(shutdown_rx.clone()),
+        );
+    tasks.push(tokio::spawn(async move {
+        if let Err(error) = dra_server.await {
+            error!(%error, "DRA gRPC server failed");
+        }
+    }));
+    readiness.set_serving();
+
+    let registration =
+        RegistrationService::new(&config.driver_name, &config.dra_socket(), readiness.clone());
+    let registration_listener = kubelet::bind_private_socket(&config.registration_socket())?;
+    let registration_server = tonic::transport::Server::builder()
+        .add_service(RegistrationServer::new(registration))
+        .serve_with_incoming_shutdown(
+            UnixListenerStream::new(registration_listener),
+            stopped(shutdown_rx.clone()),
+        );
+    tasks.push(tokio::spawn(async move {
+        if let Err(error) = registration_server.await {
+            error!(%error, "registration gRPC server failed");
+        }
+    }));
+
+    let publisher = Arc::new(Publisher::new(
+        client,
+        &config.driver_name,
+        &config.node_name,
+        metrics.clone(),
+    ));
+    tasks.push(tokio::spawn(publisher.run(
+        devices_rx,
+        readiness.clone(),
+        shutdown_rx.clone(),
+    )));
+    tasks.push(tokio::spawn(rescan(
+        backend,
+        config.rescan_interval,
+        inventory_tx,
+        devices_tx,
+        shutdown_rx.clone(),
+    )));
+
+    let http_addr = match config.http_addr {
+        Some(addr) => Some(
+            observability::serve_http(
+                addr,
+                metrics.clone(),
+                readiness.clone(),
+                shutdown_rx.clone(),
+            )
+            .await
+            .map_err(|source| PluginError::Http { addr, source })?,
+        ),
+        None => None,
+    };
+    info!(
+        driver = %config.driver_name,
+        node = %config.node_name,
+        dra_socket = %config.dra_socket().display(),
+        registration_socket = %config.registration_socket().display(),
+        "plugin started"
+    );
+    Ok(RunningPlugin {
+        config,
+        http_addr,
+        recovery,
+        preparer,
+        metrics,
+        readiness,
+        shutdown: shutdown_tx,
+        tasks,
+    })
+}
+
+/// Asks the backend for the inventory every `interval` and passes on changes, so that a fake profile
+/// edited on disk (or a GPU that appears) reaches the ResourceSlices and the prepare checks.
+async fn rescan(
+    backend: Arc<dyn GpuBackend>,
+    interval: Duration,
+    inventory_tx: watch::Sender<Arc<Inventory>>,
+    devices_tx: watch::Sender<Arc<Vec<k8s_openapi::api::resource::v1::Device>>>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(interval) => {}
+            _ = shutdown.changed() => return,
+        }
+        let reader = backend.clone();
+        let latest = match tokio::task::spawn_blocking(move || reader.inventory()).await {
+            Ok(Ok(latest)) => latest,
+            Ok(Err(error)) => {
+                // Keep publishing what we last knew; a broken profile edit must not unpublish the node.
+                warn!(%error, "rescanning GPUs failed; keeping the previous inventory");
+                continue;
+            }
+            Err(error) => {
+                warn!(%error, "rescan task failed");
+                continue;
+            }
+        };
+        if **inventory_tx.borrow() != latest {
+            info!(gpus = latest.gpus.len(), "GPU inventory changed");
+            let _ = devices_tx.send(Arc::new(crate::devices::devices(&latest)));
+            let _ = inventory_tx.send(Arc::new(latest));
+        }
+    }
+}
+
+async fn stopped(mut shutdown: watch::Receiver<bool>) {
+    let _ = shutdown.wait_for(|stop| *stop).await;
+}
+
+fn create_private_dir(dir: &std::path::Path) -> Result<(), PluginError> {
+    use std::os::unix::fs::PermissionsExt;
+    let error = |source| PluginError::Directory {
+        path: dir.display().to_string(),
+        source,
+    };
+    std::fs::create_dir_all(dir).map_err(error)?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o750)).map_err(error)
+}
+
+/// A client for `--kubeconfig`, or the in-cluster / `KUBECONFIG` configuration when none is given.
+pub async fn kube_client(
+    kubeconfig: Option<&std::path::Path>,
+) -> Result<kube::Client, anyhow::Error> {
+    let config = match kubeconfig {
+        Some(path) => {
+            let file = kube::config::Kubeconfig::read_from(path)
+                .map_err(|e| anyhow::anyhow!("reading kubeconfig {}: {e}", path.display()))?;
+            kube::Config::from_custom_kubeconfig(file, &kube::config::KubeConfigOptions::default())
+                .await
+                .map_err(|e| anyhow::anyhow!("kubeconfig {}: {e}", path.display()))?
+        }
+        None => kube::Config::infer().await.map_err(|e| {
+            anyhow::anyhow!("no kubeconfig given and no in-cluster configuration: {e}")
+        })?,
+    };
+    kube::Client::try_from(config).map_err(|e| anyhow::anyhow!("creating Kubernetes client: {e}"))
+}

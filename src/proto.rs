@@ -1,0 +1,29 @@
+//! The kubelet gRPC APIs, generated at build time from our own `.proto` files in `proto/`.
+//! Each upstream package gets its own module because the bare package names (`v1`, `v1alpha1`) collide.
+
+/// Plugin registration (`pluginregistration`), served on the registration socket.
+pub mod pluginregistration {
+    tonic::include_proto!("pluginregistration");
+}
+
+/// DRA kubelet plugin API v1 (`k8s.io.kubelet.pkg.apis.dra.v1`).
+pub mod dra_v1 {
+    tonic::include_proto!("k8s.io.kubelet.pkg.apis.dra.v1");
+}
+
+/// DRA kubelet plugin API v1beta1 (`k8s.io.kubelet.pkg.apis.dra.v1beta1`).
+pub mod dra_v1beta1 {
+    tonic::include_proto!("k8s.io.kubelet.pkg.apis.dra.v1beta1");
+}
+
+/// DRA resource health API v1alpha1 (`v1alpha1`).
+pub mod health_v1alpha1 {
+    tonic::include_proto!("v1alpha1");
+}
+
+/// The registration strings a DRA plugin advertises in `PluginInfo.supported_versions`.
+pub const DRA_V1_SERVICE: &str = "v1.DRAPlugin";
+pub const DRA_V1BETA1_SERVICE: &str = "v1beta1.DRAPlugin";
+pub const HEALTH_V1ALPHA1_SERVICE: &str = "v1alpha1.DRAResourceHealth";
+/// `PluginInfo.type` of a DRA plugin.
+pub const DRA_PLUGIN_TYPE: &str = "DRAPlugin";

@@ -1,0 +1,11 @@
+//! ResourceSlices: the planner splits the node's devices into slices within the API limits (pure), the
+//! publisher keeps the API server's slices of this driver and node equal to the plan with as few writes
+//! as it can.
+
+pub mod planner;
+pub mod publisher;
+mod quantity;
+
+pub use planner::plan;
+pub use publisher::{desired_slices, PublishError, Publisher, SyncStats};
+pub use quantity::parse_quantity;

@@ -1,0 +1,537 @@
+//! The publisher: reconciles the API server's ResourceSlices of this driver on this node with the plan.
+//! Nothing changed → zero writes; stale slices are deleted before others are written; slices deleted
+//! behind its back (the kubelet wipes them when the plugin goes away) come back on the next watch event.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::resource::v1::{Device, ResourcePool, ResourceSlice, ResourceSliceSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
+use kube::runtime::{watcher, WatchStreamExt};
+use thiserror::Error;
+use tokio::sync::{watch, Notify};
+use tracing::{debug, info, info_span, warn, Instrument};
+
+use super::planner::plan;
+use super::quantity::parse_quantity;
+use crate::observability::{Metrics, Readiness};
+
+/// How often the publisher re-lists even without a watch event, in case a watch missed something.
+const RESYNC_INTERVAL: Duration = Duration::from_secs(60);
+/// Longest wait between retries of a failed sync.
+const MAX_BACKOFF: Duration = Duration::from_secs(30);
+/// `MaxGeneratedNameLength` of the API server: longer generateName prefixes are cut by the server.
+const MAX_GENERATE_NAME_PREFIX: usize = 58;
+
+#[derive(Debug, Error)]
+pub enum PublishError {
+    #[error("reading Node {node}: {source}")]
+    Node { node: String, source: kube::Error },
+    #[error("listing ResourceSlices of driver {driver} on node {node}: {source}")]
+    List {
+        driver: String,
+        node: String,
+        source: kube::Error,
+    },
+    #[error("{verb} ResourceSlice {name}: {source}")]
+    Write {
+        verb: &'static str,
+        name: String,
+        source: kube::Error,
+    },
+}
+
+/// What one sync wrote.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct SyncStats {
+    pub created: usize,
+    pub updated: usize,
+    pub deleted: usize,
+}
+
+impl SyncStats {
+    pub fn writes(&self) -> usize {
+        self.created + self.updated + self.deleted
+    }
+}
+
+pub struct Publisher {
+    slices: Api<ResourceSlice>,
+    nodes: Api<Node>,
+    driver: String,
+    node_name: String,
+    node_uid: tokio::sync::Mutex<Option<String>>,
+    metrics: Arc<Metrics>,
+}
+
+impl Publisher {
+    pub fn new(client: kube::Client, driver: &str, node_name: &str, metrics: Arc<Metrics>) -> Self {
+        Publisher {
+            slices: Api::all(client.clone()),
+            nodes: Api::all(client),
+            driver: driver.to_string(),
+            node_name: node_name.to_string(),
+            node_uid: tokio::sync::Mutex::new(None),
+            metrics,
+        }
+    }
+
+    fn field_selector(&self) -> String {
+        format!(
+            "spec.driver={},spec.nodeName={}",
+            self.driver, self.node_name
+        )
+    }
+
+    async fn node_uid(&self) -> Result<String, PublishError> {
+        let mut cached = self.node_uid.lock().await;
+        if let Some(uid) = cached.as_ref() {
+            return Ok(uid.clone());
+        }
+        let node = self.nodes.get(&self.node_name).await.map_err(|source| {
+            self.metrics.api_error("get_node");
+            PublishError::Node {
+                node: self.node_name.clone(),
+                source,
+            }
+        })?;
+        let uid = node.metadata.uid.unwrap_or_default();
+        *cached = Some(uid.clone());
+        Ok(uid)
+    }
+
+    /// Makes the stored slices match `devices`; returns what it wrote.
+    pub async fn sync(&self, devices: &[Device]) -> Result<SyncStats, PublishError> {
+        let node_uid = self.node_uid().await?;
+        let stored = self
+            .slices
+            .list(&ListParams::default().fields(&self.field_selector()))
+            .await
+            .map_err(|source| {
+                self.metrics.api_error("list_slices");
+                PublishError::List {
+                    driver: self.driver.clone(),
+                    node: self.node_name.clone(),
+                    source,
+                }
+            })?
+            .items;
+        let desired = desired_slices(&self.driver, &self.node_name, &node_uid, devices);
+        let reconciliation = reconcile(&stored, &desired, &self.node_name);
+        self.metrics.set_published_devices(devices.len());
+        if reconciliation.is_noop {
+            return Ok(SyncStats::default());
+        }
+
+        let mut stats = SyncStats::default();
+        // Stale slices go first, so that consumers never see two slices claiming the same device.
+        for slice in &reconciliation.stale {
+            self.delete(slice).await?;
+            stats.deleted += 1;
+        }
+        for (mut slice, existing) in reconciliation.writes {
+            slice.spec.pool.generation = reconciliation.generation;
+            match existing {
+                Some(existing) => {
+                    slice.metadata.name = existing.metadata.name.clone();
+                    slice.metadata.resource_version = existing.metadata.resource_version.clone();
+                    let name = slice.metadata.name.clone().unwrap_or_default();
+                    self.slices
+                        .replace(&name, &PostParams::default(), &slice)
+                        .await
+                        .map_err(|source| self.write_error("updating", &name, source))?;
+                    stats.updated += 1;
+                }
+                None => {
+                    let created = self
+                        .slices
+                        .create(&PostParams::default(), &slice)
+                        .await
+                        .map_err(|source| {
+                            let prefix = slice.metadata.generate_name.clone().unwrap_or_default();
+                            self.write_error("creating", &format!("{prefix}*"), source)
+                        })?;
+                    debug!(
+                        slice = created.metadata.name.as_deref(),
+                        "created ResourceSlice"
+                    );
+                    stats.created += 1;
+                }
+            }
+        }
+        info!(
+            created = stats.created,
+            updated = stats.updated,
+            deleted = stats.deleted,
+            generation = reconciliation.generation,
+            "published ResourceSlices"
+        );
+        Ok(stats)
+    }
+
+    async fn delete(&self, slice: &ResourceSlice) -> Result<(), PublishError> {
+        let name = slice.metadata.name.clone().unwrap_or_default();
+        let params = DeleteParams {
+            preconditions: Some(Preconditions {
+                uid: slice.metadata.uid.clone(),
+                resource_version: slice.metadata.resource_version.clone(),
+            }),
+            ..Default::default()
+        };
+        match self.slices.delete(&name, &params).await {
+            Ok(_) => Ok(()),
+            Err(kube::Error::Api(status)) if status.is_not_found() => Ok(()),
+            Err(source) => Err(self.write_error("deleting", &name, source)),
+        }
+    }
+
+    fn write_error(&self, verb: &'static str, name: &str, source: kube::Error) -> PublishError {
+        self.metrics.api_error(verb);
+        PublishError::Write {
+            verb,
+            name: name.to_string(),
+            source,
+        }
+    }
+
+    /// Keeps the slices published until `shutdown` turns true: syncs when the devices change, when a
+    /// watch event says the stored slices changed, and every resync interval; retries failures with
+    /// exponential backoff.
+    pub async fn run(
+        self: Arc<Self>,
+        mut devices: watch::Receiver<Arc<Vec<Device>>>,
+        readiness: Arc<Readiness>,
+        mut shutdown: watch::Receiver<bool>,
+    ) {
+        let changed = Arc::new(Notify::new());
+        let watch_task = tokio::spawn(watch_slices(
+            self.slices.clone(),
+            self.field_selector(),
+            changed.clone(),
+        ));
+        let mut backoff = Backoff::new();
+        loop {
+            let snapshot = devices.borrow_and_update().clone();
+            let span = info_span!("slice_sync", driver = %self.driver, node = %self.node_name, devices = snapshot.len());
+            let wait = match self.sync(&snapshot).instrument(span).await {
+                Ok(_) => {
+                    backoff.reset();
+                    readiness.set_slices_published();
+                    RESYNC_INTERVAL
+                }
+                Err(error) => {
+                    let delay = backoff.next_delay();
+                    warn!(%error, retry_in_ms = delay.as_millis() as u64, "publishing ResourceSlices failed");
+                    tokio::select! {
+                        _ = tokio::time::sleep(delay) => {}
+                        _ = shutdown.changed() => break,
+                    }
+                    continue;
+                }
+            };
+            tokio::select! {
+                _ = tokio::time::sleep(wait) => {}
+                result = devices.changed() => if result.is_err() { break },
+                _ = changed.notified() => {
+                    // Let a burst of watch events (our own writes echoing back) settle into one sync.
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                _ = shutdown.changed() => break,
+            }
+            if *shutdown.borrow() {
+                break;
+            }
+        }
+        watch_task.abort();
+    }
+}
+
+/// Notifies `changed` on every change to the watched slices.
+async fn watch_slices(api: Api<ResourceSlice>, selector: String, changed: Arc<Notify>) {
+    let config = watcher::Config::default().fields(&selector);
+    let mut events = watcher(api, config).default_backoff().boxed();
+    while let Some(event) = events.next().await {
+        match event {
+            Ok(watcher::Event::Delete(_))
+            | Ok(watcher::Event::Apply(_))
+            | Ok(watcher::Event::InitDone) => changed.notify_one(),
+            Ok(_) => {}
+            Err(error) => debug!(%error, "ResourceSlice watch interrupted"),
+        }
+    }
+}
+
+/// The slices this node should have, without pool generation (the publisher sets it).
+pub fn desired_slices(
+    driver: &str,
+    node_name: &str,
+    node_uid: &str,
+    devices: &[Device],
+) -> Vec<ResourceSlice> {
+    let planned = plan(devices);
+    let count = planned.len() as i64;
+    planned
+        .into_iter()
+        .map(|devices| ResourceSlice {
+            metadata: ObjectMeta {
+                generate_name: Some(generate_name_prefix(node_name, driver)),
+                owner_references: Some(vec![OwnerReference {
+                    api_version: "v1".to_string(),
+                    kind: "Node".to_string(),
+                    name: node_name.to_string(),
+                    uid: node_uid.to_string(),
+                    controller: Some(true),
+                    ..Default::default()
+                }]),
+                ..Default::default()
+            },
+            spec: ResourceSliceSpec {
+                driver: driver.to_string(),
+                node_name: Some(node_name.to_string()),
+                pool: ResourcePool {
+                    name: node_name.to_string(),
+                    generation: 0,
+                    resource_slice_count: count,
+                },
+                devices: Some(devices),
+                ..Default::default()
+            },
+        })
+        .collect()
+}
+
+/// `<node>-<driver>-`, cut so the server does not have to, and never ending in a character that would
+/// make the generated name invalid.
+fn generate_name_prefix(node_name: &str, driver: &str) -> String {
+    let mut prefix = format!("{node_name}-{driver}");
+    prefix.truncate(MAX_GENERATE_NAME_PREFIX - 1);
+    let trimmed = prefix.trim_end_matches(['-', '.']);
+    format!("{trimmed}-")
+}
+
+struct Reconciliation<'a> {
+    is_noop: bool,
+    generation: i64,
+    stale: Vec<&'a ResourceSlice>,
+    /// Every desired slice, with the stored slice it replaces (if any).
+    writes: Vec<(ResourceSlice, Option<&'a ResourceSlice>)>,
+}
+
+/// Matches stored slices to desired ones by their device names (a single slice always matches a single
+/// slice) and decides what must be written.
+fn reconcile<'a>(
+    stored: &'a [ResourceSlice],
+    desired: &[ResourceSlice],
+    pool: &str,
+) -> Reconciliation<'a> {
+    let (in_pool, other_pools): (Vec<&ResourceSlice>, Vec<&ResourceSlice>) =
+        stored.iter().partition(|s| s.spec.pool.name == pool);
+    let mut unmatched: Vec<Option<&ResourceSlice>> = in_pool.iter().copied().map(Some).collect();
+    let mut writes = Vec::with_capacity(desired.len());
+    for want in desired {
+        let names = device_names(want);
+        let position = unmatched
+            .iter()
+            .position(|s| s.is_some_and(|s| device_names(s) == names))
+            .or_else(|| (desired.len() == 1 && in_pool.len() == 1).then_some(0));
+        let existing = position.and_then(|i| unmatched[i].take());
+        writes.push((want.clone(), existing));
+    }
+    let mut stale: Vec<&ResourceSlice> = other_pools;
+    stale.extend(unmatched.into_iter().flatten());
+
+    let generations: BTreeSet<i64> = in_pool.iter().map(|s| s.spec.pool.generation).collect();
+    let is_noop = stale.is_empty()
+        && generations.len() == 1
+        && writes
+            .iter()
+            .all(|(want, existing)| existing.is_some_and(|have| same_content(want, have)));
+    Reconciliation {
+        is_noop,
+        generation: generations.last().copied().unwrap_or(0) + 1,
+        stale,
+        writes,
+    }
+}
+
+fn device_names(slice: &ResourceSlice) -> BTreeSet<&str> {
+    slice
+        .spec
+        .devices
+        .iter()
+        .flatten()
+        .map(|d| d.name.as_str())
+        .collect()
+}
+
+/// Whether a stored slice already says what we want (ignoring the generation and server-set fields).
+fn same_content(want: &ResourceSlice, have: &ResourceSlice) -> bool {
+    want.spec.driver == have.spec.driver
+        && want.spec.node_name == have.spec.node_name
+        && want.spec.pool.resource_slice_count == have.spec.pool.resource_slice_count
+        && want.metadata.owner_references == have.metadata.owner_references
+        && have.spec.shared_counters.as_ref().is_none_or(Vec::is_empty)
+        && same_devices(
+            want.spec.devices.as_deref().unwrap_or_default(),
+            have.spec.devices.as_deref().unwrap_or_default(),
+        )
+}
+
+fn same_devices(want: &[Device], have: &[Device]) -> bool {
+    want.len() == have.len()
+        && want
+            .iter()
+            .zip(have)
+            .all(|(a, b)| comparable(a) == comparable(b))
+}
+
+/// A device with its quantities in canonical form and server-set taint times dropped.
+fn comparable(device: &Device) -> Device {
+    let mut device = device.clone();
+    if let Some(capacity) = device.capacity.as_mut() {
+        for value in capacity.values_mut() {
+            if let Some(parsed) = parse_quantity(&value.value.0) {
+                value.value.0 = parsed.to_string();
+            }
+        }
+    }
+    if let Some(taints) = device.taints.as_mut() {
+        for taint in taints.iter_mut() {
+            taint.time_added = None;
+        }
+    }
+    device
+}
+
+/// Exponential backoff from 0.5 s up to [`MAX_BACKOFF`], with jitter so that many nodes retrying
+/// after an API server outage do not all come back at once.
+struct Backoff {
+    attempt: u32,
+}
+
+impl Backoff {
+    fn new() -> Self {
+        Backoff { attempt: 0 }
+    }
+
+    fn reset(&mut self) {
+        self.attempt = 0;
+    }
+
+    fn next_delay(&mut self) -> Duration {
+        let base = Duration::from_millis(500).saturating_mul(1 << self.attempt.min(10));
+        self.attempt += 1;
+        let capped = base.min(MAX_BACKOFF);
+        let jitter = rand::random::<f64>() * 0.2 + 0.9;
+        capped.mul_f64(jitter)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::devices;
+    use crate::gpu::{FakeBackend, GpuBackend};
+
+    fn h100_devices() -> Vec<Device> {
+        devices::devices(
+            &FakeBackend::new("node-a", "dgx-h100")
+                .unwrap()
+                .inventory()
+                .unwrap(),
+        )
+    }
+
+    fn stored(mut slice: ResourceSlice, name: &str, generation: i64) -> ResourceSlice {
+        slice.metadata.name = Some(name.to_string());
+        slice.metadata.generate_name = None;
+        slice.spec.pool.generation = generation;
+        slice
+    }
+
+    #[test]
+    fn identical_slices_need_no_writes_even_with_canonicalized_quantities() {
+        let desired = desired_slices("gpu.dra.dev", "node-a", "uid-1", &h100_devices());
+        let mut have = stored(desired[0].clone(), "s1", 3);
+        for device in have.spec.devices.as_mut().unwrap() {
+            device
+                .capacity
+                .as_mut()
+                .unwrap()
+                .get_mut("memory")
+                .unwrap()
+                .value
+                .0 = "81559Mi".into();
+        }
+        let plan = reconcile(std::slice::from_ref(&have), &desired, "node-a");
+        assert!(plan.is_noop);
+    }
+
+    #[test]
+    fn changed_devices_update_in_place_with_a_new_generation() {
+        let devices = h100_devices();
+        let old = desired_slices("gpu.dra.dev", "node-a", "uid-1", &devices[..7]);
+        let have = stored(old[0].clone(), "s1", 3);
+        let desired = desired_slices("gpu.dra.dev", "node-a", "uid-1", &devices);
+        let plan = reconcile(std::slice::from_ref(&have), &desired, "node-a");
+        assert!(!plan.is_noop);
+        assert_eq!(plan.generation, 4);
+        assert!(plan.stale.is_empty());
+        assert_eq!(
+            plan.writes[0].1.and_then(|s| s.metadata.name.as_deref()),
+            Some("s1")
+        );
+    }
+
+    #[test]
+    fn slices_of_other_pools_and_duplicates_are_stale() {
+        let desired = desired_slices("gpu.dra.dev", "node-a", "uid-1", &h100_devices());
+        let mut renamed_pool = stored(desired[0].clone(), "old-pool", 1);
+        renamed_pool.spec.pool.name = "old".into();
+        let duplicate = stored(desired[0].clone(), "dup", 1);
+        let keep = stored(desired[0].clone(), "keep", 1);
+        let all = vec![renamed_pool, keep, duplicate];
+        let plan = reconcile(&all, &desired, "node-a");
+        assert!(!plan.is_noop);
+        let stale: Vec<_> = plan
+            .stale
+            .iter()
+            .map(|s| s.metadata.name.clone().unwrap())
+            .collect();
+        assert_eq!(stale, vec!["old-pool", "dup"]);
+    }
+
+    #[test]
+    fn owner_is_the_node_and_prefix_fits_generate_name() {
+        let desired = desired_slices("gpu.dra.dev", "node-a", "uid-1", &h100_devices());
+        let owner = &desired[0].metadata.owner_references.as_ref().unwrap()[0];
+        assert_eq!(
+            (owner.kind.as_str(), owner.uid.as_str(), owner.controller),
+            ("Node", "uid-1", Some(true))
+        );
+        assert_eq!(desired[0].spec.node_name.as_deref(), Some("node-a"));
+        assert_eq!(desired[0].spec.pool.resource_slice_count, 1);
+        let long = generate_name_prefix(&"n".repeat(200), "gpu.dra.dev");
+        assert!(long.len() <= MAX_GENERATE_NAME_PREFIX && long.ends_with('-'));
+        assert_eq!(
+            generate_name_prefix("node-a", "gpu.dra.dev"),
+            "node-a-gpu.dra.dev-"
+        );
+    }
+
+    #[test]
+    fn backoff_grows_and_caps() {
+        let mut backoff = Backoff::new();
+        let first = backoff.next_delay();
+        assert!(first >= Duration::from_millis(450) && first <= Duration::from_millis(550));
+        for _ in 0..20 {
+            assert!(backoff.next_delay() <= MAX_BACKOFF.mul_f64(1.1));
+        }
+        backoff.reset();
+        assert!(backoff.next_delay() <= Duration::from_millis(550));
+    }
+}

@@ -1,0 +1,612 @@
+//! A kubelet double: it finds a DRA plugin's registration socket, registers the plugin with the checks the kubelet
+//! makes, and calls NodePrepareResources / NodeUnprepareResources with the kubelet's deadlines and answer checks.
+//! Tests, the demo and the benchmark drive the driver through it, so it must fail wherever the real kubelet fails.
+
+use std::collections::{HashMap, HashSet};
+use std::future::Future;
+use std::os::unix::fs::FileTypeExt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use hyper_util::rt::TokioIo;
+use tokio::net::UnixStream;
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Code, Request, Response, Status};
+
+use crate::proto::pluginregistration::registration_client::RegistrationClient;
+use crate::proto::pluginregistration::{InfoRequest, RegistrationStatus};
+use crate::proto::{dra_v1, dra_v1beta1, DRA_PLUGIN_TYPE, DRA_V1BETA1_SERVICE, DRA_V1_SERVICE};
+
+/// What the plugin answered in `GetInfo`.
+pub use crate::proto::pluginregistration::PluginInfo;
+
+/// `servicesSupportedByKubelet` in Kubernetes 1.34 – 1.37, in the kubelet's order.
+pub const SERVICES_SUPPORTED_BY_KUBELET: [&str; 2] = [DRA_V1_SERVICE, DRA_V1BETA1_SERVICE];
+/// The kubelet's deadline for each NodePrepareResources / NodeUnprepareResources call (`defaultClientCallTimeout`).
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(45);
+/// The kubelet dials the registration socket in blocking mode with this timeout.
+const DIAL_TIMEOUT: Duration = Duration::from_secs(10);
+const GET_INFO_TIMEOUT: Duration = Duration::from_secs(1);
+const NOTIFY_TIMEOUT: Duration = Duration::from_secs(5);
+/// The kubelet learns of new sockets through fsnotify; polling this often keeps registration about as prompt.
+const POLL_INTERVAL: Duration = Duration::from_millis(20);
+/// gRPC needs an http URI even though every connection goes through our Unix-socket connector.
+const PLACEHOLDER_URI: &str = "http://[::]:50051";
+
+/// Why the kubelet double could not register a plugin or complete a call.
+#[derive(Debug, thiserror::Error)]
+pub enum KubeletError {
+    #[error("no registration socket {socket} appeared within {waited:?}")]
+    Timeout { socket: PathBuf, waited: Duration },
+    #[error("could not dial {socket}: {reason}")]
+    Transport { socket: PathBuf, reason: String },
+    #[error("GetInfo on the registration socket failed: {0}")]
+    GetInfo(Status),
+    #[error("registration rejected: {0}")]
+    Rejected(String),
+    #[error("NotifyRegistrationStatus(registered) failed: {0}")]
+    Notify(Status),
+    #[error("whole call failed: {0}")]
+    Status(Status),
+    #[error("the plugin skipped {count} ResourceClaims: {0:?}", count = .0.len())]
+    MissingClaims(Vec<String>),
+    #[error("the plugin returned results for unknown claim UIDs {0:?}")]
+    UnknownClaims(Vec<String>),
+}
+
+/// The claim identity the kubelet sends: the ResourceClaim may already be gone, so this is all a plugin gets.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct ClaimRef {
+    pub namespace: String,
+    pub name: String,
+    pub uid: String,
+}
+
+impl ClaimRef {
+    pub fn new(
+        namespace: impl Into<String>,
+        name: impl Into<String>,
+        uid: impl Into<String>,
+    ) -> Self {
+        Self {
+            namespace: namespace.into(),
+            name: name.into(),
+            uid: uid.into(),
+        }
+    }
+}
+
+/// One device of a prepared claim, as the kubelet keeps it in its checkpoint.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PreparedDevice {
+    pub request_names: Vec<String>,
+    pub pool_name: String,
+    pub device_name: String,
+    pub cdi_device_ids: Vec<String>,
+    /// Always `None` over v1beta1, which has no such field.
+    pub share_id: Option<String>,
+}
+
+/// The DRA gRPC service the kubelet chose at registration.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DraService {
+    V1,
+    V1beta1,
+}
+
+impl DraService {
+    /// Maps a `supported_versions` entry to a service this double can speak.
+    fn from_registration(entry: &str) -> Option<Self> {
+        match entry {
+            DRA_V1_SERVICE => Some(Self::V1),
+            DRA_V1BETA1_SERVICE => Some(Self::V1beta1),
+            _ => None,
+        }
+    }
+}
+
+#[derive(Clone)]
+enum DraClient {
+    V1(dra_v1::dra_plugin_client::DraPluginClient<Channel>),
+    V1beta1(dra_v1beta1::dra_plugin_client::DraPluginClient<Channel>),
+}
+
+/// A registered plugin, ready for prepare/unprepare calls. Cloning is cheap and clones share one connection,
+/// so many tasks can call the plugin at once, as the kubelet's pod workers do.
+#[derive(Clone)]
+pub struct KubeletDouble {
+    info: PluginInfo,
+    endpoint: PathBuf,
+    client: DraClient,
+    call_timeout: Duration,
+}
+
+impl std::fmt::Debug for KubeletDouble {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KubeletDouble")
+            .field("info", &self.info)
+            .field("endpoint", &self.endpoint)
+            .field("service", &self.service())
+            .field("call_timeout", &self.call_timeout)
+            .finish()
+    }
+}
+
+impl KubeletDouble {
+    /// Waits up to `timeout` for `<registry_dir>/<driver>-reg.sock` and registers the plugin behind it, choosing
+    /// among the services a 1.34 – 1.37 kubelet supports.
+    pub async fn register(
+        registry_dir: &Path,
+        driver: &str,
+        timeout: Duration,
+    ) -> Result<Self, KubeletError> {
+        Self::register_with(
+            registry_dir,
+            driver,
+            timeout,
+            &SERVICES_SUPPORTED_BY_KUBELET,
+        )
+        .await
+    }
+
+    /// Like [`register`](Self::register), for a kubelet that supports only the `supported` services
+    /// (e.g. `&["v1beta1.DRAPlugin"]` for an older kubelet).
+    pub async fn register_with(
+        registry_dir: &Path,
+        driver: &str,
+        timeout: Duration,
+        supported: &[&str],
+    ) -> Result<Self, KubeletError> {
+        let socket = wait_for_registration_socket(registry_dir, driver, timeout).await?;
+        let channel = dial_registration_socket(&socket).await?;
+        let mut registration = RegistrationClient::new(channel);
+
+        let info = with_deadline(
+            GET_INFO_TIMEOUT,
+            |request| registration.get_info(request),
+            InfoRequest {},
+        )
+        .await
+        .map_err(KubeletError::GetInfo)?;
+
+        let (service, endpoint) = match validate(&info, driver, &socket, supported) {
+            Ok(chosen) => chosen,
+            Err(reason) => {
+                let status = RegistrationStatus {
+                    plugin_registered: false,
+                    error: reason.clone(),
+                };
+                // The kubelet only logs a failed notification; the rejection is what matters to the caller.
+                if let Err(status) = with_deadline(
+                    NOTIFY_TIMEOUT,
+                    |r| registration.notify_registration_status(r),
+                    status,
+                )
+                .await
+                {
+                    tracing::warn!(%status, "NotifyRegistrationStatus(false) failed");
+                }
+                return Err(KubeletError::Rejected(reason));
+            }
+        };
+
+        // Like the kubelet's grpc.NewClient + Connect(): the connection is made in the background, so a DRA
+        // socket that is not up yet fails the first calls, not the registration.
+        let channel = Endpoint::from_static(PLACEHOLDER_URI)
+            .connect_with_connector_lazy(unix_connector(&endpoint));
+        let client = match service {
+            DraService::V1 => {
+                DraClient::V1(dra_v1::dra_plugin_client::DraPluginClient::new(channel))
+            }
+            DraService::V1beta1 => DraClient::V1beta1(
+                dra_v1beta1::dra_plugin_client::DraPluginClient::new(channel),
+            ),
+        };
+
+        let registered = RegistrationStatus {
+            plugin_registered: true,
+            error: String::new(),
+        };
+        with_deadline(
+            NOTIFY_TIMEOUT,
+            |r| registration.notify_registration_status(r),
+            registered,
+        )
+        .await
+        .map_err(KubeletError::Notify)?;
+        tracing::debug!(driver, endpoint = %endpoint.display(), ?service, "DRA plugin registered");
+
+        Ok(Self {
+            info,
+            endpoint,
+            client,
+            call_timeout: CALL_TIMEOUT,
+        })
+    }
+
+    /// Replaces the 45 s per-call deadline, so a test can see a slow plugin hit DeadlineExceeded quickly.
+    pub fn with_call_timeout(mut self, call_timeout: Duration) -> Self {
+        self.call_timeout = call_timeout;
+        self
+    }
+
+    pub fn service(&self) -> DraService {
+        match self.client {
+            DraClient::V1(_) => DraService::V1,
+            DraClient::V1beta1(_) => DraService::V1beta1,
+        }
+    }
+
+    pub fn plugin_info(&self) -> &PluginInfo {
+        &self.info
+    }
+
+    /// The DRA socket the kubelet talks to: the advertised endpoint, or the registration socket if that was empty.
+    pub fn endpoint(&self) -> &Path {
+        &self.endpoint
+    }
+
+    /// One NodePrepareResources call with these claims, as the kubelet makes for one pod. A gRPC error is a
+    /// whole-call failure; otherwise each claim UID maps to its devices or its per-claim error.
+    pub async fn prepare(
+        &self,
+        claims: &[ClaimRef],
+    ) -> Result<HashMap<String, Result<Vec<PreparedDevice>, String>>, KubeletError> {
+        let answers: HashMap<String, (String, Vec<PreparedDevice>)> = match &self.client {
+            DraClient::V1(client) => {
+                let mut client = client.clone();
+                let request = dra_v1::NodePrepareResourcesRequest {
+                    claims: claims.iter().map(v1_claim).collect(),
+                };
+                let response = with_deadline(
+                    self.call_timeout,
+                    |r| client.node_prepare_resources(r),
+                    request,
+                )
+                .await
+                .map_err(KubeletError::Status)?;
+                response
+                    .claims
+                    .into_iter()
+                    .map(|(uid, claim)| {
+                        (
+                            uid,
+                            (
+                                claim.error,
+                                claim.devices.into_iter().map(from_v1).collect(),
+                            ),
+                        )
+                    })
+                    .collect()
+            }
+            DraClient::V1beta1(client) => {
+                let mut client = client.clone();
+                let request = dra_v1beta1::NodePrepareResourcesRequest {
+                    claims: claims.iter().map(v1beta1_claim).collect(),
+                };
+                let response = with_deadline(
+                    self.call_timeout,
+                    |r| client.node_prepare_resources(r),
+                    request,
+                )
+                .await
+                .map_err(KubeletError::Status)?;
+                response
+                    .claims
+                    .into_iter()
+                    .map(|(uid, claim)| {
+                        (
+                            uid,
+                            (
+                                claim.error,
+                                claim.devices.into_iter().map(from_v1beta1).collect(),
+                            ),
+                        )
+                    })
+                    .collect()
+            }
+        };
+        check_claim_uids(claims, answers.keys())?;
+        Ok(answers
+            .into_iter()
+            .map(|(uid, (error, devices))| (uid, per_claim(error, devices)))
+            .collect())
+    }
+
+    /// One NodeUnprepareResources call with these claims, checked like [`prepare`](Self::prepare).
+    pub async fn unprepare(
+        &self,
+        claims: &[ClaimRef],
+    ) -> Result<HashMap<String, Result<(), String>>, KubeletError> {
+        let answers: HashMap<String, String> = match &self.client {
+            DraClient::V1(client) => {
+                let mut client = client.clone();
+                let request = dra_v1::NodeUnprepareResourcesRequest {
+                    claims: claims.iter().map(v1_claim).collect(),
+                };
+                let response = with_deadline(
+                    self.call_timeout,
+                    |r| client.node_unprepare_resources(r),
+                    request,
+                )
+                .await
+                .map_err(KubeletError::Status)?;
+                response
+                    .claims
+                    .into_iter()
+                    .map(|(uid, claim)| (uid, claim.error))
+                    .collect()
+            }
+            DraClient::V1beta1(client) => {
+                let mut client = client.clone();
+                let request = dra_v1beta1::NodeUnprepareResourcesRequest {
+                    claims: claims.iter().map(v1beta1_claim).collect(),
+                };
+                let response = with_deadline(
+                    self.call_timeout,
+                    |r| client.node_unprepare_resources(r),
+                    request,
+                )
+                .await
+                .map_err(KubeletError::Status)?;
+                response
+                    .claims
+                    .into_iter()
+                    .map(|(uid, claim)| (uid, claim.error))
+                    .collect()
+            }
+        };
+        check_claim_uids(claims, answers.keys())?;
+        Ok(answers
+            .into_iter()
+            .map(|(uid, error)| (uid, per_claim(error, ())))
+            .collect())
+    }
+}
+
+/// Polls `registry_dir` until the plugin's registration socket shows up. Like the kubelet's plugin watcher it
+/// ignores hidden names and anything that is not a socket (a stale regular file, say).
+async fn wait_for_registration_socket(
+    registry_dir: &Path,
+    driver: &str,
+    timeout: Duration,
+) -> Result<PathBuf, KubeletError> {
+    let wanted = format!("{driver}-reg.sock");
+    let socket = registry_dir.join(&wanted);
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if registration_socket_present(registry_dir, &wanted) {
+            return Ok(socket);
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(KubeletError::Timeout {
+                socket,
+                waited: timeout,
+            });
+        }
+        tokio::time::sleep(POLL_INTERVAL).await;
+    }
+}
+
+fn registration_socket_present(registry_dir: &Path, wanted: &str) -> bool {
+    // A directory that does not exist yet is simply empty: the plugin may create it after we start watching.
+    let Ok(entries) = std::fs::read_dir(registry_dir) else {
+        return false;
+    };
+    entries.flatten().any(|entry| {
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else {
+            return false;
+        };
+        // The kubelet stats the path (following symlinks) before checking that it is a socket.
+        !name.starts_with('.')
+            && name == wanted
+            && std::fs::metadata(entry.path()).is_ok_and(|meta| meta.file_type().is_socket())
+    })
+}
+
+/// Dials like the kubelet's blocking dial: retries until it connects or the 10 s dial timeout ends, because the
+/// socket file can exist a moment before the plugin accepts on it.
+async fn dial_registration_socket(socket: &Path) -> Result<Channel, KubeletError> {
+    let endpoint = Endpoint::from_static(PLACEHOLDER_URI);
+    let deadline = tokio::time::Instant::now() + DIAL_TIMEOUT;
+    loop {
+        let attempt = tokio::time::timeout_at(
+            deadline,
+            endpoint.connect_with_connector(unix_connector(socket)),
+        )
+        .await;
+        let reason = match attempt {
+            Ok(Ok(channel)) => return Ok(channel),
+            Ok(Err(error)) => error_chain(&error),
+            Err(_) => format!("no connection within {DIAL_TIMEOUT:?}"),
+        };
+        if tokio::time::Instant::now() + POLL_INTERVAL >= deadline {
+            return Err(KubeletError::Transport {
+                socket: socket.to_path_buf(),
+                reason,
+            });
+        }
+        tokio::time::sleep(POLL_INTERVAL).await;
+    }
+}
+
+/// A tower connector that reaches `path` over a Unix socket, which is what the kubelet's `unix:<path>` target means.
+fn unix_connector(
+    path: &Path,
+) -> impl tower::Service<
+    tonic::transport::Uri,
+    Response = TokioIo<UnixStream>,
+    Error = std::io::Error,
+    Future = impl Future<Output = Result<TokioIo<UnixStream>, std::io::Error>> + Send,
+> + Clone
+       + Send
+       + 'static {
+    let path = path.to_path_buf();
+    tower::service_fn(move |_: tonic::transport::Uri| {
+        let path = path.clone();
+        async move { Ok::<_, std::io::Error>(TokioIo::new(UnixStream::connect(path).await?)) }
+    })
+}
+
+/// The kubelet's checks on a `GetInfo` answer; returns the chosen service and the DRA socket, or the reason it
+/// sends back in `NotifyRegistrationStatus`.
+fn validate(
+    info: &PluginInfo,
+    driver: &str,
+    registration_socket: &Path,
+    supported: &[&str],
+) -> Result<(DraService, PathBuf), String> {
+    if info.r#type != DRA_PLUGIN_TYPE {
+        return Err(format!(
+            "plugin type {:?} is not handled by this kubelet (expected {DRA_PLUGIN_TYPE:?})",
+            info.r#type
+        ));
+    }
+    if info.name != driver {
+        return Err(format!(
+            "plugin validation failed: plugin name {:?} does not match driver {driver:?}",
+            info.name
+        ));
+    }
+    let endpoint = if info.endpoint.is_empty() {
+        registration_socket.to_path_buf()
+    } else {
+        PathBuf::from(&info.endpoint)
+    };
+    if !endpoint.is_absolute() {
+        return Err(format!(
+            "plugin validation failed: endpoint {:?} is not an absolute socket path",
+            info.endpoint
+        ));
+    }
+    if info.supported_versions.is_empty() {
+        return Err(format!(
+            "plugin validation failed: invalid supported gRPC versions of DRA driver plugin {driver} at endpoint \
+             {}: empty list of supported gRPC services (aka supported versions)",
+            endpoint.display()
+        ));
+    }
+    // The plugin's order decides, not the kubelet's: the first entry the kubelet supports wins.
+    let service = info
+        .supported_versions
+        .iter()
+        .filter(|entry| supported.contains(&entry.as_str()))
+        .find_map(|entry| DraService::from_registration(entry));
+    match service {
+        Some(service) => Ok((service, endpoint)),
+        None => Err(format!(
+            "plugin validation failed: invalid supported gRPC versions of DRA driver plugin {driver} at endpoint \
+             {}: none of the advertised services {:?} is supported by this kubelet ({supported:?})",
+            endpoint.display(),
+            info.supported_versions
+        )),
+    }
+}
+
+/// Makes one unary call with the kubelet's deadline: the deadline travels to the plugin as `grpc-timeout`, and is
+/// also enforced here so a plugin that never answers still ends the call with DeadlineExceeded.
+async fn with_deadline<M, T, F, Fut>(deadline: Duration, call: F, message: M) -> Result<T, Status>
+where
+    F: FnOnce(Request<M>) -> Fut,
+    Fut: Future<Output = Result<Response<T>, Status>>,
+{
+    let mut request = Request::new(message);
+    request.set_timeout(deadline);
+    let started = tokio::time::Instant::now();
+    let expired = || Status::deadline_exceeded(format!("no answer within {deadline:?}"));
+    match tokio::time::timeout(deadline, call(request)).await {
+        Ok(Ok(answer)) => Ok(answer.into_inner()),
+        // tonic's channel enforces `grpc-timeout` itself and reports Cancelled; grpc-go reports DeadlineExceeded.
+        Ok(Err(status)) if status.code() == Code::Cancelled && started.elapsed() >= deadline => {
+            Err(expired())
+        }
+        Ok(Err(status)) => Err(status),
+        Err(_) => Err(expired()),
+    }
+}
+
+/// The kubelet's answer checks: a result for a UID it did not ask about is reported first, then skipped claims.
+fn check_claim_uids<'a>(
+    claims: &[ClaimRef],
+    answered: impl Iterator<Item = &'a String>,
+) -> Result<(), KubeletError> {
+    let requested: HashSet<&str> = claims.iter().map(|claim| claim.uid.as_str()).collect();
+    let answered: HashSet<&str> = answered.map(String::as_str).collect();
+
+    let mut unknown: Vec<String> = answered
+        .difference(&requested)
+        .map(|uid| uid.to_string())
+        .collect();
+    if !unknown.is_empty() {
+        unknown.sort();
+        return Err(KubeletError::UnknownClaims(unknown));
+    }
+    let mut missing: Vec<String> = requested
+        .difference(&answered)
+        .map(|uid| uid.to_string())
+        .collect();
+    if !missing.is_empty() {
+        missing.sort();
+        return Err(KubeletError::MissingClaims(missing));
+    }
+    Ok(())
+}
+
+/// A non-empty per-claim error means the claim failed and its devices are ignored, as the kubelet does.
+fn per_claim<T>(error: String, value: T) -> Result<T, String> {
+    if error.is_empty() {
+        Ok(value)
+    } else {
+        Err(error)
+    }
+}
+
+fn v1_claim(claim: &ClaimRef) -> dra_v1::Claim {
+    dra_v1::Claim {
+        namespace: claim.namespace.clone(),
+        uid: claim.uid.clone(),
+        name: claim.name.clone(),
+    }
+}
+
+fn v1beta1_claim(claim: &ClaimRef) -> dra_v1beta1::Claim {
+    dra_v1beta1::Claim {
+        namespace: claim.namespace.clone(),
+        uid: claim.uid.clone(),
+        name: claim.name.clone(),
+    }
+}
+
+fn from_v1(device: dra_v1::Device) -> PreparedDevice {
+    PreparedDevice {
+        request_names: device.request_names,
+        pool_name: device.pool_name,
+        device_name: device.device_name,
+        cdi_device_ids: device.cdi_device_ids,
+        share_id: device.share_id,
+    }
+}
+
+/// The kubelet's v1beta1 wrapper converts to v1, where `share_id` simply stays unset.
+fn from_v1beta1(device: dra_v1beta1::Device) -> PreparedDevice {
+    PreparedDevice {
+        request_names: device.request_names,
+        pool_name: device.pool_name,
+        device_name: device.device_name,
+        cdi_device_ids: device.cdi_device_ids,
+        share_id: None,
+    }
+}
+
+/// Transport errors hide their cause (e.g. "connection refused") in the source chain.
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}

@@ -1,0 +1,5 @@
+//! Test doubles for what a development machine lacks: a Kubernetes API server (`apiserver`), a kubelet
+//! (`kubelet`) and the scheduler's allocation step (`scheduler`). They are compiled into the library
+//! (see `src/lib.rs`) because `gpu-dra demo` and the benchmark drive the same doubles as the tests.
+
+pub mod kubelet;

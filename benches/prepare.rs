@@ -1,1 +1,172 @@
-fn main() {}
+//! Prepare + unprepare round trips through gRPC on a unix socket, against the in-process API server
+//! double, with the plugin as a separate (release) process so its resident memory can be read.
+//!
+//! Run: `cargo bench --bench prepare` (the README and BENCHMARKS.md quote its output).
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use gpu_dra::support::harness::{Harness, DRIVER, NODE};
+use gpu_dra::support::kubelet::{ClaimRef, KubeletDouble};
+
+const GPUS: usize = 16;
+const CALLERS: usize = 16;
+const BURST_CLAIMS: usize = 1000;
+const SINGLE_ROUNDS: usize = 300;
+
+#[tokio::main(flavor = "multi_thread")]
+async fn main() {
+    let node = Harness::new("dgx-h100").await;
+    let profile = write_profile(&node);
+    let kubeconfig = node.dir.path().join("kubeconfig");
+    node.api.write_kubeconfig(&kubeconfig).expect("kubeconfig");
+    let mut plugin = Command::new(env!("CARGO_BIN_EXE_gpu-dra"))
+        .arg("plugin")
+        .args(["--node-name", NODE, "--backend", "fake", "--http-addr", ""])
+        .arg("--fake-profile")
+        .arg(&profile)
+        .arg("--kubeconfig")
+        .arg(&kubeconfig)
+        .arg("--kubelet-registry-dir")
+        .arg(&node.config.registry_dir)
+        .arg("--kubelet-plugins-dir")
+        .arg(&node.config.plugins_dir)
+        .arg("--cdi-root")
+        .arg(node.cdi_dir())
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("plugin binary starts");
+    let kubelet =
+        KubeletDouble::register(&node.config.registry_dir, DRIVER, Duration::from_secs(30))
+            .await
+            .expect("plugin registers");
+    node.wait_for_slices().await;
+
+    // Single claim, one caller: latency of a prepare + unprepare round trip.
+    let claim = insert_claim(&node, "single", 0);
+    let mut latencies = Vec::with_capacity(SINGLE_ROUNDS);
+    for _ in 0..SINGLE_ROUNDS {
+        let started = Instant::now();
+        round_trip(&kubelet, &claim).await;
+        latencies.push(started.elapsed());
+    }
+    latencies.sort();
+
+    // Burst: 1000 claims from 16 concurrent callers, each caller on its own GPU.
+    let claims: Vec<ClaimRef> = (0..BURST_CLAIMS)
+        .map(|i| insert_claim(&node, &format!("burst-{i}"), i % GPUS))
+        .collect();
+    let started = Instant::now();
+    let callers: Vec<_> = (0..CALLERS)
+        .map(|caller| {
+            let kubelet = kubelet.clone();
+            let mine: Vec<ClaimRef> = claims
+                .iter()
+                .skip(caller)
+                .step_by(CALLERS)
+                .cloned()
+                .collect();
+            tokio::spawn(async move {
+                for claim in mine {
+                    round_trip(&kubelet, &claim).await;
+                }
+            })
+        })
+        .collect();
+    for caller in callers {
+        caller.await.expect("caller finished");
+    }
+    let burst = started.elapsed();
+    let rss = resident_kib(plugin.id());
+
+    let p = |q: f64| latencies[((latencies.len() as f64 * q) as usize).min(latencies.len() - 1)];
+    println!("prepare+unprepare round trip, single claim ({SINGLE_ROUNDS} rounds):");
+    println!("  p50 {:.2} ms, p99 {:.2} ms", ms(p(0.50)), ms(p(0.99)));
+    println!("burst of {BURST_CLAIMS} claims from {CALLERS} concurrent callers:");
+    println!(
+        "  {:.0} claims/s ({:.2} s in all)",
+        BURST_CLAIMS as f64 / burst.as_secs_f64(),
+        burst.as_secs_f64()
+    );
+    match rss {
+        Some((rss, peak)) => println!(
+            "plugin resident memory after the burst: {:.1} MiB (peak {:.1} MiB)",
+            rss as f64 / 1024.0,
+            peak as f64 / 1024.0
+        ),
+        None => println!("plugin resident memory: unavailable (no /proc)"),
+    }
+    let _ = plugin.kill();
+    let _ = plugin.wait();
+}
+
+async fn round_trip(kubelet: &KubeletDouble, claim: &ClaimRef) {
+    let prepared = kubelet
+        .prepare(std::slice::from_ref(claim))
+        .await
+        .expect("prepare call");
+    assert!(
+        prepared[&claim.uid].is_ok(),
+        "prepare {}: {:?}",
+        claim.name,
+        prepared[&claim.uid]
+    );
+    let unprepared = kubelet
+        .unprepare(std::slice::from_ref(claim))
+        .await
+        .expect("unprepare call");
+    assert!(unprepared[&claim.uid].is_ok(), "unprepare {}", claim.name);
+}
+
+/// Stores an allocated claim for `gpu-<gpu>` directly in the API double (what the scheduler would
+/// have written), so the benchmark measures the plugin and not the allocation.
+fn insert_claim(node: &Harness, name: &str, gpu: usize) -> ClaimRef {
+    let stored = node.api.insert(
+        "resourceclaims",
+        serde_json::json!({
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "metadata": {"name": name, "namespace": "default"},
+            "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": DRIVER}}]}},
+            "status": {"allocation": {"devices": {"results": [
+                {"request": "gpu", "driver": DRIVER, "pool": NODE, "device": format!("gpu-{gpu}")}
+            ]}}}
+        }),
+    );
+    let uid = stored["metadata"]["uid"].as_str().expect("uid").to_string();
+    ClaimRef::new("default", name, uid)
+}
+
+fn write_profile(node: &Harness) -> std::path::PathBuf {
+    let mut profile = gpu_dra::gpu::builtin_profile("dgx-h100").expect("built-in profile");
+    let template = profile.gpus[0].clone();
+    profile.gpus = (0..GPUS)
+        .map(|i| gpu_dra::gpu::FakeGpuSpec {
+            pci_bus_id: format!("0000:{:02x}:00.0", i + 1),
+            ..template.clone()
+        })
+        .collect();
+    let path = node.dir.path().join("bench.yaml");
+    std::fs::write(&path, serde_yaml::to_string(&profile).expect("yaml")).expect("profile written");
+    path
+}
+
+/// (VmRSS, VmHWM) in KiB.
+fn resident_kib(pid: u32) -> Option<(u64, u64)> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let field = |name: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(name))?
+            .split_whitespace()
+            .nth(1)?
+            .parse()
+            .ok()
+    };
+    Some((field("VmRSS:")?, field("VmHWM:")?))
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}

@@ -6,6 +6,7 @@
 
 pub mod cdi;
 pub mod claims;
+pub mod demo;
 pub mod devices;
 pub mod fsutil;
 pub mod gpu;

@@ -301,6 +301,9 @@ fn create_private_dir(dir: &std::path::Path) -> Result<(), PluginError> {
 pub async fn kube_client(
     kubeconfig: Option<&std::path::Path>,
 ) -> Result<kube::Client, anyhow::Error> {
+    // rustls needs one process-wide crypto provider; choose it explicitly so that a build in which
+    // several are compiled in (the tests pull in aws-lc-rs) does not leave the choice ambiguous.
+    let _ = rustls::crypto::ring::default_provider().install_default();
     let config = match kubeconfig {
         Some(path) => {
             let file = kube::config::Kubeconfig::read_from(path)

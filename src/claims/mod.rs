@@ -289,6 +289,11 @@ impl Preparer {
         futures::future::join_all(calls).await
     }
 
+    /// Where the CDI spec of a claim lives.
+    pub fn cdi_spec_path(&self, claim_uid: &str) -> std::path::PathBuf {
+        self.cdi.spec_path(claim_uid)
+    }
+
     /// Claims currently prepared (completed), by UID.
     pub fn prepared_claims(&self) -> BTreeMap<String, ClaimRecord> {
         lock(&self.state).data.claims.clone()

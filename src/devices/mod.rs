@@ -145,6 +145,52 @@ pub fn normalize_version(raw: &str) -> Option<String> {
     Some(format!("{}.{}.{}", numbers[0], numbers[1], numbers[2]))
 }
 
+/// A human-readable table of devices for `gpu-dra devices -o table`.
+pub fn table(devices: &[Device]) -> String {
+    let attribute = |device: &Device, name: &str| -> String {
+        device
+            .attributes
+            .as_ref()
+            .and_then(|a| a.get(name))
+            .map(|a| {
+                a.string
+                    .clone()
+                    .or_else(|| a.version.clone())
+                    .or_else(|| a.int.map(|i| i.to_string()))
+                    .or_else(|| a.bool.map(|b| b.to_string()))
+                    .unwrap_or_default()
+            })
+            .unwrap_or_else(|| "-".to_string())
+    };
+    let memory = |device: &Device| -> String {
+        device
+            .capacity
+            .as_ref()
+            .and_then(|c| c.get("memory"))
+            .and_then(|m| crate::slices::parse_quantity(&m.value.0))
+            .map(|nanos| format!("{:.1}", nanos as f64 / 1e9 / f64::from(1u32 << 30)))
+            .unwrap_or_else(|| "-".to_string())
+    };
+    let mut text = format!(
+        "{:<10} {:<5} {:<24} {:>9} {:>4} {:<14} {:<38} UUID\n",
+        "NAME", "TYPE", "PRODUCT", "MEM(GiB)", "NUMA", "PCI BUS", "NVLINK DOMAIN"
+    );
+    for device in devices {
+        text.push_str(&format!(
+            "{:<10} {:<5} {:<24} {:>9} {:>4} {:<14} {:<38} {}\n",
+            device.name,
+            attribute(device, "type"),
+            attribute(device, "productName"),
+            memory(device),
+            attribute(device, &format!("{KUBERNETES_DOMAIN}/numaNode")),
+            attribute(device, &format!("{KUBERNETES_DOMAIN}/pciBusID")),
+            attribute(device, "nvlinkDomain"),
+            attribute(device, "uuid"),
+        ));
+    }
+    text
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -264,50 +310,4 @@ mod tests {
         assert_eq!(normalize_version("12.x"), None);
         assert_eq!(normalize_version(""), None);
     }
-}
-
-/// A human-readable table of devices for `gpu-dra devices -o table`.
-pub fn table(devices: &[Device]) -> String {
-    let attribute = |device: &Device, name: &str| -> String {
-        device
-            .attributes
-            .as_ref()
-            .and_then(|a| a.get(name))
-            .map(|a| {
-                a.string
-                    .clone()
-                    .or_else(|| a.version.clone())
-                    .or_else(|| a.int.map(|i| i.to_string()))
-                    .or_else(|| a.bool.map(|b| b.to_string()))
-                    .unwrap_or_default()
-            })
-            .unwrap_or_else(|| "-".to_string())
-    };
-    let memory = |device: &Device| -> String {
-        device
-            .capacity
-            .as_ref()
-            .and_then(|c| c.get("memory"))
-            .and_then(|m| crate::slices::parse_quantity(&m.value.0))
-            .map(|nanos| format!("{:.1}", nanos as f64 / 1e9 / f64::from(1u32 << 30)))
-            .unwrap_or_else(|| "-".to_string())
-    };
-    let mut text = format!(
-        "{:<10} {:<5} {:<24} {:>9} {:>4} {:<14} {:<38} UUID\n",
-        "NAME", "TYPE", "PRODUCT", "MEM(GiB)", "NUMA", "PCI BUS", "NVLINK DOMAIN"
-    );
-    for device in devices {
-        text.push_str(&format!(
-            "{:<10} {:<5} {:<24} {:>9} {:>4} {:<14} {:<38} {}\n",
-            device.name,
-            attribute(device, "type"),
-            attribute(device, "productName"),
-            memory(device),
-            attribute(device, &format!("{KUBERNETES_DOMAIN}/numaNode")),
-            attribute(device, &format!("{KUBERNETES_DOMAIN}/pciBusID")),
-            attribute(device, "nvlinkDomain"),
-            attribute(device, "uuid"),
-        ));
-    }
-    text
 }

@@ -2,4 +2,7 @@
 //! (`kubelet`) and the scheduler's allocation step (`scheduler`). They are compiled into the library
 //! (see `src/lib.rs`) because `gpu-dra demo` and the benchmark drive the same doubles as the tests.
 
+pub mod apiserver;
+pub mod harness;
 pub mod kubelet;
+pub mod scheduler;

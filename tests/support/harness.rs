@@ -1,0 +1,146 @@
+//! One node's worth of doubles for tests and the benchmark: an API server with a Node, a scratch
+//! directory laid out like a node's (registry, plugins, CDI root), plugin configs pointing into it, and
+//! helpers to create and allocate claims.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
+use kube::api::{Api, ListParams, PostParams};
+
+use super::apiserver::ApiServer;
+use super::kubelet::{ClaimRef, KubeletDouble};
+use super::scheduler;
+use crate::plugin::{BackendChoice, PluginConfig};
+
+pub const DRIVER: &str = "gpu.dra.dev";
+pub const NODE: &str = "node-a";
+
+pub struct Harness {
+    pub api: ApiServer,
+    pub dir: tempfile::TempDir,
+    pub config: PluginConfig,
+}
+
+impl Harness {
+    /// An API server with Node `node-a` and a plugin config for the given fake profile.
+    pub async fn new(profile: &str) -> Harness {
+        let api = ApiServer::start().await.expect("API server double starts");
+        api.insert(
+            "nodes",
+            serde_json::json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE}}),
+        );
+        let dir = tempfile::tempdir().expect("temp dir");
+        let root = dir.path();
+        let config = PluginConfig {
+            driver_name: DRIVER.to_string(),
+            node_name: NODE.to_string(),
+            registry_dir: root.join("plugins_registry"),
+            plugins_dir: root.join("plugins"),
+            cdi_root: root.join("cdi"),
+            backend: BackendChoice::Fake {
+                profile: profile.to_string(),
+            },
+            http_addr: None,
+            rescan_interval: Duration::from_millis(100),
+        };
+        Harness { api, dir, config }
+    }
+
+    pub async fn start_plugin(&self) -> crate::plugin::RunningPlugin {
+        crate::plugin::start(self.config.clone(), self.api.client())
+            .await
+            .expect("plugin starts")
+    }
+
+    pub async fn kubelet(&self) -> KubeletDouble {
+        KubeletDouble::register(&self.config.registry_dir, DRIVER, Duration::from_secs(10))
+            .await
+            .expect("kubelet registers the plugin")
+    }
+
+    pub fn cdi_dir(&self) -> PathBuf {
+        self.config.cdi_root.clone()
+    }
+
+    /// CDI spec files in the CDI root (names only).
+    pub fn cdi_files(&self) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(&self.config.cdi_root)
+            .map(|entries| {
+                entries
+                    .filter_map(|e| e.ok())
+                    .map(|e| e.file_name().to_string_lossy().to_string())
+                    .collect()
+            })
+            .unwrap_or_default();
+        names.sort();
+        names
+    }
+
+    /// The slices of this driver on this node, once at least one exists (10 s at most).
+    pub async fn wait_for_slices(&self) -> Vec<ResourceSlice> {
+        self.wait_for_slices_where(|slices| !slices.is_empty())
+            .await
+    }
+
+    pub async fn wait_for_slices_where(
+        &self,
+        done: impl Fn(&[ResourceSlice]) -> bool,
+    ) -> Vec<ResourceSlice> {
+        let api: Api<ResourceSlice> = Api::all(self.api.client());
+        let params =
+            ListParams::default().fields(&format!("spec.driver={DRIVER},spec.nodeName={NODE}"));
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Ok(list) = api.list(&params).await {
+                if done(&list.items) {
+                    return list.items;
+                }
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "slices did not reach the expected state in 10 s"
+            );
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
+
+    /// Creates a claim for `count` GPUs in `default` and allocates it on this node; returns its reference.
+    pub async fn allocated_claim(&self, name: &str, count: i64) -> ClaimRef {
+        let uid = self.create_claim(name, count).await;
+        scheduler::allocate(
+            &self.api.client(),
+            "default",
+            name,
+            NODE,
+            ("pod", "pod-uid"),
+        )
+        .await
+        .expect("claim allocated");
+        ClaimRef::new("default", name, uid)
+    }
+
+    /// Creates an unallocated claim for `count` GPUs in `default`; returns its UID.
+    pub async fn create_claim(&self, name: &str, count: i64) -> String {
+        let claims: Api<ResourceClaim> = Api::namespaced(self.api.client(), "default");
+        let claim: ResourceClaim = serde_json::from_value(serde_json::json!({
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "metadata": {"name": name, "namespace": "default"},
+            "spec": {"devices": {"requests": [{"name": "gpus", "exactly": {"deviceClassName": DRIVER, "count": count}}]}}
+        }))
+        .expect("claim JSON");
+        let created = claims
+            .create(&PostParams::default(), &claim)
+            .await
+            .expect("claim created");
+        created.metadata.uid.unwrap_or_default()
+    }
+}
+
+impl Harness {
+    /// `allocated_claim` with a generated name, `claim-<n>`, for one GPU.
+    pub async fn allocated_claim_named(&self, n: usize) -> ClaimRef {
+        self.allocated_claim(&format!("claim-{n}"), 1).await
+    }
+}

@@ -3,7 +3,7 @@
 //!
 //! Run: `cargo bench --bench prepare` (the README and BENCHMARKS.md quote its output).
 
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use gpu_dra::support::harness::{Harness, DRIVER, NODE};
@@ -17,23 +17,15 @@ const SINGLE_ROUNDS: usize = 300;
 #[tokio::main(flavor = "multi_thread")]
 async fn main() {
     let node = Harness::new("dgx-h100").await;
-    let profile = write_profile(&node);
+    let profile = node.write_h100_profile(GPUS);
     let kubeconfig = node.dir.path().join("kubeconfig");
     node.api.write_kubeconfig(&kubeconfig).expect("kubeconfig");
-    let mut plugin = Command::new(env!("CARGO_BIN_EXE_gpu-dra"))
-        .arg("plugin")
-        .args(["--node-name", NODE, "--backend", "fake", "--http-addr", ""])
-        .arg("--fake-profile")
-        .arg(&profile)
-        .arg("--kubeconfig")
-        .arg(&kubeconfig)
-        .arg("--kubelet-registry-dir")
-        .arg(&node.config.registry_dir)
-        .arg("--kubelet-plugins-dir")
-        .arg(&node.config.plugins_dir)
-        .arg("--cdi-root")
-        .arg(node.cdi_dir())
-        .env("RUST_LOG", "warn")
+    let mut plugin = node
+        .plugin_command(
+            std::path::Path::new(env!("CARGO_BIN_EXE_gpu-dra")),
+            &profile,
+            &kubeconfig,
+        )
         .stdout(Stdio::null())
         .spawn()
         .expect("plugin binary starts");
@@ -136,20 +128,6 @@ fn insert_claim(node: &Harness, name: &str, gpu: usize) -> ClaimRef {
     );
     let uid = stored["metadata"]["uid"].as_str().expect("uid").to_string();
     ClaimRef::new("default", name, uid)
-}
-
-fn write_profile(node: &Harness) -> std::path::PathBuf {
-    let mut profile = gpu_dra::gpu::builtin_profile("dgx-h100").expect("built-in profile");
-    let template = profile.gpus[0].clone();
-    profile.gpus = (0..GPUS)
-        .map(|i| gpu_dra::gpu::FakeGpuSpec {
-            pci_bus_id: format!("0000:{:02x}:00.0", i + 1),
-            ..template.clone()
-        })
-        .collect();
-    let path = node.dir.path().join("bench.yaml");
-    std::fs::write(&path, serde_yaml::to_string(&profile).expect("yaml")).expect("profile written");
-    path
 }
 
 /// (VmRSS, VmHWM) in KiB.

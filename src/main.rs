@@ -134,7 +134,8 @@ fn main() -> Result<()> {
         Command::Plugin(args) => run_plugin(args),
         Command::Devices(args) => print_devices(args),
         Command::Demo => {
-            init_logging(LogFormat::Text);
+            // The demo tells its own story on stdout; logs only for problems unless RUST_LOG asks.
+            init_logging(LogFormat::Text, "warn");
             runtime()?.block_on(gpu_dra::demo::run(&mut std::io::stdout()))
         }
         Command::Fake {
@@ -154,7 +155,7 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
 }
 
 fn run_plugin(args: PluginArgs) -> Result<()> {
-    init_logging(args.log_format);
+    init_logging(args.log_format, "info");
     let http_addr = match args.http_addr.trim() {
         "" => None,
         addr => Some(
@@ -174,24 +175,19 @@ fn run_plugin(args: PluginArgs) -> Result<()> {
     };
     let kubeconfig = args.kubeconfig;
     runtime()?.block_on(async move {
+        // Handlers go in before anything is created, so a signal never finds sockets to leave behind.
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut term = signal(SignalKind::terminate()).context("installing SIGTERM handler")?;
+        let mut int = signal(SignalKind::interrupt()).context("installing SIGINT handler")?;
         let client = gpu_dra::plugin::kube_client(kubeconfig.as_deref()).await?;
         let plugin = gpu_dra::plugin::start(config, client).await?;
-        wait_for_signal().await?;
+        tokio::select! {
+            _ = term.recv() => tracing::info!("SIGTERM received, shutting down"),
+            _ = int.recv() => tracing::info!("SIGINT received, shutting down"),
+        }
         plugin.shutdown().await;
         Ok(())
     })
-}
-
-/// SIGTERM (the kubelet stopping the pod) or SIGINT.
-async fn wait_for_signal() -> Result<()> {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut term = signal(SignalKind::terminate()).context("installing SIGTERM handler")?;
-    let mut int = signal(SignalKind::interrupt()).context("installing SIGINT handler")?;
-    tokio::select! {
-        _ = term.recv() => tracing::info!("SIGTERM received, shutting down"),
-        _ = int.recv() => tracing::info!("SIGINT received, shutting down"),
-    }
-    Ok(())
 }
 
 fn print_devices(args: DevicesArgs) -> Result<()> {

@@ -240,10 +240,10 @@ pub enum LogFormat {
     Json,
 }
 
-/// Installs the global tracing subscriber; `RUST_LOG` filters (default `info`). Safe to call twice.
-pub fn init_logging(format: LogFormat) {
+/// Installs the global tracing subscriber; `RUST_LOG` filters (else `default_level`). Safe to call twice.
+pub fn init_logging(format: LogFormat, default_level: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);

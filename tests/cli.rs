@@ -119,3 +119,71 @@ fn demo_walks_through_every_step() {
         assert!(text.contains(expected), "{expected:?} missing in\n{text}");
     }
 }
+
+#[test]
+fn plugin_logs_json_and_cleans_up_on_sigint() {
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().unwrap();
+    // An API server that is not there: the plugin still starts, serves the kubelet and keeps retrying.
+    let kubeconfig = dir.path().join("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        "apiVersion: v1\nkind: Config\nclusters: [{name: c, cluster: {server: \"http://127.0.0.1:1\"}}]\n\
+         users: [{name: u, user: {}}]\ncontexts: [{name: x, context: {cluster: c, user: u}}]\ncurrent-context: x\n",
+    )
+    .unwrap();
+    let registry = dir.path().join("registry");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_gpu-dra"))
+        .args([
+            "plugin",
+            "--node-name",
+            "n1",
+            "--backend",
+            "fake",
+            "--http-addr",
+            "",
+            "--log-format",
+            "json",
+        ])
+        .arg("--kubeconfig")
+        .arg(&kubeconfig)
+        .arg("--kubelet-registry-dir")
+        .arg(&registry)
+        .arg("--kubelet-plugins-dir")
+        .arg(dir.path().join("plugins"))
+        .arg("--cdi-root")
+        .arg(dir.path().join("cdi"))
+        .env("RUST_LOG", "info")
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let mut lines = std::io::BufReader::new(stderr).lines();
+    let mut started = false;
+    for line in lines.by_ref().take(50) {
+        let line = line.unwrap();
+        let entry: serde_json::Value =
+            serde_json::from_str(&line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
+        assert!(
+            entry["level"].is_string() && entry["fields"].is_object(),
+            "{line}"
+        );
+        if entry["fields"]["message"] == "plugin started" {
+            started = true;
+            break;
+        }
+    }
+    assert!(started, "no 'plugin started' log line");
+    let socket = registry.join("gpu.dra.dev-reg.sock");
+    assert!(socket.exists());
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGINT,
+    )
+    .unwrap();
+    // Keep draining the logs so the plugin never blocks on a full pipe.
+    std::thread::spawn(move || lines.for_each(drop));
+    assert!(child.wait().unwrap().success());
+    assert!(!socket.exists());
+    assert!(!dir.path().join("plugins/gpu.dra.dev/dra.sock").exists());
+}

@@ -622,3 +622,54 @@ async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
         .unwrap_or_default();
     (code, body)
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_claim_references_get_errors_and_the_plugin_keeps_serving() {
+    let node = Harness::new("l40s-4").await;
+    let plugin = node.start_plugin().await;
+    let kubelet = node.kubelet().await;
+    node.wait_for_slices().await;
+    let uid = "0b5e6a1c-2f3d-4e5f-8a9b-0c1d2e3f4a5b";
+    let hostile = [
+        ("", "", ""),
+        ("default", "x", "0b5e6a1c-2f3d-4e5f-8a9b-0c1d2e3f4a5b\0"),
+        ("default", "x", "/0b5e6a1c-2f3d-4e5f-8a9b-0c1d2e3f4a5"),
+        ("default", "../../../x", uid),
+        ("default", "x/../../y", uid),
+        ("default\n", "x", uid),
+        ("défault", "x", uid),
+        ("default", &"a".repeat(10_000), uid),
+        (&"n".repeat(100_000), "x", uid),
+    ];
+    let claims: Vec<ClaimRef> = hostile
+        .iter()
+        .enumerate()
+        .map(|(i, (namespace, name, uid))| {
+            // Distinct UIDs where the UID itself is not the hostile part, so each gets its own entry.
+            let uid = if *uid == "0b5e6a1c-2f3d-4e5f-8a9b-0c1d2e3f4a5b" {
+                format!("0b5e6a1c-2f3d-4e5f-8a9b-0c1d2e3f4a{i:02}")
+            } else {
+                uid.to_string()
+            };
+            ClaimRef::new(*namespace, *name, uid)
+        })
+        .collect();
+    let answer = kubelet.prepare(&claims).await.unwrap();
+    assert_eq!(answer.len(), claims.len());
+    for claim in &claims {
+        let error = claim_error(&answer, claim);
+        assert!(
+            error.len() < 1_000,
+            "errors stay short: {} bytes",
+            error.len()
+        );
+    }
+    let answer = kubelet.unprepare(&claims).await.unwrap();
+    assert!(answer.values().all(|r| r.is_err()), "{answer:?}");
+    assert!(node.cdi_files().is_empty());
+    // Still alive and serving.
+    let claim = node.allocated_claim("after", 1).await;
+    let answer = kubelet.prepare(std::slice::from_ref(&claim)).await.unwrap();
+    ok_devices(&answer, &claim);
+    plugin.shutdown().await;
+}

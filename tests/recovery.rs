@@ -1,7 +1,7 @@
 //! Crash safety: whatever point the plugin dies at, a restart converges. Started claims are rolled
 //! back, completed ones kept, and no CDI spec is left that no claim owns.
 
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::Duration;
 
 use gpu_dra::claims::checkpoint::{
@@ -104,47 +104,23 @@ async fn a_corrupt_checkpoint_is_kept_aside_and_the_plugin_starts_clean() {
     plugin.shutdown().await;
 }
 
-/// A fake node with `count` GPUs, as a YAML profile file.
-fn big_profile(node: &Harness, count: usize) -> std::path::PathBuf {
-    let mut profile = gpu_dra::gpu::builtin_profile("dgx-h100").unwrap();
-    let template = profile.gpus[0].clone();
-    profile.gpus = (0..count)
-        .map(|i| gpu_dra::gpu::FakeGpuSpec {
-            pci_bus_id: format!("0000:{:02x}:00.0", i + 1),
-            ..template.clone()
-        })
-        .collect();
-    let path = node.dir.path().join("big.yaml");
-    std::fs::write(&path, serde_yaml::to_string(&profile).unwrap()).unwrap();
-    path
-}
-
 fn spawn_plugin(node: &Harness, profile: &std::path::Path, kubeconfig: &std::path::Path) -> Child {
-    Command::new(env!("CARGO_BIN_EXE_gpu-dra"))
-        .arg("plugin")
-        .args(["--node-name", NODE, "--backend", "fake", "--http-addr", ""])
-        .arg("--fake-profile")
-        .arg(profile)
-        .arg("--kubeconfig")
-        .arg(kubeconfig)
-        .arg("--kubelet-registry-dir")
-        .arg(&node.config.registry_dir)
-        .arg("--kubelet-plugins-dir")
-        .arg(&node.config.plugins_dir)
-        .arg("--cdi-root")
-        .arg(node.cdi_dir())
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("plugin binary starts")
+    node.plugin_command(
+        std::path::Path::new(env!("CARGO_BIN_EXE_gpu-dra")),
+        profile,
+        kubeconfig,
+    )
+    .stdout(Stdio::null())
+    .stderr(Stdio::inherit())
+    .spawn()
+    .expect("plugin binary starts")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_during_a_burst_of_prepares_then_restart_converges() {
     const CLAIMS: usize = 24;
     let node = Harness::new("dgx-h100").await;
-    let profile = big_profile(&node, CLAIMS);
+    let profile = node.write_h100_profile(CLAIMS);
     let kubeconfig = node.dir.path().join("kubeconfig");
     node.api.write_kubeconfig(&kubeconfig).unwrap();
 

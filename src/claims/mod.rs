@@ -5,7 +5,9 @@
 //! one claim are serialised by a per-claim lock.
 
 pub mod checkpoint;
+mod edits;
 pub mod names;
+mod recovery;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
@@ -19,9 +21,10 @@ use tokio::sync::watch;
 use tracing::{info, info_span, warn, Instrument};
 
 pub use checkpoint::{ClaimRecord, ClaimState, PreparedDevice};
+pub use edits::container_edits;
+use edits::{find_gpu, write_spec_with};
 
-use crate::cdi::{CdiRegistry, ContainerEdits, DeviceNode};
-use crate::devices::DeviceName;
+use crate::cdi::CdiRegistry;
 use crate::gpu::Inventory;
 use crate::observability::Metrics;
 use checkpoint::{CheckpointData, CheckpointError, CheckpointFile};
@@ -160,91 +163,6 @@ impl Preparer {
             .await
             .map_err(|e| internal("startup", e))??;
         Ok((preparer, recovery))
-    }
-
-    fn recover(&self) -> Result<Recovery, ClaimError> {
-        let checkpoint_error = |source| ClaimError::Checkpoint {
-            claim: "(startup)".to_string(),
-            source,
-        };
-        let boot_id = checkpoint::current_boot_id();
-        let stored = match self.checkpoint.load() {
-            Ok(stored) => stored.unwrap_or_default(),
-            Err(error @ CheckpointError::Corrupt { .. }) => {
-                // Keep the evidence, start empty: the kubelet prepares again whatever it still needs.
-                let aside = self.checkpoint.path().with_extension("corrupt");
-                warn!(%error, moved_to = %aside.display(), "checkpoint unreadable; starting with no prepared claims");
-                std::fs::rename(self.checkpoint.path(), &aside).map_err(|source| {
-                    checkpoint_error(CheckpointError::Write {
-                        path: aside.display().to_string(),
-                        source,
-                    })
-                })?;
-                CheckpointData::default()
-            }
-            Err(error) => return Err(checkpoint_error(error)),
-        };
-        let mut recovery = Recovery {
-            rebooted: !stored.boot_id.is_empty() && stored.boot_id != boot_id,
-            ..Default::default()
-        };
-        let inventory = self.inventory.borrow().clone();
-        let mut data = CheckpointData {
-            boot_id,
-            claims: BTreeMap::new(),
-        };
-        for (uid, record) in stored.claims {
-            match record.state {
-                ClaimState::Started => {
-                    self.cdi
-                        .remove_claim_spec(&uid)
-                        .map_err(|source| ClaimError::Cdi {
-                            claim: describe(&uid, &record),
-                            source,
-                        })?;
-                    recovery.rolled_back.push(uid);
-                }
-                ClaimState::Completed => {
-                    if !self.cdi.spec_path(&uid).exists() {
-                        // /var/run/cdi is tmpfs: after a reboot the spec must be written again.
-                        self.write_spec(&uid, &record.devices, &inventory)
-                            .map_err(|source| ClaimError::Cdi {
-                                claim: describe(&uid, &record),
-                                source,
-                            })?;
-                    }
-                    recovery.kept.push(uid.clone());
-                    data.claims.insert(uid, record);
-                }
-            }
-        }
-        let on_disk = self.cdi.claim_specs().map_err(|source| ClaimError::Cdi {
-            claim: "(startup)".to_string(),
-            source,
-        })?;
-        for uid in on_disk {
-            if !data.claims.contains_key(&uid) {
-                self.cdi
-                    .remove_claim_spec(&uid)
-                    .map_err(|source| ClaimError::Cdi {
-                        claim: uid.clone(),
-                        source,
-                    })?;
-                recovery.orphan_specs_removed.push(uid);
-            }
-        }
-        self.checkpoint.store(&data).map_err(checkpoint_error)?;
-        let mut state = lock(&self.state);
-        state.owners = owners_of(&data);
-        state.data = data;
-        info!(
-            kept = recovery.kept.len(),
-            rolled_back = recovery.rolled_back.len(),
-            orphans_removed = recovery.orphan_specs_removed.len(),
-            rebooted = recovery.rebooted,
-            "claims recovered from checkpoint"
-        );
-        Ok(recovery)
     }
 
     /// Prepares every claim in parallel; one result per claim, in order.
@@ -573,15 +491,6 @@ impl Preparer {
         Ok(())
     }
 
-    fn write_spec(
-        &self,
-        uid: &str,
-        devices: &[PreparedDevice],
-        inventory: &Inventory,
-    ) -> Result<(), crate::cdi::CdiError> {
-        write_spec_with(&self.cdi, uid, devices, inventory)
-    }
-
     async fn with_claim_lock<T>(&self, uid: &str, work: impl std::future::Future<Output = T>) -> T {
         let claim_lock = lock(&self.claim_locks)
             .entry(uid.to_string())
@@ -600,54 +509,6 @@ impl Preparer {
     }
 }
 
-fn write_spec_with(
-    cdi: &CdiRegistry,
-    uid: &str,
-    devices: &[PreparedDevice],
-    inventory: &Inventory,
-) -> Result<(), crate::cdi::CdiError> {
-    let edits: Vec<(String, ContainerEdits)> = devices
-        .iter()
-        .map(|device| {
-            (
-                device.device.clone(),
-                container_edits(inventory, &device.device),
-            )
-        })
-        .collect();
-    cdi.write_claim_spec(uid, &edits).map(|_| ())
-}
-
-/// What a container that gets `device` needs: its device file and the driver's control files, and an
-/// environment variable naming the GPU, so the workload (and a person) can see what it was given.
-pub fn container_edits(inventory: &Inventory, device: &str) -> ContainerEdits {
-    let mut edits = ContainerEdits::default();
-    let Some(gpu) = find_gpu(inventory, device) else {
-        return edits;
-    };
-    let files =
-        std::iter::once(gpu.device_file()).chain(inventory.control_device_files.iter().cloned());
-    edits.device_nodes = files
-        .map(|path| DeviceNode {
-            path,
-            host_path: inventory.stand_in_device_file.clone(),
-            ..Default::default()
-        })
-        .collect();
-    let variable = format!(
-        "GPU_DRA_DEVICE_{}",
-        device.to_ascii_uppercase().replace(['-', '.'], "_")
-    );
-    edits.env = vec![format!("{variable}={}", gpu.uuid)];
-    edits
-}
-
-fn find_gpu<'a>(inventory: &'a Inventory, device: &str) -> Option<&'a crate::gpu::Gpu> {
-    match DeviceName::parse(device)? {
-        DeviceName::Gpu { minor } => inventory.gpus.iter().find(|gpu| gpu.minor == minor),
-    }
-}
-
 fn check_ref(claim: &ClaimRef) -> Result<(), ClaimError> {
     names::check_uid(&claim.uid)
         .and_then(|_| names::check_namespace(&claim.namespace))
@@ -655,8 +516,10 @@ fn check_ref(claim: &ClaimRef) -> Result<(), ClaimError> {
         .map_err(|reason| ClaimError::Invalid {
             // The parts may be garbage: show them through Debug so control characters stay visible.
             claim: format!(
-                "{:.80?}/{:.80?} ({:.80?})",
-                claim.namespace, claim.name, claim.uid
+                "{:?}/{:?} ({:?})",
+                names::truncated(&claim.namespace),
+                names::truncated(&claim.name),
+                names::truncated(&claim.uid)
             ),
             reason,
         })

@@ -64,7 +64,7 @@ pub fn is_dns_label(label: &str) -> bool {
 }
 
 /// Keeps error messages short when the input is huge.
-fn truncated(text: &str) -> String {
+pub fn truncated(text: &str) -> String {
     text.chars().take(80).collect()
 }
 

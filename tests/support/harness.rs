@@ -139,6 +139,51 @@ impl Harness {
 }
 
 impl Harness {
+    /// `gpu-dra plugin` as a separate process (the binary at `binary`) for this node, with the fake
+    /// profile at `profile` and the API server reached through the kubeconfig at `kubeconfig`.
+    pub fn plugin_command(
+        &self,
+        binary: &std::path::Path,
+        profile: &std::path::Path,
+        kubeconfig: &std::path::Path,
+    ) -> std::process::Command {
+        let mut command = std::process::Command::new(binary);
+        command
+            .arg("plugin")
+            .args(["--node-name", NODE, "--backend", "fake", "--http-addr", ""])
+            .arg("--fake-profile")
+            .arg(profile)
+            .arg("--kubeconfig")
+            .arg(kubeconfig)
+            .arg("--kubelet-registry-dir")
+            .arg(&self.config.registry_dir)
+            .arg("--kubelet-plugins-dir")
+            .arg(&self.config.plugins_dir)
+            .arg("--cdi-root")
+            .arg(&self.config.cdi_root)
+            .env("RUST_LOG", "warn");
+        command
+    }
+
+    /// Writes a fake profile of `count` H100 GPUs into the scratch directory; returns its path.
+    pub fn write_h100_profile(&self, count: usize) -> PathBuf {
+        let mut profile = crate::gpu::builtin_profile("dgx-h100").expect("built-in profile");
+        let template = profile.gpus[0].clone();
+        profile.gpus = (0..count)
+            .map(|i| crate::gpu::FakeGpuSpec {
+                pci_bus_id: format!("0000:{:02x}:00.0", (i % 255) + 1),
+                ..template.clone()
+            })
+            .collect();
+        let path = self.dir.path().join(format!("h100-x{count}.yaml"));
+        std::fs::write(
+            &path,
+            serde_yaml::to_string(&profile).expect("profile YAML"),
+        )
+        .expect("profile written");
+        path
+    }
+
     /// `allocated_claim` with a generated name, `claim-<n>`, for one GPU.
     pub async fn allocated_claim_named(&self, n: usize) -> ClaimRef {
         self.allocated_claim(&format!("claim-{n}"), 1).await

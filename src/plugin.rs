@@ -128,9 +128,20 @@ impl RunningPlugin {
 /// Starts the plugin: recovery first, then the DRA server, then registration (so the kubelet never
 /// dials a socket that does not answer), then publishing.
 pub async fn start(
-    config: PluginConfig,
+    mut config: PluginConfig,
     client: kube::Client,
 ) -> Result<RunningPlugin, PluginError> {
+    // The kubelet needs an absolute endpoint in GetInfo; relative directories are taken from here.
+    for dir in [
+        &mut config.registry_dir,
+        &mut config.plugins_dir,
+        &mut config.cdi_root,
+    ] {
+        *dir = std::path::absolute(&*dir).map_err(|source| PluginError::Directory {
+            path: dir.display().to_string(),
+            source,
+        })?;
+    }
     if !claims::names::is_dns_subdomain(&config.driver_name, 63) {
         return Err(PluginError::DriverName(config.driver_name.clone()));
     }

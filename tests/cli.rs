@@ -133,7 +133,9 @@ fn plugin_logs_json_and_cleans_up_on_sigint() {
     )
     .unwrap();
     let registry = dir.path().join("registry");
+    // Relative directories, as a careless manifest might give them: the endpoint must still be absolute.
     let mut child = Command::new(env!("CARGO_BIN_EXE_gpu-dra"))
+        .current_dir(dir.path())
         .args([
             "plugin",
             "--node-name",
@@ -142,17 +144,16 @@ fn plugin_logs_json_and_cleans_up_on_sigint() {
             "fake",
             "--http-addr",
             "",
-            "--log-format",
-            "json",
         ])
-        .arg("--kubeconfig")
-        .arg(&kubeconfig)
-        .arg("--kubelet-registry-dir")
-        .arg(&registry)
-        .arg("--kubelet-plugins-dir")
-        .arg(dir.path().join("plugins"))
-        .arg("--cdi-root")
-        .arg(dir.path().join("cdi"))
+        .args(["--log-format", "json", "--kubeconfig", "kubeconfig"])
+        .args([
+            "--kubelet-registry-dir",
+            "registry",
+            "--kubelet-plugins-dir",
+            "plugins",
+            "--cdi-root",
+            "cdi",
+        ])
         .env("RUST_LOG", "info")
         .stderr(std::process::Stdio::piped())
         .spawn()
@@ -169,6 +170,11 @@ fn plugin_logs_json_and_cleans_up_on_sigint() {
             "{line}"
         );
         if entry["fields"]["message"] == "plugin started" {
+            let endpoint = entry["fields"]["dra_socket"].as_str().unwrap_or_default();
+            assert_eq!(
+                std::path::Path::new(endpoint),
+                dir.path().join("plugins/gpu.dra.dev/dra.sock")
+            );
             started = true;
             break;
         }

@@ -269,3 +269,36 @@ fn release_allocations(node: &Harness, claims: &[ClaimRef]) {
             .remove("resourceclaims", Some("default"), &claim.name);
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_that_cannot_be_written_fails_the_claim_and_leaves_no_spec() {
+    let node = Harness::new("l40s-4").await;
+    let plugin = node.start_plugin().await;
+    let kubelet = node.kubelet().await;
+    node.wait_for_slices().await;
+    let claim = node.allocated_claim("unlucky", 1).await;
+
+    // A directory where the checkpoint file should be makes every write fail (even for root).
+    let path = node.config.plugin_dir().join("checkpoint.json");
+    std::fs::remove_file(&path).unwrap();
+    std::fs::create_dir(&path).unwrap();
+    let answer = kubelet.prepare(std::slice::from_ref(&claim)).await.unwrap();
+    let error = answer[&claim.uid].clone().unwrap_err();
+    assert!(
+        error.contains("default/unlucky") && error.contains("checkpoint"),
+        "{error}"
+    );
+    assert!(
+        node.cdi_files().is_empty(),
+        "a failed prepare leaves no spec behind"
+    );
+    assert!(plugin.preparer.prepared_claims().is_empty());
+
+    // Once the disk is writable again, the kubelet's retry succeeds and is recorded.
+    std::fs::remove_dir(&path).unwrap();
+    let answer = kubelet.prepare(std::slice::from_ref(&claim)).await.unwrap();
+    assert!(answer[&claim.uid].is_ok(), "{answer:?}");
+    let stored = checkpoint(&node).load().unwrap().unwrap();
+    assert_eq!(stored.claims[&claim.uid].state, ClaimState::Completed);
+    plugin.shutdown().await;
+}

@@ -268,7 +268,9 @@ impl Preparer {
     async fn unprepare_one(&self, claim: &ClaimRef) -> Result<(), ClaimError> {
         check_ref(claim)?;
         if !lock(&self.state).data.claims.contains_key(&claim.uid) {
-            return Ok(());
+            // Already gone from memory; make sure the disk agrees too, in case the write that
+            // recorded its removal failed last time.
+            return self.persist(claim).await;
         }
         let cdi = self.cdi.clone();
         let uid = claim.uid.clone();

@@ -16,7 +16,25 @@ const SINGLE_ROUNDS: usize = 300;
 
 #[tokio::main(flavor = "multi_thread")]
 async fn main() {
-    let node = Harness::new("dgx-h100").await;
+    // On a node the CDI root (/var/run/cdi) is tmpfs and the checkpoint (/var/lib/kubelet) is on disk;
+    // the first run puts both on disk, the worst case.
+    run("CDI root and checkpoint on disk", None).await;
+    let tmpfs = std::path::Path::new("/dev/shm");
+    if tmpfs.is_dir() {
+        let cdi = tempfile::tempdir_in(tmpfs).expect("tmpfs scratch dir");
+        run(
+            "CDI root on tmpfs, checkpoint on disk (as on a node)",
+            Some(cdi.path()),
+        )
+        .await;
+    }
+}
+
+async fn run(title: &str, cdi_root: Option<&std::path::Path>) {
+    let mut node = Harness::new("dgx-h100").await;
+    if let Some(root) = cdi_root {
+        node.config.cdi_root = root.to_path_buf();
+    }
     let profile = node.write_h100_profile(GPUS);
     let kubeconfig = node.dir.path().join("kubeconfig");
     node.api.write_kubeconfig(&kubeconfig).expect("kubeconfig");
@@ -73,6 +91,7 @@ async fn main() {
     let rss = resident_kib(plugin.id());
 
     let p = |q: f64| latencies[((latencies.len() as f64 * q) as usize).min(latencies.len() - 1)];
+    println!("== {title}");
     println!("prepare+unprepare round trip, single claim ({SINGLE_ROUNDS} rounds):");
     println!("  p50 {:.2} ms, p99 {:.2} ms", ms(p(0.50)), ms(p(0.99)));
     println!("burst of {BURST_CLAIMS} claims from {CALLERS} concurrent callers:");
@@ -91,6 +110,7 @@ async fn main() {
     }
     let _ = plugin.kill();
     let _ = plugin.wait();
+    println!();
 }
 
 async fn round_trip(kubelet: &KubeletDouble, claim: &ClaimRef) {

@@ -59,10 +59,22 @@ async fn restart_rolls_back_started_claims_keeps_completed_ones_and_removes_orph
     }
     // A file of another vendor is not ours to clean up.
     std::fs::write(node.cdi_dir().join("nvidia.com-gpu.json"), "{}").unwrap();
+    // A spec of a kept claim that a power cut left empty.
+    let truncated = "aaaaaaaa-0000-4000-8000-000000000004";
+    let record_cut = record("cut-short", ClaimState::Completed, "gpu-2", truncated);
+    data.claims.insert(truncated.into(), record_cut);
+    checkpoint(&node).store(&data).unwrap();
+    let truncated_spec = node
+        .cdi_dir()
+        .join(format!("k8s.{DRIVER}-gpu_{truncated}.json"));
+    std::fs::write(&truncated_spec, "").unwrap();
 
     let plugin = node.start_plugin().await;
     assert_eq!(plugin.recovery.rolled_back, vec![started.to_string()]);
-    assert_eq!(plugin.recovery.kept, vec![completed.to_string()]);
+    assert_eq!(
+        plugin.recovery.kept,
+        vec![completed.to_string(), truncated.to_string()]
+    );
     assert_eq!(
         plugin.recovery.orphan_specs_removed,
         vec![orphan.to_string()]
@@ -73,11 +85,20 @@ async fn restart_rolls_back_started_claims_keeps_completed_ones_and_removes_orph
         node.cdi_files(),
         vec![
             format!("k8s.{DRIVER}-gpu_{completed}.json"),
+            format!("k8s.{DRIVER}-gpu_{truncated}.json"),
             "nvidia.com-gpu.json".to_string()
         ]
     );
+    let rewritten = std::fs::read_to_string(&truncated_spec).unwrap();
+    assert!(
+        rewritten.contains(&format!("{truncated}-gpu-2")),
+        "{rewritten}"
+    );
     let stored = checkpoint(&node).load().unwrap().unwrap();
-    assert_eq!(stored.claims.keys().collect::<Vec<_>>(), vec![completed]);
+    assert_eq!(
+        stored.claims.keys().collect::<Vec<_>>(),
+        vec![completed, truncated]
+    );
     assert_ne!(stored.boot_id, "an-earlier-boot");
 
     // gpu-0 is free again; gpu-1 is still held by the completed claim.

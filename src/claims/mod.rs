@@ -229,31 +229,28 @@ impl Preparer {
         let (devices, shared) = self.allocated_devices(claim, &resource_claim, &inventory)?;
 
         self.reserve(claim, &devices, &shared)?;
-        self.persist(claim)
-            .await
-            .inspect_err(|_| self.release(claim))?;
-
-        let written = {
+        // The `started` record and the CDI spec are written at the same time: a spec that reaches the
+        // disk before its record is still cleaned up after a crash, because recovery removes every
+        // spec that no completed claim owns.
+        let write_spec = {
             let cdi = self.cdi.clone();
             let uid = claim.uid.clone();
             let devices = devices.clone();
             let inventory = inventory.clone();
             tokio::task::spawn_blocking(move || write_spec_with(&cdi, &uid, &devices, &inventory))
-                .await
         };
-        match written {
-            Ok(Ok(())) => {}
-            Ok(Err(source)) => {
-                self.roll_back(claim).await;
-                return Err(ClaimError::Cdi {
-                    claim: claim.to_string(),
-                    source,
-                });
-            }
-            Err(join) => {
-                self.roll_back(claim).await;
-                return Err(internal(&claim.to_string(), join));
-            }
+        let (recorded, written) = tokio::join!(self.persist(claim), write_spec);
+        let outcome = recorded.and_then(|()| match written {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(source)) => Err(ClaimError::Cdi {
+                claim: claim.to_string(),
+                source,
+            }),
+            Err(join) => Err(internal(&claim.to_string(), join)),
+        });
+        if let Err(error) = outcome {
+            self.roll_back(claim).await;
+            return Err(error);
         }
 
         self.complete(claim);

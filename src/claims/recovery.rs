@@ -52,8 +52,9 @@ impl Preparer {
                     recovery.rolled_back.push(uid);
                 }
                 ClaimState::Completed => {
-                    if !self.cdi.spec_path(&uid).exists() {
-                        // /var/run/cdi is tmpfs: after a reboot the spec must be written again.
+                    // /var/run/cdi is tmpfs: after a reboot the spec is gone and is written again;
+                    // one that a power cut left unreadable is replaced the same way.
+                    if !matches!(self.cdi.read_claim_spec(&uid), Ok(Some(_))) {
                         write_spec_with(&self.cdi, &uid, &record.devices, &inventory).map_err(
                             |source| ClaimError::Cdi {
                                 claim: describe(&uid, &record),

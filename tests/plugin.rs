@@ -204,18 +204,7 @@ async fn a_restart_with_nothing_changed_writes_nothing() {
 
     node.api.clear_requests();
     let plugin = node.start_plugin().await;
-    // Wait until the restarted publisher has listed (and so decided) at least once.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while !node
-        .api
-        .requests()
-        .iter()
-        .any(|r| r.verb == Verb::List && r.resource == "resourceslices")
-    {
-        assert!(tokio::time::Instant::now() < deadline);
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    settle_after_first_slice_list(&node).await;
     assert_eq!(
         node.api.writes("resourceslices"),
         0,
@@ -672,4 +661,56 @@ async fn hostile_claim_references_get_errors_and_the_plugin_keeps_serving() {
     let answer = kubelet.prepare(std::slice::from_ref(&claim)).await.unwrap();
     ok_devices(&answer, &claim);
     plugin.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_node_is_split_into_slices_the_api_server_accepts() {
+    let node = Harness::new("l40s-4").await;
+    let mut config = node.config.clone();
+    config.backend = gpu_dra::plugin::BackendChoice::Fake {
+        profile: node.write_h100_profile(200).display().to_string(),
+    };
+    let plugin = gpu_dra::plugin::start(config.clone(), node.api.client())
+        .await
+        .unwrap();
+    let slices = node.wait_for_slices_where(|s| s.len() == 2).await;
+    let mut sizes: Vec<usize> = slices
+        .iter()
+        .map(|s| s.spec.devices.as_ref().unwrap().len())
+        .collect();
+    sizes.sort();
+    assert_eq!(sizes, vec![72, 128], "at most 128 devices per slice");
+    assert!(slices.iter().all(|s| s.spec.pool.resource_slice_count == 2));
+    assert!(slices
+        .iter()
+        .all(|s| s.spec.pool.generation == slices[0].spec.pool.generation));
+    plugin.shutdown().await;
+
+    // Restarting a multi-slice pool with nothing changed writes nothing either.
+    node.api.clear_requests();
+    let plugin = gpu_dra::plugin::start(config, node.api.client())
+        .await
+        .unwrap();
+    settle_after_first_slice_list(&node).await;
+    assert_eq!(node.api.writes("resourceslices"), 0);
+    plugin.shutdown().await;
+}
+
+/// Waits until a (re)started publisher has listed the slices once, and a little longer, so that
+/// whatever it decided to write has been written.
+async fn settle_after_first_slice_list(node: &Harness) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !node
+        .api
+        .requests()
+        .iter()
+        .any(|r| r.verb == Verb::List && r.resource == "resourceslices")
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the publisher never listed"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
 }

@@ -214,7 +214,13 @@ impl Preparer {
 
     /// Claims currently prepared (completed), by UID.
     pub fn prepared_claims(&self) -> BTreeMap<String, ClaimRecord> {
-        lock(&self.state).data.claims.clone()
+        lock(&self.state)
+            .data
+            .claims
+            .iter()
+            .filter(|(_, record)| record.state == ClaimState::Completed)
+            .map(|(uid, record)| (uid.clone(), record.clone()))
+            .collect()
     }
 
     async fn prepare_one(&self, claim: &ClaimRef) -> Result<Vec<PreparedDevice>, ClaimError> {

@@ -714,3 +714,33 @@ async fn settle_after_first_slice_list(node: &Harness) {
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slices_follow_a_node_that_was_re_created() {
+    let node = Harness::new("l40s-4").await;
+    let plugin = node.start_plugin().await;
+    let before = node.wait_for_slices().await;
+    let old_uid = before[0].metadata.owner_references.as_ref().unwrap()[0]
+        .uid
+        .clone();
+
+    // The Node is deleted and registers again (new UID); the garbage collector removes its slices.
+    node.api.remove("nodes", None, NODE).unwrap();
+    node.api.insert(
+        "nodes",
+        serde_json::json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE}}),
+    );
+    let new_uid = node.api.get("nodes", None, NODE).unwrap()["metadata"]["uid"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_ne!(old_uid, new_uid);
+    node.api.remove_where("resourceslices", |_| true);
+    let after = node
+        .wait_for_slices_where(|s| {
+            s.len() == 1 && s[0].metadata.owner_references.as_ref().unwrap()[0].uid == new_uid
+        })
+        .await;
+    assert_eq!(after[0].spec.devices.as_ref().unwrap().len(), 4);
+    plugin.shutdown().await;
+}

@@ -64,7 +64,6 @@ pub struct Publisher {
     nodes: Api<Node>,
     driver: String,
     node_name: String,
-    node_uid: tokio::sync::Mutex<Option<String>>,
     metrics: Arc<Metrics>,
 }
 
@@ -75,7 +74,6 @@ impl Publisher {
             nodes: Api::all(client),
             driver: driver.to_string(),
             node_name: node_name.to_string(),
-            node_uid: tokio::sync::Mutex::new(None),
             metrics,
         }
     }
@@ -87,11 +85,9 @@ impl Publisher {
         )
     }
 
+    /// The Node's UID, read on every sync: a Node deleted and re-created under the same name has a new
+    /// UID, and slices still owned by the old one would be garbage-collected over and over.
     async fn node_uid(&self) -> Result<String, PublishError> {
-        let mut cached = self.node_uid.lock().await;
-        if let Some(uid) = cached.as_ref() {
-            return Ok(uid.clone());
-        }
         let node = self.nodes.get(&self.node_name).await.map_err(|source| {
             self.metrics.api_error("get_node");
             PublishError::Node {
@@ -99,9 +95,7 @@ impl Publisher {
                 source,
             }
         })?;
-        let uid = node.metadata.uid.unwrap_or_default();
-        *cached = Some(uid.clone());
-        Ok(uid)
+        Ok(node.metadata.uid.unwrap_or_default())
     }
 
     /// Makes the stored slices match `devices`; returns what it wrote.

@@ -95,9 +95,10 @@ pub fn open_backend(
 ) -> Result<Arc<dyn GpuBackend>, GpuError> {
     match choice {
         BackendChoice::Fake { profile } => Ok(Arc::new(FakeBackend::new(node_name, profile)?)),
-        BackendChoice::Nvml => Err(GpuError::Unavailable(
-            "nvml (not built yet; use --backend fake)".to_string(),
-        )),
+        BackendChoice::Nvml => Err(GpuError::Unavailable {
+            backend: "nvml".to_string(),
+            reason: "the NVML backend is not built yet; use --backend fake".to_string(),
+        }),
     }
 }
 

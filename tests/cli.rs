@@ -98,7 +98,11 @@ fn mistakes_get_clear_errors() {
 
     let output = gpu_dra(&["devices", "--backend", "nvml"]);
     assert!(!output.status.success());
-    assert!(String::from_utf8_lossy(&output.stderr).contains("nvml"));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("GPU backend nvml is not available"),
+        "{stderr}"
+    );
 }
 
 #[test]

@@ -65,8 +65,8 @@ pub enum GpuError {
     },
     #[error("fake GPU profile {path} is malformed: {message}")]
     MalformedProfile { path: String, message: String },
-    #[error("backend {0:?} is not available in this build")]
-    Unavailable(String),
+    #[error("GPU backend {backend} is not available in this build: {reason}")]
+    Unavailable { backend: String, reason: String },
 }
 
 /// The source of truth about the node's GPUs.

@@ -744,3 +744,23 @@ async fn slices_follow_a_node_that_was_re_created() {
     assert_eq!(after[0].spec.devices.as_ref().unwrap().len(), 4);
     plugin.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn subrequests_answer_with_the_request_name_and_share_ids_pass_through() {
+    let node = Harness::new("l40s-4").await;
+    let plugin = node.start_plugin().await;
+    let kubelet = node.kubelet().await;
+    node.wait_for_slices().await;
+    let claim = node.allocated_claim("first-available", 1).await;
+    let share_id = "7f3e2a10-1b2c-4d5e-8f90-a1b2c3d4e5f6";
+    patch_result(&node, "first-available", |r| {
+        r["request"] = "gpus/large".into();
+        r["shareID"] = share_id.into();
+    });
+    let answer = kubelet.prepare(std::slice::from_ref(&claim)).await.unwrap();
+    let device = &ok_devices(&answer, &claim)[0];
+    // Containers name the request, never the subrequest, so that is what the kubelet must get.
+    assert_eq!(device.request_names, vec!["gpus"]);
+    assert_eq!(device.share_id.as_deref(), Some(share_id));
+    plugin.shutdown().await;
+}

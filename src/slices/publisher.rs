@@ -116,8 +116,8 @@ impl Publisher {
             .items;
         let desired = desired_slices(&self.driver, &self.node_name, &node_uid, devices);
         let reconciliation = reconcile(&stored, &desired, &self.node_name);
-        self.metrics.set_published_devices(devices.len());
         if reconciliation.is_noop {
+            self.metrics.set_published_devices(devices.len());
             return Ok(SyncStats::default());
         }
 
@@ -157,6 +157,7 @@ impl Publisher {
                 }
             }
         }
+        self.metrics.set_published_devices(devices.len());
         info!(
             created = stats.created,
             updated = stats.updated,

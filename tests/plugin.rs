@@ -126,12 +126,18 @@ async fn publishes_then_prepares_and_unprepares_a_claim() {
         "never-seen",
         "0b5e6a1c-2f3d-4e5f-8a9b-0c1d2e3f4a5b",
     );
+    // A spec left behind for a claim the plugin no longer knows is removed by its unprepare.
+    let leftover = node
+        .cdi_dir()
+        .join(format!("k8s.{DRIVER}-gpu_{}.json", unknown.uid));
+    std::fs::write(&leftover, "{}").unwrap();
     let answer = kubelet
         .unprepare(&[claim.clone(), unknown.clone()])
         .await
         .unwrap();
     assert_eq!(answer.get(&claim.uid), Some(&Ok(())));
     assert_eq!(answer.get(&unknown.uid), Some(&Ok(())));
+    assert!(!leftover.exists());
     plugin.shutdown().await;
 }
 

@@ -270,23 +270,30 @@ impl Preparer {
 
     async fn unprepare_one(&self, claim: &ClaimRef) -> Result<(), ClaimError> {
         check_ref(claim)?;
-        if !lock(&self.state).data.claims.contains_key(&claim.uid) {
-            // Already gone from memory; make sure the disk agrees too, in case the write that
-            // recorded its removal failed last time.
-            return self.persist(claim).await;
+        let known = lock(&self.state).data.claims.contains_key(&claim.uid);
+        if known {
+            self.release(claim);
         }
-        let cdi = self.cdi.clone();
-        let uid = claim.uid.clone();
-        tokio::task::spawn_blocking(move || cdi.remove_claim_spec(&uid))
-            .await
+        // The spec is removed even for a claim we no longer know: an earlier attempt may have
+        // forgotten the claim and then failed to remove it. Removal and the checkpoint write run
+        // together; after a crash between them recovery converges either way (an unowned spec is
+        // removed, a kept claim's missing spec is written again for the kubelet's retry).
+        let remove_spec = {
+            let cdi = self.cdi.clone();
+            let uid = claim.uid.clone();
+            tokio::task::spawn_blocking(move || cdi.remove_claim_spec(&uid))
+        };
+        let (removed, recorded) = tokio::join!(remove_spec, self.persist(claim));
+        removed
             .map_err(|e| internal(&claim.to_string(), e))?
             .map_err(|source| ClaimError::Cdi {
                 claim: claim.to_string(),
                 source,
             })?;
-        self.release(claim);
-        self.persist(claim).await?;
-        info!("claim unprepared");
+        recorded?;
+        if known {
+            info!("claim unprepared");
+        }
         Ok(())
     }
 

@@ -770,3 +770,50 @@ async fn subrequests_answer_with_the_request_name_and_share_ids_pass_through() {
     assert_eq!(device.share_id.as_deref(), Some(share_id));
     plugin.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn different_claims_run_in_parallel_and_one_claims_calls_one_at_a_time() {
+    let node = Harness::new("dgx-h100").await;
+    let plugin = node.start_plugin().await;
+    let kubelet = node.kubelet().await;
+    node.wait_for_slices().await;
+    let mut claims = Vec::new();
+    for i in 0..4 {
+        claims.push(node.allocated_claim_named(i).await);
+    }
+    let shared = node.allocated_claim("shared", 1).await;
+
+    // Every API request now takes 500 ms. Four claims one after the other would need 2 s.
+    node.api.set_latency(Duration::from_millis(500));
+    node.api.clear_requests();
+    let started = tokio::time::Instant::now();
+    let answer = kubelet.prepare(&claims).await.unwrap();
+    assert!(answer.values().all(Result::is_ok), "{answer:?}");
+    let elapsed = started.elapsed();
+    assert!(
+        elapsed < Duration::from_millis(1500),
+        "claims were prepared one by one: {elapsed:?}"
+    );
+
+    // Three calls for one claim at once: the first reads the claim, the others wait for it and get
+    // its answer from the checkpoint, so the API server sees exactly one read.
+    let calls: Vec<_> = (0..3)
+        .map(|_| {
+            let kubelet = kubelet.clone();
+            let shared = shared.clone();
+            tokio::spawn(async move { kubelet.prepare(&[shared]).await })
+        })
+        .collect();
+    for call in calls {
+        let answer = call.await.unwrap().unwrap();
+        assert!(answer.values().all(Result::is_ok), "{answer:?}");
+    }
+    let reads = node
+        .api
+        .requests()
+        .iter()
+        .filter(|r| r.verb == Verb::Get && r.name.as_deref() == Some("shared"))
+        .count();
+    assert_eq!(reads, 1);
+    plugin.shutdown().await;
+}

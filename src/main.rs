@@ -40,6 +40,11 @@ enum Command {
 enum FakeCommand {
     /// List the built-in fake GPU profiles.
     Profiles,
+    /// Print a built-in profile as YAML: a starting point for a custom `--fake-profile` file.
+    Show {
+        /// A built-in profile name (see `gpu-dra fake profiles`).
+        name: String,
+    },
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -142,6 +147,18 @@ fn main() -> Result<()> {
             command: FakeCommand::Profiles,
         } => {
             print!("{}", gpu_dra::gpu::describe_builtin_profiles());
+            Ok(())
+        }
+        Command::Fake {
+            command: FakeCommand::Show { name },
+        } => {
+            let profile = gpu_dra::gpu::builtin_profile(&name).with_context(|| {
+                format!(
+                    "unknown fake GPU profile {name:?} (built-in profiles: {})",
+                    gpu_dra::gpu::builtin_profile_names().join(", ")
+                )
+            })?;
+            print!("{}", serde_yaml::to_string(&profile)?);
             Ok(())
         }
     }

@@ -37,6 +37,30 @@ fn fake_profiles_lists_the_builtins() {
 }
 
 #[test]
+fn a_shown_profile_is_a_valid_profile_file() {
+    let yaml = stdout(&gpu_dra(&["fake", "show", "l40s-4"]));
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("mine.yaml");
+    std::fs::write(&path, yaml.replace("l40s-4", "mine")).unwrap();
+    let json = stdout(&gpu_dra(&[
+        "devices",
+        "--backend",
+        "fake",
+        "--fake-profile",
+        path.to_str().unwrap(),
+        "-o",
+        "json",
+    ]));
+    let slices: Vec<k8s_openapi::api::resource::v1::ResourceSlice> =
+        serde_json::from_str(&json).unwrap();
+    assert_eq!(slices[0].spec.devices.as_ref().unwrap().len(), 4);
+
+    let output = gpu_dra(&["fake", "show", "nope"]);
+    assert!(!output.status.success());
+    assert!(String::from_utf8_lossy(&output.stderr).contains("unknown fake GPU profile \"nope\""));
+}
+
+#[test]
 fn devices_prints_the_slices_as_json_yaml_and_table() {
     let json = stdout(&gpu_dra(&[
         "devices",

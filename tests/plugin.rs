@@ -418,6 +418,27 @@ async fn a_device_prepared_for_one_claim_is_refused_to_another() {
         .await
         .unwrap();
     assert_eq!(ok_devices(&answer, &second)[0].device_name, "gpu-0");
+
+    // Admin access (say, a monitoring pod) shares the device with the claim that holds it.
+    let monitor = node.allocated_claim("monitor", 1).await;
+    patch_result(&node, "monitor", |r| {
+        r["device"] = "gpu-0".into();
+        r["adminAccess"] = true.into();
+    });
+    let answer = kubelet
+        .prepare(std::slice::from_ref(&monitor))
+        .await
+        .unwrap();
+    assert_eq!(ok_devices(&answer, &monitor)[0].device_name, "gpu-0");
+    // ...and does not stop a normal claim from taking the device once its holder lets go.
+    kubelet
+        .unprepare(std::slice::from_ref(&second))
+        .await
+        .unwrap();
+    let third = node.allocated_claim("third", 1).await;
+    patch_result(&node, "third", |r| r["device"] = "gpu-0".into());
+    let answer = kubelet.prepare(std::slice::from_ref(&third)).await.unwrap();
+    assert_eq!(ok_devices(&answer, &third)[0].device_name, "gpu-0");
     plugin.shutdown().await;
 }
 

@@ -25,6 +25,7 @@ fn record(name: &str, state: ClaimState, device: &str, uid: &str) -> ClaimRecord
             device: device.into(),
             cdi_device_ids: vec![format!("k8s.{DRIVER}/gpu={uid}-{device}")],
             share_id: None,
+            admin_access: false,
         }],
     }
 }

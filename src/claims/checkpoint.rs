@@ -52,6 +52,9 @@ pub struct PreparedDevice {
     pub cdi_device_ids: Vec<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub share_id: Option<String>,
+    /// Allocated with admin access: the device is not taken away from other claims.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub admin_access: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -177,6 +180,7 @@ mod tests {
                     device: "gpu-0".into(),
                     cdi_device_ids: vec!["k8s.gpu.dra.dev/gpu=uid-1-gpu-0".into()],
                     share_id: None,
+                    admin_access: false,
                 }],
             },
         );

@@ -106,8 +106,6 @@ struct State {
     data: CheckpointData,
     /// Bumped on every change of `data`; the checkpoint writer persists up to a revision.
     revision: u64,
-    /// Device name → UID of the claim it is prepared for (exclusive devices only).
-    owners: HashMap<String, String>,
 }
 
 pub struct ClaimsConfig {
@@ -153,7 +151,6 @@ impl Preparer {
             state: Mutex::new(State {
                 data: CheckpointData::default(),
                 revision: 0,
-                owners: HashMap::new(),
             }),
             persisted: tokio::sync::Mutex::new(0),
             claim_locks: Mutex::new(HashMap::new()),
@@ -232,9 +229,9 @@ impl Preparer {
         }
         let resource_claim = self.fetch(claim).await?;
         let inventory = self.inventory.borrow().clone();
-        let (devices, shared) = self.allocated_devices(claim, &resource_claim, &inventory)?;
+        let devices = self.allocated_devices(claim, &resource_claim, &inventory)?;
 
-        self.reserve(claim, &devices, &shared)?;
+        self.reserve(claim, &devices)?;
         // The `started` record and the CDI spec are written at the same time: a spec that reaches the
         // disk before its record is still cleaned up after a crash, because recovery removes every
         // spec that no completed claim owns.
@@ -344,14 +341,13 @@ impl Preparer {
     }
 
     /// This driver's devices in this node's pool from the claim's allocation, grouped by device, each
-    /// checked against what the node publishes. The second value names the devices allocated with admin
-    /// access, which do not make the device exclusive.
+    /// checked against what the node publishes.
     fn allocated_devices(
         &self,
         claim: &ClaimRef,
         resource_claim: &ResourceClaim,
         inventory: &Inventory,
-    ) -> Result<(Vec<PreparedDevice>, Vec<String>), ClaimError> {
+    ) -> Result<Vec<PreparedDevice>, ClaimError> {
         let results = resource_claim
             .status
             .as_ref()
@@ -361,7 +357,6 @@ impl Preparer {
             .map(Vec::as_slice)
             .unwrap_or_default();
         let mut devices: Vec<PreparedDevice> = Vec::new();
-        let mut admin_access = Vec::new();
         for result in results
             .iter()
             .filter(|r| r.driver == self.driver && r.pool == self.pool)
@@ -379,9 +374,6 @@ impl Preparer {
                 .next()
                 .unwrap_or_default()
                 .to_string();
-            if result.admin_access == Some(true) {
-                admin_access.push(result.device.clone());
-            }
             match devices.iter_mut().find(|d| d.device == result.device) {
                 Some(existing) if !existing.request_names.contains(&request) => {
                     existing.request_names.push(request)
@@ -393,6 +385,7 @@ impl Preparer {
                     device: result.device.clone(),
                     cdi_device_ids: vec![self.cdi.qualified_device_id(&claim.uid, &result.device)],
                     share_id: result.share_id.clone(),
+                    admin_access: result.admin_access == Some(true),
                 }),
             }
         }
@@ -403,40 +396,29 @@ impl Preparer {
                 pool: self.pool.clone(),
             });
         }
-        Ok((devices, admin_access))
+        Ok(devices)
     }
 
     /// Takes the devices for the claim and records it as started, or fails if another claim holds one.
-    fn reserve(
-        &self,
-        claim: &ClaimRef,
-        devices: &[PreparedDevice],
-        shared: &[String],
-    ) -> Result<(), ClaimError> {
+    /// Whole GPUs are exclusive, except that admin access (monitoring, debugging) shares a device with
+    /// whoever else has it.
+    fn reserve(&self, claim: &ClaimRef, devices: &[PreparedDevice]) -> Result<(), ClaimError> {
         let mut state = lock(&self.state);
-        for device in devices.iter().filter(|d| !shared.contains(&d.device)) {
-            if let Some(owner) = state
-                .owners
-                .get(&device.device)
-                .filter(|owner| **owner != claim.uid)
-            {
-                let owner = state
-                    .data
-                    .claims
-                    .get(owner)
-                    .map(|record| describe(owner, record))
-                    .unwrap_or_else(|| owner.clone());
+        for device in devices.iter().filter(|d| !d.admin_access) {
+            let holder = state.data.claims.iter().find(|(uid, record)| {
+                **uid != claim.uid
+                    && record
+                        .devices
+                        .iter()
+                        .any(|held| held.device == device.device && !held.admin_access)
+            });
+            if let Some((uid, record)) = holder {
                 return Err(ClaimError::DeviceInUse {
                     claim: claim.to_string(),
                     device: device.device.clone(),
-                    owner,
+                    owner: describe(uid, record),
                 });
             }
-        }
-        for device in devices.iter().filter(|d| !shared.contains(&d.device)) {
-            state
-                .owners
-                .insert(device.device.clone(), claim.uid.clone());
         }
         state.data.claims.insert(
             claim.uid.clone(),
@@ -463,7 +445,6 @@ impl Preparer {
     fn release(&self, claim: &ClaimRef) {
         let mut state = lock(&self.state);
         state.data.claims.remove(&claim.uid);
-        state.owners.retain(|_, owner| *owner != claim.uid);
         state.revision += 1;
     }
 
@@ -543,18 +524,6 @@ fn is_transient(error: &kube::Error) -> bool {
         kube::Error::HyperError(_) | kube::Error::Service(_) => true,
         _ => false,
     }
-}
-
-fn owners_of(data: &CheckpointData) -> HashMap<String, String> {
-    data.claims
-        .iter()
-        .flat_map(|(uid, record)| {
-            record
-                .devices
-                .iter()
-                .map(move |d| (d.device.clone(), uid.clone()))
-        })
-        .collect()
 }
 
 fn describe(uid: &str, record: &ClaimRecord) -> String {

@@ -6,7 +6,7 @@ use tracing::{info, warn};
 
 use super::checkpoint::{self, CheckpointData, CheckpointError};
 use super::edits::write_spec_with;
-use super::{describe, lock, owners_of, ClaimError, ClaimState, Preparer, Recovery};
+use super::{describe, lock, ClaimError, ClaimState, Preparer, Recovery};
 
 impl Preparer {
     pub(super) fn recover(&self) -> Result<Recovery, ClaimError> {
@@ -84,7 +84,6 @@ impl Preparer {
         }
         self.checkpoint.store(&data).map_err(checkpoint_error)?;
         let mut state = lock(&self.state);
-        state.owners = owners_of(&data);
         state.data = data;
         info!(
             kept = recovery.kept.len(),

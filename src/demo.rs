@@ -9,7 +9,7 @@ use anyhow::{bail, Context, Result};
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 use kube::api::{Api, ListParams, PostParams};
 
-use crate::plugin::{BackendChoice, PluginConfig};
+use crate::plugin::PluginConfig;
 use crate::support::apiserver::ApiServer;
 use crate::support::kubelet::{ClaimRef, KubeletDouble};
 use crate::support::scheduler;
@@ -38,16 +38,8 @@ pub async fn run(out: &mut impl Write) -> Result<()> {
     say(out, &format!("created Node {NODE}"))?;
 
     let config = PluginConfig {
-        driver_name: DRIVER.to_string(),
-        node_name: NODE.to_string(),
-        registry_dir: root.join("plugins_registry"),
-        plugins_dir: root.join("plugins"),
-        cdi_root: root.join("cdi"),
-        backend: BackendChoice::Fake {
-            profile: "dgx-h100".to_string(),
-        },
         http_addr: Some(([127, 0, 0, 1], 0).into()),
-        rescan_interval: Duration::from_secs(5),
+        ..PluginConfig::fake_node_under(root, DRIVER, NODE, "dgx-h100")
     };
     let plugin = crate::plugin::start(config.clone(), api.client()).await?;
     step(
@@ -122,13 +114,8 @@ pub async fn run(out: &mut impl Write) -> Result<()> {
         ("demo-pod", "demo-pod-uid"),
     )
     .await?;
-    let result = allocated
-        .status
-        .as_ref()
-        .and_then(|s| s.allocation.as_ref())
-        .and_then(|a| a.devices.as_ref())
-        .and_then(|d| d.results.as_ref())
-        .and_then(|r| r.first())
+    let result = crate::claims::allocation_results(&allocated)
+        .first()
         .context("the claim has no allocation result")?;
     step(
         out,

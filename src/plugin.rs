@@ -47,6 +47,28 @@ pub struct PluginConfig {
 }
 
 impl PluginConfig {
+    /// A node laid out under one directory (`plugins_registry/`, `plugins/`, `cdi/`) with the fake
+    /// backend, HTTP off and a 5 s rescan: what the demo, the tests and the benchmark run.
+    pub fn fake_node_under(
+        root: &std::path::Path,
+        driver: &str,
+        node: &str,
+        profile: &str,
+    ) -> Self {
+        PluginConfig {
+            driver_name: driver.to_string(),
+            node_name: node.to_string(),
+            registry_dir: root.join("plugins_registry"),
+            plugins_dir: root.join("plugins"),
+            cdi_root: root.join("cdi"),
+            backend: BackendChoice::Fake {
+                profile: profile.to_string(),
+            },
+            http_addr: None,
+            rescan_interval: Duration::from_secs(5),
+        }
+    }
+
     /// The DRA socket: `<plugins-dir>/<driver>/dra.sock`.
     pub fn dra_socket(&self) -> PathBuf {
         self.plugin_dir().join("dra.sock")

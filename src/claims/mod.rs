@@ -348,14 +348,7 @@ impl Preparer {
         resource_claim: &ResourceClaim,
         inventory: &Inventory,
     ) -> Result<Vec<PreparedDevice>, ClaimError> {
-        let results = resource_claim
-            .status
-            .as_ref()
-            .and_then(|s| s.allocation.as_ref())
-            .and_then(|a| a.devices.as_ref())
-            .and_then(|d| d.results.as_ref())
-            .map(Vec::as_slice)
-            .unwrap_or_default();
+        let results = allocation_results(resource_claim);
         let mut devices: Vec<PreparedDevice> = Vec::new();
         for result in results
             .iter()
@@ -500,6 +493,19 @@ impl Preparer {
         }
         result
     }
+}
+
+/// The device results of a claim's allocation (all drivers, all pools); empty when not allocated.
+pub fn allocation_results(
+    claim: &ResourceClaim,
+) -> &[k8s_openapi::api::resource::v1::DeviceRequestAllocationResult] {
+    claim
+        .status
+        .as_ref()
+        .and_then(|s| s.allocation.as_ref())
+        .and_then(|a| a.devices.as_ref())
+        .and_then(|d| d.results.as_deref())
+        .unwrap_or_default()
 }
 
 fn check_ref(claim: &ClaimRef) -> Result<(), ClaimError> {

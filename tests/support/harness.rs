@@ -11,7 +11,7 @@ use kube::api::{Api, ListParams, PostParams};
 use super::apiserver::ApiServer;
 use super::kubelet::{ClaimRef, KubeletDouble};
 use super::scheduler;
-use crate::plugin::{BackendChoice, PluginConfig};
+use crate::plugin::PluginConfig;
 
 pub const DRIVER: &str = "gpu.dra.dev";
 pub const NODE: &str = "node-a";
@@ -33,16 +33,8 @@ impl Harness {
         let dir = tempfile::tempdir().expect("temp dir");
         let root = dir.path();
         let config = PluginConfig {
-            driver_name: DRIVER.to_string(),
-            node_name: NODE.to_string(),
-            registry_dir: root.join("plugins_registry"),
-            plugins_dir: root.join("plugins"),
-            cdi_root: root.join("cdi"),
-            backend: BackendChoice::Fake {
-                profile: profile.to_string(),
-            },
-            http_addr: None,
             rescan_interval: Duration::from_millis(100),
+            ..PluginConfig::fake_node_under(root, DRIVER, NODE, profile)
         };
         Harness { api, dir, config }
     }

@@ -165,21 +165,11 @@ async fn allocated_devices(client: &kube::Client) -> Result<BTreeSet<Candidate>,
         .await?
         .items
         .iter()
-        .filter_map(|c| {
-            c.status
-                .as_ref()?
-                .allocation
-                .as_ref()?
-                .devices
-                .as_ref()?
-                .results
-                .clone()
-        })
-        .flatten()
+        .flat_map(crate::claims::allocation_results)
         .map(|r| Candidate {
-            driver: r.driver,
-            pool: r.pool,
-            device: r.device,
+            driver: r.driver.clone(),
+            pool: r.pool.clone(),
+            device: r.device.clone(),
         })
         .collect())
 }

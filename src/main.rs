@@ -7,6 +7,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
+use gpu_dra::devices::MigMode;
 use gpu_dra::observability::{init_logging, LogFormat};
 use gpu_dra::plugin::{BackendChoice, PluginConfig};
 
@@ -66,14 +67,28 @@ struct BackendArgs {
     /// Built-in fake profile name or YAML profile path (with --backend fake).
     #[arg(long, env = "FAKE_GPU_PROFILE", default_value = "dgx-h100")]
     fake_profile: String,
+    /// File where the fake GPUs keep MIG devices created at run time, so they outlive plugin restarts
+    /// as real GPU state does (with --backend fake); in memory when absent.
+    #[arg(long, env = "FAKE_GPU_STATE")]
+    fake_state: Option<PathBuf>,
+    /// Where the host's root filesystem (with the NVIDIA driver) is mounted (with --backend nvml).
+    #[arg(long, env = "NVIDIA_DRIVER_ROOT", default_value = "/")]
+    driver_root: PathBuf,
+    /// How MIG-capable GPUs are published: none (whole GPUs), static (the MIG devices an admin made),
+    /// dynamic (every profile and placement, created on demand).
+    #[arg(long, env = "MIG_MODE", value_enum, default_value_t = MigMode::Static)]
+    mig_mode: MigMode,
 }
 
 impl BackendArgs {
     fn choice(&self) -> BackendChoice {
         match self.backend {
-            Backend::Nvml => BackendChoice::Nvml,
+            Backend::Nvml => BackendChoice::Nvml {
+                driver_root: self.driver_root.clone(),
+            },
             Backend::Fake => BackendChoice::Fake {
                 profile: self.fake_profile.clone(),
+                state_file: self.fake_state.clone(),
             },
         }
     }
@@ -131,6 +146,10 @@ struct DevicesArgs {
     backend: BackendArgs,
     #[arg(short = 'o', long, value_enum, default_value = "table")]
     output: Output,
+    /// The Kubernetes minor version whose slice layout to print (34: counter sets beside devices;
+    /// 35 and later: counter sets in slices of their own).
+    #[arg(long, default_value_t = 35)]
+    kubernetes_minor: u32,
 }
 
 fn main() -> Result<()> {
@@ -189,6 +208,7 @@ fn run_plugin(args: PluginArgs) -> Result<()> {
         backend: args.backend.choice(),
         http_addr,
         rescan_interval: Duration::from_secs(args.rescan_seconds.max(1)),
+        mig_mode: args.backend.mig_mode,
     };
     let kubeconfig = args.kubeconfig;
     runtime()?.block_on(async move {
@@ -210,8 +230,13 @@ fn run_plugin(args: PluginArgs) -> Result<()> {
 fn print_devices(args: DevicesArgs) -> Result<()> {
     let backend = gpu_dra::plugin::open_backend(&args.backend.choice(), &args.node_name)?;
     let inventory = backend.inventory()?;
-    let devices = gpu_dra::devices::devices(&inventory);
-    let slices = gpu_dra::slices::desired_slices(&args.driver_name, &args.node_name, "", &devices);
+    let node = gpu_dra::devices::node_devices(&inventory, args.backend.mig_mode);
+    let version = gpu_dra::slices::ServerVersion {
+        minor: args.kubernetes_minor,
+    };
+    let slices =
+        gpu_dra::slices::desired_slices(&args.driver_name, &args.node_name, "", &node, version);
+    let devices: Vec<_> = node.devices().cloned().collect();
     let text = match args.output {
         Output::Json => serde_json::to_string_pretty(&slices)? + "\n",
         Output::Yaml => slices

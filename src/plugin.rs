@@ -14,6 +14,7 @@ use tracing::{error, info, warn};
 
 use crate::cdi::CdiRegistry;
 use crate::claims::{self, ClaimsConfig, Preparer, Recovery};
+use crate::devices::{node_devices, MigMode, NodeDevices};
 use crate::gpu::{FakeBackend, GpuBackend, GpuError, Inventory};
 use crate::kubelet::{self, DraV1, DraV1beta1, RegistrationService};
 use crate::observability::{self, Metrics, Readiness};
@@ -25,10 +26,15 @@ use crate::slices::Publisher;
 /// Which GPU backend to read the node from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum BackendChoice {
-    Nvml,
+    Nvml {
+        /// Where the host's root (with the NVIDIA driver's files) is mounted; `/` on a bare host.
+        driver_root: PathBuf,
+    },
     /// A built-in fake profile name or a YAML profile path.
     Fake {
         profile: String,
+        /// Where the fake GPUs keep their MIG state across plugin restarts; in memory when `None`.
+        state_file: Option<PathBuf>,
     },
 }
 
@@ -44,11 +50,13 @@ pub struct PluginConfig {
     pub http_addr: Option<SocketAddr>,
     /// How often the backend is asked whether the GPUs changed.
     pub rescan_interval: Duration,
+    pub mig_mode: MigMode,
 }
 
 impl PluginConfig {
-    /// A node laid out under one directory (`plugins_registry/`, `plugins/`, `cdi/`) with the fake
-    /// backend, HTTP off and a 5 s rescan: what the demo, the tests and the benchmark run.
+    /// A node laid out under one directory (`plugins_registry/`, `plugins/`, `cdi/`, the fake GPU
+    /// state `fake-gpu-state.json`) with the fake backend, static MIG, HTTP off and a 5 s rescan:
+    /// what the demo, the tests and the benchmark run.
     pub fn fake_node_under(
         root: &std::path::Path,
         driver: &str,
@@ -63,9 +71,11 @@ impl PluginConfig {
             cdi_root: root.join("cdi"),
             backend: BackendChoice::Fake {
                 profile: profile.to_string(),
+                state_file: Some(root.join("fake-gpu-state.json")),
             },
             http_addr: None,
             rescan_interval: Duration::from_secs(5),
+            mig_mode: MigMode::Static,
         }
     }
 
@@ -116,8 +126,15 @@ pub fn open_backend(
     node_name: &str,
 ) -> Result<Arc<dyn GpuBackend>, GpuError> {
     match choice {
-        BackendChoice::Fake { profile } => Ok(Arc::new(FakeBackend::new(node_name, profile)?)),
-        BackendChoice::Nvml => Err(GpuError::Unavailable {
+        BackendChoice::Fake {
+            profile,
+            state_file,
+        } => Ok(Arc::new(FakeBackend::with_state_file(
+            node_name,
+            profile,
+            state_file.clone(),
+        )?)),
+        BackendChoice::Nvml { .. } => Err(GpuError::Unavailable {
             backend: "nvml".to_string(),
             reason: "the NVML backend is not built yet; use --backend fake".to_string(),
         }),
@@ -185,7 +202,8 @@ pub async fn start(
     let readiness = Arc::new(Readiness::default());
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
     let (inventory_tx, inventory_rx) = watch::channel(inventory.clone());
-    let (devices_tx, devices_rx) = watch::channel(Arc::new(crate::devices::devices(&inventory)));
+    let (devices_tx, devices_rx) =
+        watch::channel(Arc::new(node_devices(&inventory, config.mig_mode)));
 
     let (preparer, recovery) = Preparer::start(
         ClaimsConfig {
@@ -193,8 +211,10 @@ pub async fn start(
             pool: config.node_name.clone(),
             cdi: CdiRegistry::new(&config.cdi_root, &config.driver_name),
             checkpoint_path: claims::checkpoint_path(&plugin_dir),
+            mig_mode: config.mig_mode,
         },
         client.clone(),
+        backend.clone(),
         inventory_rx,
         metrics.clone(),
     )
@@ -245,6 +265,7 @@ pub async fn start(
     tasks.push(tokio::spawn(rescan(
         backend,
         config.rescan_interval,
+        config.mig_mode,
         inventory_tx,
         devices_tx,
         shutdown_rx.clone(),
@@ -287,8 +308,9 @@ pub async fn start(
 async fn rescan(
     backend: Arc<dyn GpuBackend>,
     interval: Duration,
+    mig_mode: MigMode,
     inventory_tx: watch::Sender<Arc<Inventory>>,
-    devices_tx: watch::Sender<Arc<Vec<k8s_openapi::api::resource::v1::Device>>>,
+    devices_tx: watch::Sender<Arc<NodeDevices>>,
     mut shutdown: watch::Receiver<bool>,
 ) {
     loop {
@@ -311,7 +333,15 @@ async fn rescan(
         };
         if **inventory_tx.borrow() != latest {
             info!(gpus = latest.gpus.len(), "GPU inventory changed");
-            let _ = devices_tx.send(Arc::new(crate::devices::devices(&latest)));
+            let devices = node_devices(&latest, mig_mode);
+            // MIG devices created for claims change the inventory but not what dynamic MIG publishes.
+            devices_tx.send_if_modified(|current| {
+                let changed = **current != devices;
+                if changed {
+                    *current = Arc::new(devices);
+                }
+                changed
+            });
             let _ = inventory_tx.send(Arc::new(latest));
         }
     }

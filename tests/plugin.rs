@@ -547,6 +547,7 @@ async fn an_edited_fake_profile_is_republished() {
     let mut config = node.config.clone();
     config.backend = gpu_dra::plugin::BackendChoice::Fake {
         profile: path.display().to_string(),
+        state_file: None,
     };
     let plugin = gpu_dra::plugin::start(config, node.api.client())
         .await
@@ -696,6 +697,7 @@ async fn a_large_node_is_split_into_slices_the_api_server_accepts() {
     let mut config = node.config.clone();
     config.backend = gpu_dra::plugin::BackendChoice::Fake {
         profile: node.write_h100_profile(200).display().to_string(),
+        state_file: None,
     };
     let plugin = gpu_dra::plugin::start(config.clone(), node.api.client())
         .await

@@ -26,6 +26,7 @@ fn record(name: &str, state: ClaimState, device: &str, uid: &str) -> ClaimRecord
             cdi_device_ids: vec![format!("k8s.{DRIVER}/gpu={uid}-{device}")],
             share_id: None,
             admin_access: false,
+            mig: None,
         }],
     }
 }

@@ -55,6 +55,24 @@ pub struct PreparedDevice {
     /// Allocated with admin access: the device is not taken away from other claims.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub admin_access: bool,
+    /// The MIG device behind a MIG device name, once known (created, or found in static mode).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mig: Option<PreparedMig>,
+}
+
+/// A MIG device a claim uses.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PreparedMig {
+    pub parent_uuid: String,
+    /// `MIG-...`, as CUDA sees it.
+    pub uuid: String,
+    pub gpu_instance_id: u32,
+    pub compute_instance_id: u32,
+    /// Capability files (`/dev/nvidia-caps/nvidia-cap<N>`) the container needs for it.
+    pub device_files: Vec<String>,
+    /// Created for this claim (dynamic MIG), so unprepare destroys it; static MIG devices stay.
+    pub created: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -181,6 +199,7 @@ mod tests {
                     cdi_device_ids: vec!["k8s.gpu.dra.dev/gpu=uid-1-gpu-0".into()],
                     share_id: None,
                     admin_access: false,
+                    mig: None,
                 }],
             },
         );

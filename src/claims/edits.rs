@@ -1,5 +1,6 @@
-//! What goes into a claim's CDI spec: for each prepared GPU, its device files, the driver's control
-//! files and an environment variable that names the GPU.
+//! What goes into a claim's CDI spec: for each prepared GPU or MIG device, its device files (the GPU's,
+//! the MIG device's capability files, the driver's control files) and an environment variable that
+//! names the device by UUID.
 
 use super::PreparedDevice;
 use crate::cdi::{CdiRegistry, ContainerEdits, DeviceNode};
@@ -14,25 +15,26 @@ pub(super) fn write_spec_with(
 ) -> Result<(), crate::cdi::CdiError> {
     let edits: Vec<(String, ContainerEdits)> = devices
         .iter()
-        .map(|device| {
-            (
-                device.device.clone(),
-                container_edits(inventory, &device.device),
-            )
-        })
+        .map(|device| (device.device.clone(), container_edits(inventory, device)))
         .collect();
     cdi.write_claim_spec(uid, &edits).map(|_| ())
 }
 
-/// What a container that gets `device` needs: its device file and the driver's control files, and an
-/// environment variable naming the GPU, so the workload (and a person) can see what it was given.
-pub fn container_edits(inventory: &Inventory, device: &str) -> ContainerEdits {
+/// What a container that gets `device` needs: its device files and the driver's control files, and an
+/// environment variable naming the GPU or MIG device, so the workload (and a person) can see what it
+/// was given.
+pub fn container_edits(inventory: &Inventory, device: &PreparedDevice) -> ContainerEdits {
     let mut edits = ContainerEdits::default();
-    let Some(gpu) = find_gpu(inventory, device) else {
+    let Some(gpu) = find_gpu(inventory, &device.device) else {
         return edits;
     };
-    let files =
-        std::iter::once(gpu.device_file()).chain(inventory.control_device_files.iter().cloned());
+    let (own_files, uuid) = match &device.mig {
+        Some(mig) => (mig.device_files.clone(), mig.uuid.clone()),
+        None => (Vec::new(), gpu.uuid.clone()),
+    };
+    let files = std::iter::once(gpu.device_file())
+        .chain(own_files)
+        .chain(inventory.control_device_files.iter().cloned());
     edits.device_nodes = files
         .map(|path| DeviceNode {
             path,
@@ -40,16 +42,20 @@ pub fn container_edits(inventory: &Inventory, device: &str) -> ContainerEdits {
             ..Default::default()
         })
         .collect();
-    let variable = format!(
-        "GPU_DRA_DEVICE_{}",
-        device.to_ascii_uppercase().replace(['-', '.'], "_")
-    );
-    edits.env = vec![format!("{variable}={}", gpu.uuid)];
+    edits.env = vec![format!("{}={uuid}", device_variable(&device.device))];
     edits
 }
 
+/// `GPU_DRA_DEVICE_<NAME>`: the device name in upper case with `-` and `.` as `_`.
+pub fn device_variable(device: &str) -> String {
+    format!(
+        "GPU_DRA_DEVICE_{}",
+        device.to_ascii_uppercase().replace(['-', '.'], "_")
+    )
+}
+
+/// The GPU a device name is on (the parent GPU of a MIG device).
 pub(super) fn find_gpu<'a>(inventory: &'a Inventory, device: &str) -> Option<&'a Gpu> {
-    match DeviceName::parse(device)? {
-        DeviceName::Gpu { minor } => inventory.gpus.iter().find(|gpu| gpu.minor == minor),
-    }
+    let minor = DeviceName::parse(device)?.minor();
+    inventory.gpus.iter().find(|gpu| gpu.minor == minor)
 }

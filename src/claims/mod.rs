@@ -6,6 +6,7 @@
 
 pub mod checkpoint;
 mod edits;
+mod mig;
 pub mod names;
 mod recovery;
 
@@ -20,12 +21,13 @@ use thiserror::Error;
 use tokio::sync::watch;
 use tracing::{info, info_span, warn, Instrument};
 
-pub use checkpoint::{ClaimRecord, ClaimState, PreparedDevice};
-pub use edits::container_edits;
-use edits::{find_gpu, write_spec_with};
+pub use checkpoint::{ClaimRecord, ClaimState, PreparedDevice, PreparedMig};
+use edits::write_spec_with;
+pub use edits::{container_edits, device_variable};
 
 use crate::cdi::CdiRegistry;
-use crate::gpu::Inventory;
+use crate::devices::MigMode;
+use crate::gpu::{GpuBackend, Inventory};
 use crate::observability::Metrics;
 use checkpoint::{CheckpointData, CheckpointError, CheckpointFile};
 
@@ -67,8 +69,18 @@ pub enum ClaimError {
         driver: String,
         pool: String,
     },
-    #[error("ResourceClaim {claim}: device {device} is not published by this node")]
-    UnknownDevice { claim: String, device: String },
+    #[error("ResourceClaim {claim}: device {device} is not published by this node: {reason}")]
+    UnknownDevice {
+        claim: String,
+        device: String,
+        reason: String,
+    },
+    #[error("ResourceClaim {claim}: MIG device {device}: {reason}")]
+    Mig {
+        claim: String,
+        device: String,
+        reason: String,
+    },
     #[error("ResourceClaim {claim}: device {device} is already prepared for claim {owner}")]
     DeviceInUse {
         claim: String,
@@ -98,6 +110,8 @@ pub struct Recovery {
     pub rolled_back: Vec<String>,
     /// CDI spec files no claim owned; removed.
     pub orphan_specs_removed: Vec<String>,
+    /// MIG devices (UUIDs) no kept claim owned, destroyed in dynamic MIG mode.
+    pub mig_devices_destroyed: Vec<String>,
     /// Whether the node rebooted since the checkpoint was written.
     pub rebooted: bool,
 }
@@ -114,6 +128,7 @@ pub struct ClaimsConfig {
     pub pool: String,
     pub cdi: CdiRegistry,
     pub checkpoint_path: std::path::PathBuf,
+    pub mig_mode: MigMode,
 }
 
 /// The claim state machine of one plugin instance.
@@ -123,6 +138,8 @@ pub struct Preparer {
     client: kube::Client,
     cdi: CdiRegistry,
     checkpoint: CheckpointFile,
+    backend: Arc<dyn GpuBackend>,
+    mig_mode: MigMode,
     inventory: watch::Receiver<Arc<Inventory>>,
     metrics: Arc<Metrics>,
     state: Mutex<State>,
@@ -133,10 +150,12 @@ pub struct Preparer {
 
 impl Preparer {
     /// Loads the checkpoint and converges after a crash: started claims are rolled back, completed ones
-    /// kept (their CDI specs re-written if the node lost them), and CDI specs no claim owns removed.
+    /// kept (their CDI specs re-written if the node lost them), CDI specs no claim owns removed, and in
+    /// dynamic MIG mode MIG devices no claim owns destroyed.
     pub async fn start(
         config: ClaimsConfig,
         client: kube::Client,
+        backend: Arc<dyn GpuBackend>,
         inventory: watch::Receiver<Arc<Inventory>>,
         metrics: Arc<Metrics>,
     ) -> Result<(Arc<Preparer>, Recovery), ClaimError> {
@@ -146,6 +165,8 @@ impl Preparer {
             client,
             cdi: config.cdi,
             checkpoint: CheckpointFile::new(config.checkpoint_path),
+            backend,
+            mig_mode: config.mig_mode,
             inventory,
             metrics,
             state: Mutex::new(State {
@@ -229,46 +250,90 @@ impl Preparer {
         }
         let resource_claim = self.fetch(claim).await?;
         let inventory = self.inventory.borrow().clone();
-        let devices = self.allocated_devices(claim, &resource_claim, &inventory)?;
+        let mut devices = self.allocated_devices(claim, &resource_claim, &inventory)?;
 
-        self.reserve(claim, &devices)?;
-        // The `started` record and the CDI spec are written at the same time: a spec that reaches the
-        // disk before its record is still cleaned up after a crash, because recovery removes every
-        // spec that no completed claim owns.
-        let write_spec = {
-            let cdi = self.cdi.clone();
-            let uid = claim.uid.clone();
-            let devices = devices.clone();
-            let inventory = inventory.clone();
-            tokio::task::spawn_blocking(move || write_spec_with(&cdi, &uid, &devices, &inventory))
-        };
-        let (recorded, written) = tokio::join!(self.persist(claim), write_spec);
-        let outcome = recorded.and_then(|()| match written {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(source)) => Err(ClaimError::Cdi {
-                claim: claim.to_string(),
-                source,
-            }),
-            Err(join) => Err(internal(&claim.to_string(), join)),
-        });
-        if let Err(error) = outcome {
-            self.roll_back(claim).await;
+        self.reserve(claim, &inventory, &devices)?;
+        // The `started` record is written while the MIG devices are created and the CDI spec is
+        // written: anything that reaches the node before its record is still cleaned up after a
+        // crash, because recovery removes every spec and (dynamic) MIG device no completed claim owns.
+        let (recorded, made) = tokio::join!(
+            self.persist(claim),
+            self.make_devices(claim, &inventory, &mut devices)
+        );
+        if let Err(error) = recorded.and(made) {
+            self.roll_back(claim, &devices).await;
             return Err(error);
         }
 
-        self.complete(claim);
+        self.complete(claim, &devices);
         if let Err(error) = self.persist(claim).await {
-            self.roll_back(claim).await;
+            self.roll_back(claim, &devices).await;
             return Err(error);
+        }
+        if devices
+            .iter()
+            .any(|d| d.mig.as_ref().is_some_and(|m| m.created))
+        {
+            tokio::spawn(mig::report_status(
+                self.client.clone(),
+                self.driver.clone(),
+                claim.clone(),
+                devices.clone(),
+            ));
         }
         info!(devices = ?devices.iter().map(|d| &d.device).collect::<Vec<_>>(), "claim prepared");
         Ok(devices)
     }
 
+    /// Creates (or finds) the claim's MIG devices, then writes its CDI spec, which names them.
+    async fn make_devices(
+        &self,
+        claim: &ClaimRef,
+        inventory: &Arc<Inventory>,
+        devices: &mut [PreparedDevice],
+    ) -> Result<(), ClaimError> {
+        mig::prepare_mig_devices(&self.backend, inventory, self.mig_mode, devices)
+            .await
+            .map_err(|(device, reason)| ClaimError::Mig {
+                claim: claim.to_string(),
+                device,
+                reason,
+            })?;
+        let cdi = self.cdi.clone();
+        let uid = claim.uid.clone();
+        let snapshot = devices.to_vec();
+        let inventory = inventory.clone();
+        tokio::task::spawn_blocking(move || write_spec_with(&cdi, &uid, &snapshot, &inventory))
+            .await
+            .map_err(|join| internal(&claim.to_string(), join))?
+            .map_err(|source| ClaimError::Cdi {
+                claim: claim.to_string(),
+                source,
+            })
+    }
+
     async fn unprepare_one(&self, claim: &ClaimRef) -> Result<(), ClaimError> {
         check_ref(claim)?;
-        let known = lock(&self.state).data.claims.contains_key(&claim.uid);
-        if known {
+        let held = lock(&self.state)
+            .data
+            .claims
+            .get(&claim.uid)
+            .map(|record| record.devices.clone());
+        let known = held.is_some();
+        if let Some(devices) = held {
+            // MIG devices go first: if one cannot be destroyed the claim stays recorded and the
+            // kubelet's retry tries again.
+            if let Some(reason) = mig::destroy_created(&self.backend, &devices).await {
+                return Err(ClaimError::Mig {
+                    claim: claim.to_string(),
+                    device: devices
+                        .iter()
+                        .find(|d| d.mig.is_some())
+                        .map(|d| d.device.clone())
+                        .unwrap_or_default(),
+                    reason,
+                });
+            }
             self.release(claim);
         }
         // The spec is removed even for a claim we no longer know: an earlier attempt may have
@@ -354,10 +419,11 @@ impl Preparer {
             .iter()
             .filter(|r| r.driver == self.driver && r.pool == self.pool)
         {
-            if find_gpu(inventory, &result.device).is_none() {
+            if let Err(reason) = mig::resolve(inventory, &result.device) {
                 return Err(ClaimError::UnknownDevice {
                     claim: claim.to_string(),
                     device: result.device.clone(),
+                    reason,
                 });
             }
             // The kubelet matches containers to requests by the request's own name, not `request/subrequest`.
@@ -379,6 +445,7 @@ impl Preparer {
                     cdi_device_ids: vec![self.cdi.qualified_device_id(&claim.uid, &result.device)],
                     share_id: result.share_id.clone(),
                     admin_access: result.admin_access == Some(true),
+                    mig: None,
                 }),
             }
         }
@@ -392,24 +459,37 @@ impl Preparer {
         Ok(devices)
     }
 
-    /// Takes the devices for the claim and records it as started, or fails if another claim holds one.
-    /// Whole GPUs are exclusive, except that admin access (monitoring, debugging) shares a device with
-    /// whoever else has it.
-    fn reserve(&self, claim: &ClaimRef, devices: &[PreparedDevice]) -> Result<(), ClaimError> {
+    /// Takes the devices for the claim and records it as started, or fails if another claim holds one
+    /// of them or a device that overlaps it (a whole GPU and its MIG devices, MIG devices sharing
+    /// memory slices). Devices are exclusive, except that admin access (monitoring, debugging) shares
+    /// a device with whoever else has it.
+    fn reserve(
+        &self,
+        claim: &ClaimRef,
+        inventory: &Inventory,
+        devices: &[PreparedDevice],
+    ) -> Result<(), ClaimError> {
         let mut state = lock(&self.state);
         for device in devices.iter().filter(|d| !d.admin_access) {
-            let holder = state.data.claims.iter().find(|(uid, record)| {
-                **uid != claim.uid
-                    && record
-                        .devices
-                        .iter()
-                        .any(|held| held.device == device.device && !held.admin_access)
+            let holder = state.data.claims.iter().find_map(|(uid, record)| {
+                let held = record.devices.iter().find(|held| {
+                    !held.admin_access && mig::conflict(inventory, &held.device, &device.device)
+                });
+                (*uid != claim.uid)
+                    .then_some(held)
+                    .flatten()
+                    .map(|held| (uid, record, held))
             });
-            if let Some((uid, record)) = holder {
+            if let Some((uid, record, held)) = holder {
+                let owner = if held.device == device.device {
+                    describe(uid, record)
+                } else {
+                    format!("{} (which holds {})", describe(uid, record), held.device)
+                };
                 return Err(ClaimError::DeviceInUse {
                     claim: claim.to_string(),
                     device: device.device.clone(),
-                    owner: describe(uid, record),
+                    owner,
                 });
             }
         }
@@ -426,10 +506,12 @@ impl Preparer {
         Ok(())
     }
 
-    fn complete(&self, claim: &ClaimRef) {
+    /// Marks the claim completed with its devices as prepared (MIG devices included).
+    fn complete(&self, claim: &ClaimRef, devices: &[PreparedDevice]) {
         let mut state = lock(&self.state);
         if let Some(record) = state.data.claims.get_mut(&claim.uid) {
             record.state = ClaimState::Completed;
+            record.devices = devices.to_vec();
         }
         state.revision += 1;
     }
@@ -441,9 +523,11 @@ impl Preparer {
         state.revision += 1;
     }
 
-    /// Undoes a prepare that failed half way: spec removed, devices freed, checkpoint updated. Failures
-    /// here are logged; the restart recovery finishes the job if the plugin dies meanwhile.
-    async fn roll_back(&self, claim: &ClaimRef) {
+    /// Undoes a prepare that failed half way: MIG devices it created destroyed, spec removed, devices
+    /// freed, checkpoint updated. Failures here are logged; the restart recovery finishes the job if
+    /// the plugin dies meanwhile.
+    async fn roll_back(&self, claim: &ClaimRef, devices: &[PreparedDevice]) {
+        mig::destroy_created(&self.backend, devices).await;
         if let Err(error) = self.cdi.remove_claim_spec(&claim.uid) {
             warn!(%error, "removing CDI spec during roll-back");
         }

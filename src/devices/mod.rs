@@ -1,9 +1,12 @@
-//! Inventory → DRA devices: device names, attributes and capacities as the scheduler and CEL selectors
-//! see them. Pure functions, no I/O.
+//! Inventory → DRA devices: device names, attributes, capacities, counter sets and what each device
+//! consumes of them. Pure functions, no I/O. Whole GPUs are `gpu-<minor>`; MIG devices
+//! `gpu-<minor>-mig-<profile>-<start>` (see [`mig`]).
+
+pub mod mig;
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::resource::v1::{Device, DeviceAttribute, DeviceCapacity};
+use k8s_openapi::api::resource::v1::{CounterSet, Device, DeviceAttribute, DeviceCapacity};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
 use crate::gpu::{Gpu, Inventory};
@@ -12,46 +15,168 @@ use crate::gpu::{Gpu, Inventory};
 const KUBERNETES_DOMAIN: &str = "resource.kubernetes.io";
 
 /// What a DRA device name stands for; names are stable across restarts and parse back.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum DeviceName {
     /// A whole GPU, `gpu-<minor>`.
     Gpu { minor: u32 },
+    /// A MIG device, `gpu-<minor>-mig-<profile>-<start>`: the parent's minor, the profile in DNS-label
+    /// form (`1g10gb`, `1g10gb-me`) and the memory slice its placement starts at.
+    Mig {
+        minor: u32,
+        profile: String,
+        start: u32,
+    },
 }
 
 impl DeviceName {
     pub fn parse(name: &str) -> Option<DeviceName> {
-        let minor = name.strip_prefix("gpu-")?;
-        // Reject forms like `gpu-007` or `gpu-+1` that would not print back to the same name.
-        if minor.is_empty()
-            || !minor.bytes().all(|b| b.is_ascii_digit())
-            || (minor.len() > 1 && minor.starts_with('0'))
-        {
+        let rest = name.strip_prefix("gpu-")?;
+        let Some((minor, mig)) = rest.split_once("-mig-") else {
+            return parse_number(rest).map(|minor| DeviceName::Gpu { minor });
+        };
+        let (profile, start) = mig.rsplit_once('-')?;
+        let profile_ok = !profile.is_empty()
+            && profile
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+            && !profile.starts_with('-')
+            && !profile.ends_with('-');
+        if !profile_ok {
             return None;
         }
-        minor.parse().ok().map(|minor| DeviceName::Gpu { minor })
+        Some(DeviceName::Mig {
+            minor: parse_number(minor)?,
+            profile: profile.to_string(),
+            start: parse_number(start)?,
+        })
     }
+
+    /// The minor number of the (parent) GPU.
+    pub fn minor(&self) -> u32 {
+        match self {
+            DeviceName::Gpu { minor } | DeviceName::Mig { minor, .. } => *minor,
+        }
+    }
+}
+
+/// A decimal number that prints back the same (no `007`, no `+1`).
+fn parse_number(text: &str) -> Option<u32> {
+    if text.is_empty()
+        || !text.bytes().all(|b| b.is_ascii_digit())
+        || (text.len() > 1 && text.starts_with('0'))
+    {
+        return None;
+    }
+    text.parse().ok()
 }
 
 impl std::fmt::Display for DeviceName {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             DeviceName::Gpu { minor } => write!(f, "gpu-{minor}"),
+            DeviceName::Mig {
+                minor,
+                profile,
+                start,
+            } => write!(f, "gpu-{minor}-mig-{profile}-{start}"),
         }
     }
 }
 
-/// The DRA devices of a node: one per whole GPU, ordered by minor number.
-pub fn devices(inventory: &Inventory) -> Vec<Device> {
-    let mut gpus: Vec<&Gpu> = inventory.gpus.iter().collect();
-    gpus.sort_by_key(|gpu| gpu.minor);
-    gpus.into_iter()
-        .map(|gpu| whole_gpu(inventory, gpu))
-        .collect()
+/// How MIG-capable GPUs are published.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum MigMode {
+    /// Whole GPUs only; GPUs with MIG mode on are not published.
+    None,
+    /// GPUs with MIG mode on publish the MIG devices an admin created; others publish the whole GPU.
+    #[default]
+    Static,
+    /// Every MIG profile at every placement is published as a partitionable device and created on
+    /// demand when a claim is prepared; the whole GPU is published beside them where it can be used.
+    Dynamic,
 }
 
-fn whole_gpu(inventory: &Inventory, gpu: &Gpu) -> Device {
+impl std::fmt::Display for MigMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            MigMode::None => "none",
+            MigMode::Static => "static",
+            MigMode::Dynamic => "dynamic",
+        })
+    }
+}
+
+/// What one GPU publishes: its devices and, when they are partitionable, the counter set they share.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct GpuDevices {
+    pub minor: u32,
+    pub counter_set: Option<CounterSet>,
+    pub devices: Vec<Device>,
+}
+
+/// What a node publishes, GPU by GPU in minor order.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct NodeDevices {
+    pub gpus: Vec<GpuDevices>,
+}
+
+impl NodeDevices {
+    /// Every device, in publishing order.
+    pub fn devices(&self) -> impl Iterator<Item = &Device> {
+        self.gpus.iter().flat_map(|g| g.devices.iter())
+    }
+
+    pub fn device_count(&self) -> usize {
+        self.gpus.iter().map(|g| g.devices.len()).sum()
+    }
+}
+
+/// The DRA devices of a node under the given MIG mode.
+pub fn node_devices(inventory: &Inventory, mig_mode: MigMode) -> NodeDevices {
+    let mut gpus: Vec<&Gpu> = inventory.gpus.iter().collect();
+    gpus.sort_by_key(|gpu| gpu.minor);
+    NodeDevices {
+        gpus: gpus
+            .into_iter()
+            .map(|gpu| gpu_devices(inventory, gpu, mig_mode))
+            .collect(),
+    }
+}
+
+fn gpu_devices(inventory: &Inventory, gpu: &Gpu, mig_mode: MigMode) -> GpuDevices {
+    let mut out = GpuDevices {
+        minor: gpu.minor,
+        ..Default::default()
+    };
+    let mig = gpu.mig.as_ref();
+    let mig_on = mig.is_some_and(|m| m.enabled);
+    match (mig_mode, mig) {
+        (MigMode::Dynamic, Some(mig)) if mig.enabled || mig.toggles_without_reset => {
+            out.counter_set = mig::counter_set(gpu, mig);
+            // The whole GPU can be handed out only where MIG mode can be switched off again without
+            // a reset; on A100 with MIG mode on, only MIG devices are usable.
+            if mig.toggles_without_reset || !mig.enabled {
+                let mut whole = whole_gpu(inventory, gpu);
+                if let Some(set) = &out.counter_set {
+                    whole.consumes_counters = Some(vec![mig::whole_gpu_consumption(set)]);
+                }
+                out.devices.push(whole);
+            }
+            out.devices
+                .extend(mig::dynamic_devices(inventory, gpu, mig));
+        }
+        (MigMode::Static, Some(mig)) if mig.enabled => {
+            out.devices = mig::static_devices(inventory, gpu, mig);
+        }
+        _ if mig_on => {} // MIG mode on but not managed by this mode: the whole GPU is unusable.
+        _ => out.devices.push(whole_gpu(inventory, gpu)),
+    }
+    out
+}
+
+/// The parent-GPU attributes whole GPUs and MIG devices share.
+fn common_attributes(inventory: &Inventory, gpu: &Gpu) -> BTreeMap<String, DeviceAttribute> {
     let mut attributes = BTreeMap::new();
-    attributes.insert("type".to_string(), string("gpu"));
     attributes.insert("uuid".to_string(), string(&gpu.uuid));
     attributes.insert("productName".to_string(), string(&gpu.product_name));
     attributes.insert("brand".to_string(), string(&gpu.brand));
@@ -81,7 +206,12 @@ fn whole_gpu(inventory: &Inventory, gpu: &Gpu) -> Device {
     if let Some(numa) = gpu.numa_node {
         attributes.insert(format!("{KUBERNETES_DOMAIN}/numaNode"), int(numa));
     }
+    attributes
+}
 
+fn whole_gpu(inventory: &Inventory, gpu: &Gpu) -> Device {
+    let mut attributes = common_attributes(inventory, gpu);
+    attributes.insert("type".to_string(), string("gpu"));
     let mut capacity = BTreeMap::new();
     capacity.insert(
         "memory".to_string(),
@@ -90,7 +220,6 @@ fn whole_gpu(inventory: &Inventory, gpu: &Gpu) -> Device {
             ..Default::default()
         },
     );
-
     Device {
         name: DeviceName::Gpu { minor: gpu.minor }.to_string(),
         attributes: Some(attributes),
@@ -99,7 +228,7 @@ fn whole_gpu(inventory: &Inventory, gpu: &Gpu) -> Device {
     }
 }
 
-fn string(value: &str) -> DeviceAttribute {
+pub(crate) fn string(value: &str) -> DeviceAttribute {
     DeviceAttribute {
         string: Some(value.to_string()),
         ..Default::default()
@@ -195,6 +324,13 @@ pub fn table(devices: &[Device]) -> String {
 mod tests {
     use super::*;
     use crate::gpu::{FakeBackend, GpuBackend};
+
+    fn devices(inventory: &Inventory) -> Vec<Device> {
+        node_devices(inventory, MigMode::Static)
+            .devices()
+            .cloned()
+            .collect()
+    }
 
     fn h100() -> Vec<Device> {
         devices(
@@ -309,5 +445,190 @@ mod tests {
         assert_eq!(normalize_version("1.2.3.4"), None);
         assert_eq!(normalize_version("12.x"), None);
         assert_eq!(normalize_version(""), None);
+    }
+
+    fn node(profile: &str, mode: MigMode) -> NodeDevices {
+        node_devices(
+            &FakeBackend::new("node-a", profile)
+                .unwrap()
+                .inventory()
+                .unwrap(),
+            mode,
+        )
+    }
+
+    #[test]
+    fn dynamic_mig_publishes_every_profile_at_every_placement_with_counters() {
+        let node = node("dgx-h100", MigMode::Dynamic);
+        assert_eq!(node.gpus.len(), 8);
+        let gpu = &node.gpus[2];
+        // The whole GPU plus 7 + 7 + 4 + 3 + 2 + 1 + 1 MIG placements.
+        assert_eq!(gpu.devices.len(), 26);
+        assert_eq!(gpu.devices[0].name, "gpu-2");
+        let set = gpu.counter_set.as_ref().unwrap();
+        assert_eq!(set.name, "gpu-2-counters");
+        assert_eq!(set.counters["memory-slice-7"].value.0, "1");
+        assert_eq!(set.counters["compute-slices"].value.0, "7");
+        assert!(set.counters.len() <= 32);
+        for device in &gpu.devices {
+            let parsed = DeviceName::parse(&device.name).unwrap();
+            assert_eq!(parsed.to_string(), device.name);
+            assert_eq!(parsed.minor(), 2);
+            let consumed = device.consumes_counters.as_ref().unwrap();
+            assert_eq!(consumed.len(), 1);
+            assert_eq!(consumed[0].counter_set, set.name);
+            for name in consumed[0].counters.keys() {
+                assert!(set.counters.contains_key(name), "{name}");
+            }
+            let count =
+                device.attributes.as_ref().unwrap().len() + device.capacity.as_ref().unwrap().len();
+            assert!(count <= 32, "{}: {count}", device.name);
+        }
+        let mig = gpu
+            .devices
+            .iter()
+            .find(|d| d.name == "gpu-2-mig-3g40gb-4")
+            .unwrap();
+        assert_eq!(attr(mig, "type").string.as_deref(), Some("mig"));
+        assert_eq!(attr(mig, "profile").string.as_deref(), Some("3g.40gb"));
+        assert_eq!(
+            attr(mig, "parentUUID").string,
+            attr(&gpu.devices[0], "uuid").string
+        );
+        assert!(!mig.attributes.as_ref().unwrap().contains_key("uuid"));
+        assert_eq!(
+            mig.capacity.as_ref().unwrap()["multiprocessors"].value.0,
+            "60"
+        );
+        let consumed = &mig.consumes_counters.as_ref().unwrap()[0].counters;
+        let slices: Vec<_> = consumed
+            .keys()
+            .filter(|k| k.starts_with("memory-slice-"))
+            .cloned()
+            .collect();
+        assert_eq!(
+            slices,
+            vec![
+                "memory-slice-4",
+                "memory-slice-5",
+                "memory-slice-6",
+                "memory-slice-7"
+            ]
+        );
+        // The whole GPU takes every memory slice, so it excludes all its MIG devices.
+        let whole = &gpu.devices[0].consumes_counters.as_ref().unwrap()[0].counters;
+        assert_eq!(
+            whole
+                .keys()
+                .filter(|k| k.starts_with("memory-slice-"))
+                .count(),
+            8
+        );
+    }
+
+    #[test]
+    fn small_partitions_are_offered_where_they_leave_large_placements_whole() {
+        let node = node("dgx-h100", MigMode::Dynamic);
+        let names: Vec<&str> = node.gpus[0]
+            .devices
+            .iter()
+            .map(|d| d.name.as_str())
+            .collect();
+        let order = |prefix: &str| -> Vec<&str> {
+            names
+                .iter()
+                .filter(|n| {
+                    n.starts_with(prefix) && n[prefix.len()..].bytes().all(|b| b.is_ascii_digit())
+                })
+                .map(|n| &n[prefix.len()..])
+                .collect()
+        };
+        // 1g devices fill the top half first, keeping the 4g placement at slice 0 free longest.
+        assert_eq!(
+            order("gpu-0-mig-1g10gb-"),
+            vec!["6", "4", "5", "0", "1", "2", "3"]
+        );
+        assert_eq!(order("gpu-0-mig-2g20gb-"), vec!["4", "0", "2"]);
+        assert_eq!(order("gpu-0-mig-3g40gb-"), vec!["4", "0"]);
+        // Smaller profiles come before larger ones.
+        let first = |p: &str| names.iter().position(|n| n.starts_with(p)).unwrap();
+        assert!(first("gpu-0-mig-1g10gb-") < first("gpu-0-mig-1g20gb-"));
+        assert!(first("gpu-0-mig-3g40gb-") < first("gpu-0-mig-7g80gb-"));
+    }
+
+    #[test]
+    fn ampere_with_mig_on_offers_only_mig_devices_and_off_only_the_whole_gpu() {
+        let mut inventory = FakeBackend::new("n", "dgx-a100")
+            .unwrap()
+            .inventory()
+            .unwrap();
+        let off = node_devices(&inventory, MigMode::Dynamic);
+        assert_eq!(off.gpus[0].devices.len(), 1);
+        assert!(off.gpus[0].counter_set.is_none());
+        for gpu in inventory.gpus.iter_mut() {
+            gpu.mig.as_mut().unwrap().enabled = true;
+        }
+        let on = node_devices(&inventory, MigMode::Dynamic);
+        assert!(on.gpus[0].devices.iter().all(|d| d.name.contains("-mig-")));
+        assert_eq!(on.gpus[0].devices.len(), 25);
+    }
+
+    #[test]
+    fn static_mig_publishes_existing_devices_with_uuids() {
+        let mut inventory = FakeBackend::new("n", "dgx-h100")
+            .unwrap()
+            .inventory()
+            .unwrap();
+        let backend = FakeBackend::new("n", "dgx-h100").unwrap();
+        let gpu = inventory.gpus[1].clone();
+        let profile = gpu.mig.as_ref().unwrap().profiles[4].clone(); // 3g.40gb
+        let made = backend
+            .create_mig(&crate::gpu::MigRequest {
+                parent_uuid: gpu.uuid.clone(),
+                profile_id: profile.id,
+                placement: profile.placements[1],
+            })
+            .unwrap();
+        inventory = backend.inventory().unwrap();
+        let node = node_devices(&inventory, MigMode::Static);
+        assert_eq!(node.gpus[0].devices[0].name, "gpu-0");
+        let devices = &node.gpus[1].devices;
+        assert_eq!(devices.len(), 1);
+        assert_eq!(devices[0].name, "gpu-1-mig-3g40gb-4");
+        assert_eq!(
+            attr(&devices[0], "uuid").string.as_deref(),
+            Some(made.uuid.as_str())
+        );
+        assert!(devices[0].consumes_counters.is_none());
+        assert!(node.gpus[1].counter_set.is_none());
+
+        // MIG mode none leaves the MIG-enabled GPU out rather than offer a GPU CUDA cannot use whole.
+        let none = node_devices(&inventory, MigMode::None);
+        assert!(none.gpus[1].devices.is_empty());
+        assert_eq!(none.gpus[0].devices.len(), 1);
+    }
+
+    #[test]
+    fn mig_device_names_parse_back_and_reject_garbage() {
+        let name = DeviceName::parse("gpu-3-mig-1g10gb-me-6").unwrap();
+        assert_eq!(
+            name,
+            DeviceName::Mig {
+                minor: 3,
+                profile: "1g10gb-me".into(),
+                start: 6
+            }
+        );
+        assert_eq!(name.to_string(), "gpu-3-mig-1g10gb-me-6");
+        for bad in [
+            "gpu-3-mig-1g10gb",
+            "gpu-3-mig--6",
+            "gpu-03-mig-1g10gb-6",
+            "gpu-3-mig-1G10GB-6",
+            "gpu-3-mig-1g10gb-06",
+            "gpu-x-mig-1g10gb-6",
+        ] {
+            assert_eq!(DeviceName::parse(bad), None, "{bad}");
+        }
     }
 }

@@ -1,10 +1,14 @@
-//! The hardware vocabulary (GPU, inventory) and the `GpuBackend` trait that the rest of the driver reads
-//! the node's GPUs through. Backends: `fake` (YAML profiles, for tests, the demo and kind); NVML comes later.
+//! The hardware vocabulary (GPU, MIG profile and placement, NVLink domain, events) and the `GpuBackend`
+//! trait that the rest of the driver reads and changes the node's GPUs through. Backends: `fake` (YAML
+//! profiles, for tests, the demo and kind) and `nvml` (the NVIDIA driver's management library).
 
 pub mod fake;
+pub mod mig;
+pub mod nvlink;
 mod profiles;
 
 pub use fake::FakeBackend;
+pub use mig::{MigInfo, MigInstance, MigPlacement, MigProfile, MigRequest};
 pub use profiles::{builtin_profile, builtin_profile_names, FakeGpuSpec, FakeProfile};
 
 use thiserror::Error;
@@ -27,9 +31,15 @@ pub struct Gpu {
     /// The PCIe root complex the GPU hangs off, e.g. `pci0000:17`.
     pub pcie_root: Option<String>,
     pub numa_node: Option<i64>,
-    /// GPUs with the same value share NVLink; `None` when the GPU has no active NVLink.
+    /// GPUs with the same value share NVLink; `None` when the GPU has no active NVLink. Derived from
+    /// `fabric` and `nvlink_peers` by [`nvlink::assign_domains`].
     pub nvlink_domain: Option<String>,
-    pub mig_capable: bool,
+    /// The NVLink fabric this GPU joined (NVSwitch systems), when its registration completed.
+    pub fabric: Option<nvlink::FabricInfo>,
+    /// PCI bus ids of the GPUs this one has an active NVLink to.
+    pub nvlink_peers: Vec<String>,
+    /// The MIG side of a MIG-capable GPU; `None` for GPUs without MIG.
+    pub mig: Option<MigInfo>,
 }
 
 impl Gpu {
@@ -65,8 +75,36 @@ pub enum GpuError {
     },
     #[error("fake GPU profile {path} is malformed: {message}")]
     MalformedProfile { path: String, message: String },
-    #[error("GPU backend {backend} is not available in this build: {reason}")]
+    #[error("GPU backend {backend} is not available: {reason}")]
     Unavailable { backend: String, reason: String },
+    #[error("GPU {gpu}: {reason}")]
+    Mig { gpu: String, reason: String },
+    #[error("NVML {call} failed: {reason}")]
+    Nvml { call: String, reason: String },
+}
+
+/// Something the backend saw happen to a GPU (input to the health monitor).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuEvent {
+    pub gpu_uuid: String,
+    /// Set when the event concerns one MIG device of the GPU.
+    pub gpu_instance_id: Option<u32>,
+    pub compute_instance_id: Option<u32>,
+    pub kind: GpuEventKind,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum GpuEventKind {
+    /// An XID error with its number.
+    Xid(u64),
+    SingleBitEcc,
+    DoubleBitEcc,
+    /// The GPU fell off the bus.
+    Lost,
+    /// MIG devices were created or destroyed.
+    MigConfigChange,
+    /// Any other event NVML reported, by its event type bit.
+    Other(u64),
 }
 
 /// The source of truth about the node's GPUs.
@@ -76,6 +114,17 @@ pub trait GpuBackend: Send + Sync {
     /// The current inventory; called at start and on every rescan, so it must be cheap and must not
     /// change what it reports unless the hardware (or the fake profile) changed.
     fn inventory(&self) -> Result<Inventory, GpuError>;
+    /// Creates a MIG device (GPU instance plus one compute instance spanning it) at the requested
+    /// placement, enabling MIG mode first where the GPU can switch without a reset.
+    fn create_mig(&self, request: &MigRequest) -> Result<MigInstance, GpuError>;
+    /// Destroys a MIG device (its compute instances, then the GPU instance). Destroying one that no
+    /// longer exists succeeds, so that retries and recovery converge.
+    fn destroy_mig(&self, parent_uuid: &str, gpu_instance_id: u32) -> Result<(), GpuError>;
+    /// Waits up to `timeout` for the next event; `Ok(None)` on timeout. Backends without events sleep.
+    fn wait_event(&self, timeout: std::time::Duration) -> Result<Option<GpuEvent>, GpuError> {
+        std::thread::sleep(timeout);
+        Ok(None)
+    }
 }
 
 /// The `gpu-dra fake profiles` listing: one line per built-in profile.
@@ -96,7 +145,7 @@ pub fn describe_builtin_profiles() -> String {
             profile.gpus.len(),
             first.map(|g| g.product_name.as_str()).unwrap_or("-"),
             yes_no(first.is_some_and(|g| g.mig_capable)),
-            yes_no(first.is_some_and(|g| g.nvlink)),
+            yes_no(first.is_some_and(|g| g.nvlink || g.nvlink_group.is_some())),
             profile.description
         ));
     }

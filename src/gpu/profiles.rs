@@ -36,11 +36,39 @@ pub struct FakeGpuSpec {
     pub minor: Option<u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub uuid: Option<String>,
-    /// GPUs that set this share one NVLink domain on the node.
+    /// GPUs that set this share one NVLink domain with every other GPU that sets it (an NVSwitch node).
     #[serde(default)]
     pub nvlink: bool,
+    /// GPUs with the same group name are linked to each other by NVLink (bridged pairs, islands).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nvlink_group: Option<String>,
+    /// The NVLink fabric the GPU joined (multi-node NVLink): its domain then comes from here.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fabric: Option<FakeFabric>,
+    /// MIG-capable GPUs use NVIDIA's profile table for their model (A100 40GB, H100 80GB, H200).
     #[serde(default)]
     pub mig_capable: bool,
+    /// MIG mode is on at start (an admin enabled it).
+    #[serde(default)]
+    pub mig_enabled: bool,
+    /// MIG devices an admin created before the plugin started (static MIG); needs `migEnabled`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mig_instances: Vec<FakeMigInstance>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct FakeFabric {
+    pub cluster_uuid: String,
+    pub clique_id: u32,
+}
+
+/// A pre-created MIG device: its profile by name (`3g.40gb`) and the memory slice it starts at.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct FakeMigInstance {
+    pub profile: String,
+    pub start: u32,
 }
 
 fn default_brand() -> String {
@@ -72,6 +100,26 @@ const A100_SXM4_40GB: Model = Model {
     compute_capability: "8.0",
     memory_bytes: 40960 * 1024 * 1024,
     nvlink: true,
+    mig_capable: true,
+};
+
+const H200_SXM: Model = Model {
+    product_name: "NVIDIA H200",
+    architecture: "Hopper",
+    compute_capability: "9.0",
+    // 143771 MiB, what NVML reports as total memory on an H200 SXM 141GB.
+    memory_bytes: 143771 * 1024 * 1024,
+    nvlink: true,
+    mig_capable: true,
+};
+
+const A100_PCIE_40GB: Model = Model {
+    product_name: "NVIDIA A100-PCIE-40GB",
+    architecture: "Ampere",
+    compute_capability: "8.0",
+    memory_bytes: 40960 * 1024 * 1024,
+    // Bridged in pairs, not on a switch: see `a100-pcie-4`.
+    nvlink: false,
     mig_capable: true,
 };
 
@@ -111,7 +159,11 @@ fn uniform(
             minor: None,
             uuid: None,
             nvlink: model.nvlink,
+            nvlink_group: None,
+            fabric: None,
             mig_capable: model.mig_capable,
+            mig_enabled: false,
+            mig_instances: Vec::new(),
         })
         .collect();
     FakeProfile {
@@ -125,7 +177,7 @@ fn uniform(
 
 /// The names of the built-in profiles, the default first.
 pub fn builtin_profile_names() -> Vec<&'static str> {
-    vec!["dgx-h100", "dgx-a100", "l40s-4"]
+    vec!["dgx-h100", "dgx-a100", "dgx-h200", "a100-pcie-4", "l40s-4"]
 }
 
 /// A built-in profile by name.
@@ -147,6 +199,28 @@ pub fn builtin_profile(name: &str) -> Option<FakeProfile> {
             "535.183.01",
             "12.2",
         )),
+        "dgx-h200" => Some(uniform(
+            "dgx-h200",
+            "DGX H200: 8x H200 141GB on one NVSwitch NVLink domain, MIG capable",
+            &H200_SXM,
+            &[0x18, 0x2a, 0x3a, 0x5d, 0x9a, 0xab, 0xba, 0xdb],
+            "570.133.20",
+            "12.8",
+        )),
+        "a100-pcie-4" => {
+            let mut profile = uniform(
+                "a100-pcie-4",
+                "4x A100-PCIE-40GB in two NVLink-bridged pairs (two NVLink domains), MIG capable",
+                &A100_PCIE_40GB,
+                &[0x17, 0x31, 0xb1, 0xca],
+                "550.90.07",
+                "12.4",
+            );
+            for (i, gpu) in profile.gpus.iter_mut().enumerate() {
+                gpu.nvlink_group = Some(format!("bridge-{}", i / 2));
+            }
+            Some(profile)
+        }
         "l40s-4" => Some(uniform(
             "l40s-4",
             "4x L40S PCIe, no MIG, no NVLink",

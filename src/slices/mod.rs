@@ -6,6 +6,6 @@ pub mod planner;
 pub mod publisher;
 mod quantity;
 
-pub use planner::plan;
+pub use planner::{plan, PlannedSlice, ServerVersion};
 pub use publisher::{desired_slices, PublishError, Publisher, SyncStats};
 pub use quantity::parse_quantity;

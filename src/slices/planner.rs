@@ -1,20 +1,93 @@
-//! The slice planner: splits a node's devices into ResourceSlices that stay within the API limits.
-//! Pure; the publisher turns the plan into API objects.
+//! The slice planner: splits a node's devices and counter sets into ResourceSlices that stay within the
+//! API limits of the server's version. Pure; the publisher turns the plan into API objects.
+//!
+//! Layouts: up to Kubernetes 1.34 a partitionable GPU's counter set must sit in the same slice as the
+//! devices that consume it, so each such GPU gets one combined slice. From 1.35 a slice holds devices
+//! or counter sets, not both: counter sets go into their own slices (at most 8 each) and each GPU's
+//! devices into another. Devices without counters share slices, up to 128 each (64 with taints).
 
-use k8s_openapi::api::resource::v1::Device;
+use k8s_openapi::api::resource::v1::{CounterSet, Device};
+
+use crate::devices::NodeDevices;
 
 /// `ResourceSliceMaxDevices`.
 pub const MAX_DEVICES_PER_SLICE: usize = 128;
 /// `ResourceSliceMaxDevicesWithTaintsOrConsumesCounters` (1.35+): the lower limit that applies as soon as
 /// any device of the slice has taints or consumes counters.
 pub const MAX_DEVICES_PER_SLICE_WITH_TAINTS_OR_COUNTERS: usize = 64;
+/// `ResourceSliceMaxCounterSets` (1.35+).
+pub const MAX_COUNTER_SETS_PER_SLICE: usize = 8;
 
-/// The devices of each slice of the pool, in publishing order. A pool always has at least one slice,
-/// empty if the node has no devices, so that consumers see the pool exists and is empty.
-pub fn plan(devices: &[Device]) -> Vec<Vec<Device>> {
-    if devices.is_empty() {
-        return vec![Vec::new()];
+/// The Kubernetes minor version the API server reports, which decides the slice layout and limits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct ServerVersion {
+    pub minor: u32,
+}
+
+impl ServerVersion {
+    /// The oldest version the driver supports.
+    pub const OLDEST: ServerVersion = ServerVersion { minor: 34 };
+
+    /// From the `minor` field of `/version`, which some distributions suffix (`35+`).
+    pub fn from_minor(minor: &str) -> Option<ServerVersion> {
+        let digits: String = minor.chars().take_while(char::is_ascii_digit).collect();
+        digits.parse().ok().map(|minor| ServerVersion { minor })
     }
+
+    /// Whether counter sets live in slices of their own (1.35+).
+    pub fn splits_counters(&self) -> bool {
+        self.minor >= 35
+    }
+}
+
+/// One slice to publish.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct PlannedSlice {
+    pub devices: Vec<Device>,
+    pub shared_counters: Vec<CounterSet>,
+}
+
+/// The slices of the pool, in publishing order. A pool always has at least one slice, empty if the node
+/// has no devices, so that consumers see the pool exists and is empty.
+pub fn plan(node: &NodeDevices, version: ServerVersion) -> Vec<PlannedSlice> {
+    let mut slices = Vec::new();
+    let (partitionable, plain): (Vec<_>, Vec<_>) =
+        node.gpus.iter().partition(|g| g.counter_set.is_some());
+
+    if version.splits_counters() {
+        let sets: Vec<CounterSet> = partitionable
+            .iter()
+            .filter_map(|g| g.counter_set.clone())
+            .collect();
+        for chunk in sets.chunks(MAX_COUNTER_SETS_PER_SLICE) {
+            slices.push(PlannedSlice {
+                devices: Vec::new(),
+                shared_counters: chunk.to_vec(),
+            });
+        }
+        for gpu in &partitionable {
+            slices.extend(device_slices(&gpu.devices));
+        }
+    } else {
+        for gpu in &partitionable {
+            // A combined slice: the counter set stays with the devices that consume it.
+            let mut chunks = device_slices(&gpu.devices);
+            if let Some(first) = chunks.first_mut() {
+                first.shared_counters = gpu.counter_set.clone().into_iter().collect();
+            }
+            slices.extend(chunks);
+        }
+    }
+    let plain_devices: Vec<Device> = plain.iter().flat_map(|g| g.devices.clone()).collect();
+    slices.extend(device_slices(&plain_devices));
+    if slices.is_empty() {
+        slices.push(PlannedSlice::default());
+    }
+    slices
+}
+
+/// Device-only slices for `devices`, cut at the limit that applies to them.
+fn device_slices(devices: &[Device]) -> Vec<PlannedSlice> {
     let advanced = devices.iter().any(|d| {
         d.taints.as_ref().is_some_and(|t| !t.is_empty())
             || d.consumes_counters.as_ref().is_some_and(|c| !c.is_empty())
@@ -24,54 +97,138 @@ pub fn plan(devices: &[Device]) -> Vec<Vec<Device>> {
     } else {
         MAX_DEVICES_PER_SLICE
     };
-    devices.chunks(limit).map(<[Device]>::to_vec).collect()
+    devices
+        .chunks(limit)
+        .map(|chunk| PlannedSlice {
+            devices: chunk.to_vec(),
+            shared_counters: Vec::new(),
+        })
+        .collect()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::devices::{node_devices, GpuDevices, MigMode};
+    use crate::gpu::{FakeBackend, GpuBackend};
     use k8s_openapi::api::resource::v1::DeviceTaint;
 
-    fn named(n: usize) -> Vec<Device> {
-        (0..n)
-            .map(|i| Device {
-                name: format!("gpu-{i}"),
-                ..Default::default()
-            })
+    const V1_34: ServerVersion = ServerVersion { minor: 34 };
+    const V1_35: ServerVersion = ServerVersion { minor: 35 };
+
+    fn plain(n: usize) -> NodeDevices {
+        NodeDevices {
+            gpus: (0..n)
+                .map(|i| GpuDevices {
+                    minor: i as u32,
+                    counter_set: None,
+                    devices: vec![Device {
+                        name: format!("gpu-{i}"),
+                        ..Default::default()
+                    }],
+                })
+                .collect(),
+        }
+    }
+
+    fn dynamic(profile: &str) -> NodeDevices {
+        let inventory = FakeBackend::new("node-a", profile)
+            .unwrap()
+            .inventory()
+            .unwrap();
+        node_devices(&inventory, MigMode::Dynamic)
+    }
+
+    fn sizes(slices: &[PlannedSlice]) -> Vec<(usize, usize)> {
+        slices
+            .iter()
+            .map(|s| (s.devices.len(), s.shared_counters.len()))
             .collect()
     }
 
     #[test]
     fn small_pools_fit_one_slice_and_empty_pools_publish_one_empty_slice() {
-        assert_eq!(plan(&named(8)).len(), 1);
-        assert_eq!(plan(&[]), vec![Vec::<Device>::new()]);
+        assert_eq!(sizes(&plan(&plain(8), V1_35)), vec![(8, 0)]);
+        assert_eq!(
+            plan(&NodeDevices::default(), V1_35),
+            vec![PlannedSlice::default()]
+        );
     }
 
     #[test]
     fn large_pools_split_at_the_device_limit_keeping_order() {
-        let slices = plan(&named(300));
-        assert_eq!(
-            slices.iter().map(Vec::len).collect::<Vec<_>>(),
-            vec![128, 128, 44]
-        );
-        let names: Vec<_> = slices.iter().flatten().map(|d| d.name.clone()).collect();
-        assert_eq!(
-            names,
-            named(300).into_iter().map(|d| d.name).collect::<Vec<_>>()
-        );
+        let node = plain(300);
+        let slices = plan(&node, V1_35);
+        assert_eq!(sizes(&slices), vec![(128, 0), (128, 0), (44, 0)]);
+        let names: Vec<_> = slices
+            .iter()
+            .flat_map(|s| &s.devices)
+            .map(|d| &d.name)
+            .collect();
+        let want: Vec<_> = node.devices().map(|d| &d.name).collect();
+        assert_eq!(names, want);
     }
 
     #[test]
     fn tainted_devices_lower_the_limit_to_64() {
-        let mut devices = named(100);
-        devices[5].taints = Some(vec![DeviceTaint {
+        let mut node = plain(100);
+        node.gpus[5].devices[0].taints = Some(vec![DeviceTaint {
             key: "gpu.dra.dev/xid".into(),
             effect: "NoSchedule".into(),
             ..Default::default()
         }]);
-        assert_eq!(
-            plan(&devices).iter().map(Vec::len).collect::<Vec<_>>(),
-            vec![64, 36]
-        );
+        assert_eq!(sizes(&plan(&node, V1_35)), vec![(64, 0), (36, 0)]);
+    }
+
+    #[test]
+    fn from_1_35_counter_sets_get_their_own_slice_and_each_gpu_a_device_slice() {
+        let node = dynamic("dgx-h100");
+        let slices = plan(&node, V1_35);
+        // One counters-only slice with the 8 sets, then one device slice per GPU.
+        assert_eq!(slices.len(), 9);
+        assert_eq!(sizes(&slices[..1]), vec![(0, 8)]);
+        for (gpu, slice) in node.gpus.iter().zip(&slices[1..]) {
+            assert_eq!(slice.devices, gpu.devices);
+            assert!(slice.shared_counters.is_empty());
+            assert!(slice.devices.len() <= MAX_DEVICES_PER_SLICE_WITH_TAINTS_OR_COUNTERS);
+        }
+    }
+
+    #[test]
+    fn on_1_34_each_partitionable_gpu_gets_one_combined_slice() {
+        let node = dynamic("dgx-h100");
+        let slices = plan(&node, V1_34);
+        assert_eq!(slices.len(), 8);
+        for (gpu, slice) in node.gpus.iter().zip(&slices) {
+            assert_eq!(slice.devices, gpu.devices);
+            assert_eq!(
+                slice.shared_counters,
+                gpu.counter_set.clone().into_iter().collect::<Vec<_>>()
+            );
+        }
+    }
+
+    #[test]
+    fn more_than_eight_counter_sets_spill_into_another_counter_slice() {
+        let mut node = dynamic("dgx-h100");
+        let mut more = node.gpus.clone();
+        for (i, gpu) in more.iter_mut().enumerate() {
+            gpu.minor = 8 + i as u32;
+            if let Some(set) = gpu.counter_set.as_mut() {
+                set.name = format!("gpu-{}-counters", gpu.minor);
+            }
+        }
+        node.gpus.extend(more.into_iter().take(2));
+        let slices = plan(&node, V1_35);
+        assert_eq!(sizes(&slices[..2]), vec![(0, 8), (0, 2)]);
+        assert_eq!(slices.len(), 2 + 10);
+    }
+
+    #[test]
+    fn versions_parse_with_distribution_suffixes() {
+        assert_eq!(ServerVersion::from_minor("35+"), Some(V1_35));
+        assert_eq!(ServerVersion::from_minor("34"), Some(V1_34));
+        assert_eq!(ServerVersion::from_minor("x"), None);
+        assert!(!V1_34.splits_counters() && V1_35.splits_counters());
     }
 }

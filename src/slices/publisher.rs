@@ -8,7 +8,9 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Node;
-use k8s_openapi::api::resource::v1::{Device, ResourcePool, ResourceSlice, ResourceSliceSpec};
+use k8s_openapi::api::resource::v1::{
+    CounterSet, Device, ResourcePool, ResourceSlice, ResourceSliceSpec,
+};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
 use kube::runtime::{watcher, WatchStreamExt};
@@ -16,8 +18,9 @@ use thiserror::Error;
 use tokio::sync::{watch, Notify};
 use tracing::{debug, info, info_span, warn, Instrument};
 
-use super::planner::plan;
+use super::planner::{plan, ServerVersion};
 use super::quantity::parse_quantity;
+use crate::devices::NodeDevices;
 use crate::observability::{Metrics, Readiness};
 
 /// How often the publisher re-lists even without a watch event, in case a watch missed something.
@@ -31,6 +34,8 @@ const MAX_GENERATE_NAME_PREFIX: usize = 58;
 pub enum PublishError {
     #[error("reading Node {node}: {source}")]
     Node { node: String, source: kube::Error },
+    #[error("reading the API server's version: {0}")]
+    Version(String),
     #[error("listing ResourceSlices of driver {driver} on node {node}: {source}")]
     List {
         driver: String,
@@ -60,6 +65,7 @@ impl SyncStats {
 }
 
 pub struct Publisher {
+    client: kube::Client,
     slices: Api<ResourceSlice>,
     nodes: Api<Node>,
     driver: String,
@@ -70,6 +76,7 @@ pub struct Publisher {
 impl Publisher {
     pub fn new(client: kube::Client, driver: &str, node_name: &str, metrics: Arc<Metrics>) -> Self {
         Publisher {
+            client: client.clone(),
             slices: Api::all(client.clone()),
             nodes: Api::all(client),
             driver: driver.to_string(),
@@ -98,9 +105,22 @@ impl Publisher {
         Ok(node.metadata.uid.unwrap_or_default())
     }
 
-    /// Makes the stored slices match `devices`; returns what it wrote.
-    pub async fn sync(&self, devices: &[Device]) -> Result<SyncStats, PublishError> {
+    /// The server's Kubernetes version, read on every sync so that an upgrade to a version with
+    /// another slice layout is followed without a restart.
+    async fn server_version(&self) -> Result<ServerVersion, PublishError> {
+        let info = self.client.apiserver_version().await.map_err(|e| {
+            self.metrics.api_error("get_version");
+            PublishError::Version(e.to_string())
+        })?;
+        ServerVersion::from_minor(&info.minor).ok_or_else(|| {
+            PublishError::Version(format!("unreadable minor version {:?}", info.minor))
+        })
+    }
+
+    /// Makes the stored slices match `node`'s devices; returns what it wrote.
+    pub async fn sync(&self, node: &NodeDevices) -> Result<SyncStats, PublishError> {
         let node_uid = self.node_uid().await?;
+        let version = self.server_version().await?;
         let stored = self
             .slices
             .list(&ListParams::default().fields(&self.field_selector()))
@@ -114,10 +134,10 @@ impl Publisher {
                 }
             })?
             .items;
-        let desired = desired_slices(&self.driver, &self.node_name, &node_uid, devices);
+        let desired = desired_slices(&self.driver, &self.node_name, &node_uid, node, version);
         let reconciliation = reconcile(&stored, &desired, &self.node_name);
         if reconciliation.is_noop {
-            self.metrics.set_published_devices(devices.len());
+            self.metrics.set_published_devices(node.device_count());
             return Ok(SyncStats::default());
         }
 
@@ -157,7 +177,7 @@ impl Publisher {
                 }
             }
         }
-        self.metrics.set_published_devices(devices.len());
+        self.metrics.set_published_devices(node.device_count());
         info!(
             created = stats.created,
             updated = stats.updated,
@@ -198,7 +218,7 @@ impl Publisher {
     /// exponential backoff.
     pub async fn run(
         self: Arc<Self>,
-        mut devices: watch::Receiver<Arc<Vec<Device>>>,
+        mut devices: watch::Receiver<Arc<NodeDevices>>,
         readiness: Arc<Readiness>,
         mut shutdown: watch::Receiver<bool>,
     ) {
@@ -211,7 +231,7 @@ impl Publisher {
         let mut backoff = Backoff::new();
         loop {
             let snapshot = devices.borrow_and_update().clone();
-            let span = info_span!("slice_sync", driver = %self.driver, node = %self.node_name, devices = snapshot.len());
+            let span = info_span!("slice_sync", driver = %self.driver, node = %self.node_name, devices = snapshot.device_count());
             let wait = match self.sync(&snapshot).instrument(span).await {
                 Ok(_) => {
                     backoff.reset();
@@ -265,13 +285,14 @@ pub fn desired_slices(
     driver: &str,
     node_name: &str,
     node_uid: &str,
-    devices: &[Device],
+    node: &NodeDevices,
+    version: ServerVersion,
 ) -> Vec<ResourceSlice> {
-    let planned = plan(devices);
+    let planned = plan(node, version);
     let count = planned.len() as i64;
     planned
         .into_iter()
-        .map(|devices| ResourceSlice {
+        .map(|slice| ResourceSlice {
             metadata: ObjectMeta {
                 generate_name: Some(generate_name_prefix(node_name, driver)),
                 owner_references: Some(vec![OwnerReference {
@@ -292,7 +313,11 @@ pub fn desired_slices(
                     generation: 0,
                     resource_slice_count: count,
                 },
-                devices: Some(devices),
+                // Counter-only slices leave `devices` out: from 1.35 a slice holds one or the other.
+                devices: (!slice.devices.is_empty() || slice.shared_counters.is_empty())
+                    .then_some(slice.devices),
+                shared_counters: (!slice.shared_counters.is_empty())
+                    .then_some(slice.shared_counters),
                 ..Default::default()
             },
         })
@@ -316,8 +341,8 @@ struct Reconciliation<'a> {
     writes: Vec<(ResourceSlice, Option<&'a ResourceSlice>)>,
 }
 
-/// Matches stored slices to desired ones by their device names (a single slice always matches a single
-/// slice) and decides what must be written.
+/// Matches stored slices to desired ones by what they hold (device and counter-set names; a single
+/// slice always matches a single slice) and decides what must be written.
 fn reconcile<'a>(
     stored: &'a [ResourceSlice],
     desired: &[ResourceSlice],
@@ -328,10 +353,10 @@ fn reconcile<'a>(
     let mut unmatched: Vec<Option<&ResourceSlice>> = in_pool.iter().copied().map(Some).collect();
     let mut writes = Vec::with_capacity(desired.len());
     for want in desired {
-        let names = device_names(want);
+        let names = content_names(want);
         let position = unmatched
             .iter()
-            .position(|s| s.is_some_and(|s| device_names(s) == names))
+            .position(|s| s.is_some_and(|s| content_names(s) == names))
             .or_else(|| (desired.len() == 1 && in_pool.len() == 1).then_some(0));
         let existing = position.and_then(|i| unmatched[i].take());
         writes.push((want.clone(), existing));
@@ -353,14 +378,16 @@ fn reconcile<'a>(
     }
 }
 
-fn device_names(slice: &ResourceSlice) -> BTreeSet<&str> {
-    slice
+/// What identifies a slice across syncs: its device names and its counter-set names.
+fn content_names(slice: &ResourceSlice) -> BTreeSet<String> {
+    let devices = slice.spec.devices.iter().flatten().map(|d| d.name.clone());
+    let sets = slice
         .spec
-        .devices
+        .shared_counters
         .iter()
         .flatten()
-        .map(|d| d.name.as_str())
-        .collect()
+        .map(|set| format!("counter set {}", set.name));
+    devices.chain(sets).collect()
 }
 
 /// Whether a stored slice already says what we want (ignoring the generation and server-set fields).
@@ -369,7 +396,10 @@ fn same_content(want: &ResourceSlice, have: &ResourceSlice) -> bool {
         && want.spec.node_name == have.spec.node_name
         && want.spec.pool.resource_slice_count == have.spec.pool.resource_slice_count
         && want.metadata.owner_references == have.metadata.owner_references
-        && have.spec.shared_counters.as_ref().is_none_or(Vec::is_empty)
+        && same_counter_sets(
+            want.spec.shared_counters.as_deref().unwrap_or_default(),
+            have.spec.shared_counters.as_deref().unwrap_or_default(),
+        )
         && same_devices(
             want.spec.devices.as_deref().unwrap_or_default(),
             have.spec.devices.as_deref().unwrap_or_default(),
@@ -384,14 +414,39 @@ fn same_devices(want: &[Device], have: &[Device]) -> bool {
             .all(|(a, b)| comparable(a) == comparable(b))
 }
 
+fn same_counter_sets(want: &[CounterSet], have: &[CounterSet]) -> bool {
+    let canonical = |sets: &[CounterSet]| -> Vec<CounterSet> {
+        sets.iter()
+            .map(|set| {
+                let mut set = set.clone();
+                for counter in set.counters.values_mut() {
+                    canonicalize(&mut counter.value.0);
+                }
+                set
+            })
+            .collect()
+    };
+    canonical(want) == canonical(have)
+}
+
+/// Writes a quantity the way it compares: the API server may store `40Gi` for `42949672960`.
+fn canonicalize(quantity: &mut String) {
+    if let Some(parsed) = parse_quantity(quantity) {
+        *quantity = parsed.to_string();
+    }
+}
+
 /// A device with its quantities in canonical form and server-set taint times dropped.
 fn comparable(device: &Device) -> Device {
     let mut device = device.clone();
     if let Some(capacity) = device.capacity.as_mut() {
         for value in capacity.values_mut() {
-            if let Some(parsed) = parse_quantity(&value.value.0) {
-                value.value.0 = parsed.to_string();
-            }
+            canonicalize(&mut value.value.0);
+        }
+    }
+    for consumption in device.consumes_counters.iter_mut().flatten() {
+        for counter in consumption.counters.values_mut() {
+            canonicalize(&mut counter.value.0);
         }
     }
     if let Some(taints) = device.taints.as_mut() {
@@ -429,16 +484,23 @@ impl Backoff {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::devices;
+    use crate::devices::{self, MigMode};
     use crate::gpu::{FakeBackend, GpuBackend};
 
-    fn h100_devices() -> Vec<Device> {
-        devices::devices(
-            &FakeBackend::new("node-a", "dgx-h100")
+    const V1_35: ServerVersion = ServerVersion { minor: 35 };
+
+    fn node(profile: &str, mig_mode: MigMode) -> NodeDevices {
+        devices::node_devices(
+            &FakeBackend::new("node-a", profile)
                 .unwrap()
                 .inventory()
                 .unwrap(),
+            mig_mode,
         )
+    }
+
+    fn h100_devices() -> NodeDevices {
+        node("dgx-h100", MigMode::Static)
     }
 
     fn stored(mut slice: ResourceSlice, name: &str, generation: i64) -> ResourceSlice {
@@ -450,7 +512,7 @@ mod tests {
 
     #[test]
     fn identical_slices_need_no_writes_even_with_canonicalized_quantities() {
-        let desired = desired_slices("gpu.dra.dev", "node-a", "uid-1", &h100_devices());
+        let desired = desired_slices("gpu.dra.dev", "node-a", "uid-1", &h100_devices(), V1_35);
         let mut have = stored(desired[0].clone(), "s1", 3);
         for device in have.spec.devices.as_mut().unwrap() {
             device
@@ -469,9 +531,11 @@ mod tests {
     #[test]
     fn changed_devices_update_in_place_with_a_new_generation() {
         let devices = h100_devices();
-        let old = desired_slices("gpu.dra.dev", "node-a", "uid-1", &devices[..7]);
+        let mut fewer = devices.clone();
+        fewer.gpus.truncate(7);
+        let old = desired_slices("gpu.dra.dev", "node-a", "uid-1", &fewer, V1_35);
         let have = stored(old[0].clone(), "s1", 3);
-        let desired = desired_slices("gpu.dra.dev", "node-a", "uid-1", &devices);
+        let desired = desired_slices("gpu.dra.dev", "node-a", "uid-1", &devices, V1_35);
         let plan = reconcile(std::slice::from_ref(&have), &desired, "node-a");
         assert!(!plan.is_noop);
         assert_eq!(plan.generation, 4);
@@ -484,7 +548,7 @@ mod tests {
 
     #[test]
     fn slices_of_other_pools_and_duplicates_are_stale() {
-        let desired = desired_slices("gpu.dra.dev", "node-a", "uid-1", &h100_devices());
+        let desired = desired_slices("gpu.dra.dev", "node-a", "uid-1", &h100_devices(), V1_35);
         let mut renamed_pool = stored(desired[0].clone(), "old-pool", 1);
         renamed_pool.spec.pool.name = "old".into();
         let duplicate = stored(desired[0].clone(), "dup", 1);
@@ -502,7 +566,7 @@ mod tests {
 
     #[test]
     fn owner_is_the_node_and_prefix_fits_generate_name() {
-        let desired = desired_slices("gpu.dra.dev", "node-a", "uid-1", &h100_devices());
+        let desired = desired_slices("gpu.dra.dev", "node-a", "uid-1", &h100_devices(), V1_35);
         let owner = &desired[0].metadata.owner_references.as_ref().unwrap()[0];
         assert_eq!(
             (owner.kind.as_str(), owner.uid.as_str(), owner.controller),
@@ -516,6 +580,36 @@ mod tests {
             generate_name_prefix("node-a", "gpu.dra.dev"),
             "node-a-gpu.dra.dev-"
         );
+    }
+
+    #[test]
+    fn stored_dynamic_mig_slices_with_canonical_counters_need_no_writes() {
+        let node = node("dgx-h100", MigMode::Dynamic);
+        let desired = desired_slices("gpu.dra.dev", "node-a", "uid-1", &node, V1_35);
+        assert!(desired[0].spec.devices.is_none());
+        assert_eq!(desired[0].spec.shared_counters.as_ref().unwrap().len(), 8);
+        let mut stored_slices: Vec<ResourceSlice> = desired
+            .iter()
+            .enumerate()
+            .map(|(i, s)| stored(s.clone(), &format!("s{i}"), 2))
+            .collect();
+        // The server writes memory counters in its canonical form.
+        let set = &mut stored_slices[0].spec.shared_counters.as_mut().unwrap()[0];
+        let memory = set.counters.get_mut("memory").unwrap();
+        memory.value.0 = format!("{}Mi", 81152);
+        stored_slices.reverse();
+        assert!(reconcile(&stored_slices, &desired, "node-a").is_noop);
+
+        // A counter that really changed is written.
+        let set = &mut stored_slices
+            .last_mut()
+            .unwrap()
+            .spec
+            .shared_counters
+            .as_mut()
+            .unwrap()[0];
+        set.counters.get_mut("decoders").unwrap().value.0 = "6".into();
+        assert!(!reconcile(&stored_slices, &desired, "node-a").is_noop);
     }
 
     #[test]

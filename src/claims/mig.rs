@@ -1,0 +1,280 @@
+//! MIG devices of claims: which physical MIG device a MIG device name means; creating it at the
+//! allocated placement (dynamic MIG) or finding the one an admin made (static MIG); destroying what a
+//! claim created; reporting the created device's UUID in the claim's status; and the start-up sweep
+//! that destroys MIG devices no completed claim owns.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use k8s_openapi::api::resource::v1::{AllocatedDeviceStatus, ResourceClaim};
+use k8s_openapi::apimachinery::pkg::runtime::RawExtension;
+use kube::api::{Api, PostParams};
+use tracing::{debug, info, warn};
+
+use super::checkpoint::PreparedMig;
+use super::{ClaimRef, PreparedDevice};
+use crate::devices::{DeviceName, MigMode};
+use crate::gpu::{Gpu, GpuBackend, Inventory, MigInstance, MigPlacement, MigProfile, MigRequest};
+
+/// What a MIG device name means on this node now.
+#[derive(Debug, Clone)]
+pub(super) struct MigTarget {
+    pub gpu: Gpu,
+    pub profile: MigProfile,
+    pub placement: MigPlacement,
+    /// The MIG device that exists at that placement with that profile, if any.
+    pub existing: Option<MigInstance>,
+}
+
+/// Resolves a device name against the inventory: `Ok(None)` for a whole GPU that exists, the MIG
+/// target for a MIG device, or why the node has no such device.
+pub(super) fn resolve(inventory: &Inventory, device: &str) -> Result<Option<MigTarget>, String> {
+    let name = DeviceName::parse(device).ok_or("not a device name this driver publishes")?;
+    let gpu = inventory
+        .gpus
+        .iter()
+        .find(|gpu| gpu.minor == name.minor())
+        .ok_or_else(|| format!("the node has no GPU with minor number {}", name.minor()))?;
+    let DeviceName::Mig { profile, start, .. } = &name else {
+        return Ok(None);
+    };
+    let mig = gpu.mig.as_ref().ok_or("the GPU does not support MIG")?;
+    let profile = mig
+        .profile_by_dns_name(profile)
+        .ok_or_else(|| format!("the GPU has no MIG profile {profile}"))?;
+    let placement = *profile
+        .placements
+        .iter()
+        .find(|p| p.start == *start)
+        .ok_or_else(|| format!("profile {} has no placement at {start}", profile.name))?;
+    let existing = mig
+        .instances
+        .iter()
+        .find(|i| i.profile_id == profile.id && i.placement == placement)
+        .cloned();
+    Ok(Some(MigTarget {
+        gpu: gpu.clone(),
+        profile: profile.clone(),
+        placement,
+        existing,
+    }))
+}
+
+/// Whether two devices cannot be used at the same time: the same device, a whole GPU and a MIG device
+/// on it, or two MIG devices of one GPU whose memory slices overlap.
+pub(super) fn conflict(inventory: &Inventory, a: &str, b: &str) -> bool {
+    if a == b {
+        return true;
+    }
+    let footprint = |device: &str| -> Option<(u32, Option<MigPlacement>)> {
+        let name = DeviceName::parse(device)?;
+        let placement = match resolve(inventory, device) {
+            Ok(target) => target.map(|t| t.placement),
+            Err(_) => return Some((name.minor(), None)),
+        };
+        Some((name.minor(), placement))
+    };
+    match (footprint(a), footprint(b)) {
+        (Some((gpu_a, place_a)), Some((gpu_b, place_b))) if gpu_a == gpu_b => {
+            match (place_a, place_b) {
+                (Some(x), Some(y)) => x.overlaps(&y),
+                _ => true,
+            }
+        }
+        _ => false,
+    }
+}
+
+/// Makes the MIG devices of `devices` exist and records them: found (static) or created (dynamic).
+/// On failure, whatever this call created is destroyed again before the error is returned.
+pub(super) async fn prepare_mig_devices(
+    backend: &Arc<dyn GpuBackend>,
+    inventory: &Inventory,
+    mig_mode: MigMode,
+    devices: &mut [PreparedDevice],
+) -> Result<(), (String, String)> {
+    for index in 0..devices.len() {
+        let device = devices[index].device.clone();
+        let target = match resolve(inventory, &device) {
+            Ok(Some(target)) => target,
+            Ok(None) => continue,
+            Err(reason) => return fail(backend, devices, device, reason).await,
+        };
+        let prepared = match (mig_mode, &target.existing) {
+            (MigMode::Static, Some(existing)) => Ok(prepared_mig(&target.gpu, existing, false)),
+            (MigMode::Static, None) => Err(format!(
+                "no MIG device {} exists at memory slice {} (static MIG publishes only existing ones)",
+                target.profile.name, target.placement.start
+            )),
+            (MigMode::Dynamic, _) => create(backend, &target).await,
+            (MigMode::None, _) => Err("MIG devices are not published in MIG mode none".into()),
+        };
+        match prepared {
+            Ok(mig) => devices[index].mig = Some(mig),
+            Err(reason) => return fail(backend, devices, device, reason).await,
+        }
+    }
+    Ok(())
+}
+
+async fn fail(
+    backend: &Arc<dyn GpuBackend>,
+    devices: &mut [PreparedDevice],
+    device: String,
+    reason: String,
+) -> Result<(), (String, String)> {
+    destroy_created(backend, devices).await;
+    for device in devices.iter_mut() {
+        device.mig = None;
+    }
+    Err((device, reason))
+}
+
+async fn create(backend: &Arc<dyn GpuBackend>, target: &MigTarget) -> Result<PreparedMig, String> {
+    let request = MigRequest {
+        parent_uuid: target.gpu.uuid.clone(),
+        profile_id: target.profile.id,
+        placement: target.placement,
+    };
+    let worker = backend.clone();
+    let instance = tokio::task::spawn_blocking(move || worker.create_mig(&request))
+        .await
+        .map_err(|e| e.to_string())?
+        .map_err(|e| format!("creating MIG device {}: {e}", target.profile.name))?;
+    info!(uuid = %instance.uuid, profile = %target.profile.name, start = target.placement.start, "MIG device created");
+    Ok(prepared_mig(&target.gpu, &instance, true))
+}
+
+fn prepared_mig(gpu: &Gpu, instance: &MigInstance, created: bool) -> PreparedMig {
+    PreparedMig {
+        parent_uuid: gpu.uuid.clone(),
+        uuid: instance.uuid.clone(),
+        gpu_instance_id: instance.gpu_instance_id,
+        compute_instance_id: instance.compute_instance_id,
+        device_files: instance.device_files.clone(),
+        created,
+    }
+}
+
+/// Destroys the MIG devices these devices created; failures are logged and left to the start-up
+/// sweep. Returns the first error for callers that must report it.
+pub(super) async fn destroy_created(
+    backend: &Arc<dyn GpuBackend>,
+    devices: &[PreparedDevice],
+) -> Option<String> {
+    let mut first_error = None;
+    for mig in devices
+        .iter()
+        .filter_map(|d| d.mig.as_ref())
+        .filter(|m| m.created)
+    {
+        let worker = backend.clone();
+        let (parent, gpu_instance) = (mig.parent_uuid.clone(), mig.gpu_instance_id);
+        let result = tokio::task::spawn_blocking(move || worker.destroy_mig(&parent, gpu_instance))
+            .await
+            .map_err(|e| e.to_string())
+            .and_then(|r| r.map_err(|e| e.to_string()));
+        match result {
+            Ok(()) => info!(uuid = %mig.uuid, "MIG device destroyed"),
+            Err(error) => {
+                warn!(uuid = %mig.uuid, %error, "destroying MIG device failed");
+                first_error.get_or_insert(format!("destroying MIG device {}: {error}", mig.uuid));
+            }
+        }
+    }
+    first_error
+}
+
+/// The start-up sweep of dynamic MIG: every MIG device on a GPU the driver manages that no kept claim
+/// owns is destroyed (left by a crash between creation and checkpoint, or by a rolled-back prepare).
+/// Returns the UUIDs destroyed.
+pub(super) fn destroy_unowned(
+    backend: &dyn GpuBackend,
+    inventory: &Inventory,
+    owned: &BTreeSet<(String, u32)>,
+) -> Vec<String> {
+    let mut destroyed = Vec::new();
+    for gpu in &inventory.gpus {
+        let Some(mig) = &gpu.mig else { continue };
+        for instance in &mig.instances {
+            if owned.contains(&(gpu.uuid.clone(), instance.gpu_instance_id)) {
+                continue;
+            }
+            match backend.destroy_mig(&gpu.uuid, instance.gpu_instance_id) {
+                Ok(()) => destroyed.push(instance.uuid.clone()),
+                Err(error) => {
+                    warn!(uuid = %instance.uuid, %error, "destroying unowned MIG device failed")
+                }
+            }
+        }
+    }
+    destroyed
+}
+
+/// Records the UUIDs of created MIG devices in the claim's `status.devices`, next to whatever other
+/// drivers wrote there. Best effort, after the answer to the kubelet: the device works without it.
+pub(super) async fn report_status(
+    client: kube::Client,
+    driver: String,
+    claim: ClaimRef,
+    devices: Vec<PreparedDevice>,
+) {
+    let entries: Vec<AllocatedDeviceStatus> = devices
+        .iter()
+        .filter_map(|device| {
+            let mig = device.mig.as_ref().filter(|m| m.created)?;
+            Some(AllocatedDeviceStatus {
+                driver: driver.clone(),
+                pool: device.pool.clone(),
+                device: device.device.clone(),
+                share_id: device.share_id.clone(),
+                data: Some(RawExtension(serde_json::json!({
+                    "uuid": mig.uuid,
+                    "parentUUID": mig.parent_uuid,
+                }))),
+                ..Default::default()
+            })
+        })
+        .collect();
+    if entries.is_empty() {
+        return;
+    }
+    let api: Api<ResourceClaim> = Api::namespaced(client, &claim.namespace);
+    for attempt in 1..=3 {
+        let result = async {
+            let mut current = api.get(&claim.name).await?;
+            if current.metadata.uid.as_deref() != Some(claim.uid.as_str()) {
+                return Ok(());
+            }
+            let status = current.status.get_or_insert_with(Default::default);
+            let mut list: Vec<AllocatedDeviceStatus> = status
+                .devices
+                .take()
+                .unwrap_or_default()
+                .into_iter()
+                .filter(|s| !entries.iter().any(|e| same_device(e, s)))
+                .collect();
+            list.extend(entries.iter().cloned());
+            status.devices = Some(list);
+            api.replace_status(&claim.name, &PostParams::default(), &current)
+                .await
+                .map(|_| ())
+        }
+        .await;
+        match result {
+            Ok(()) => {
+                debug!(claim = %claim, "MIG device UUIDs reported in the claim status");
+                return;
+            }
+            Err(kube::Error::Api(status)) if status.code == 409 && attempt < 3 => continue,
+            Err(error) => {
+                warn!(claim = %claim, %error, "reporting MIG device UUIDs in the claim status failed");
+                return;
+            }
+        }
+    }
+}
+
+fn same_device(a: &AllocatedDeviceStatus, b: &AllocatedDeviceStatus) -> bool {
+    a.driver == b.driver && a.pool == b.pool && a.device == b.device && a.share_id == b.share_id
+}

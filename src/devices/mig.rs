@@ -1,0 +1,217 @@
+//! MIG devices. Dynamic MIG publishes every profile at every placement as a partitionable device that
+//! consumes a per-GPU counter set (memory slices, compute slices, engines), so the scheduler can never
+//! allocate two MIG devices that overlap, or a whole GPU together with one of its partitions. Static MIG
+//! publishes the MIG devices an admin already created, as plain devices.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::resource::v1::{
+    Counter, CounterSet, Device, DeviceCapacity, DeviceCounterConsumption,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+
+use super::{common_attributes, string, DeviceName};
+use crate::gpu::{Gpu, Inventory, MigInfo, MigInstance, MigPlacement, MigProfile};
+
+/// The counter set of a GPU: `gpu-<minor>-counters`.
+pub fn counter_set_name(minor: u32) -> String {
+    format!("gpu-{minor}-counters")
+}
+
+fn memory_slice_counter(slice: u32) -> String {
+    format!("memory-slice-{slice}")
+}
+
+/// What a MIG profile (or the whole GPU) takes from the GPU's counter set, by counter name.
+fn profile_counters(profile: &MigProfile) -> BTreeMap<String, u64> {
+    BTreeMap::from([
+        (
+            "multiprocessors".to_string(),
+            u64::from(profile.multiprocessors),
+        ),
+        ("copy-engines".to_string(), u64::from(profile.copy_engines)),
+        ("decoders".to_string(), u64::from(profile.decoders)),
+        ("encoders".to_string(), u64::from(profile.encoders)),
+        ("jpeg-engines".to_string(), u64::from(profile.jpeg_engines)),
+        ("ofa-engines".to_string(), u64::from(profile.ofa_engines)),
+        (
+            "compute-slices".to_string(),
+            u64::from(profile.compute_slices),
+        ),
+        ("memory".to_string(), profile.memory_bytes()),
+    ])
+}
+
+/// The profile that spans the whole GPU (7g): its engines are the GPU's totals.
+fn full_profile(mig: &MigInfo) -> Option<&MigProfile> {
+    mig.profiles
+        .iter()
+        .max_by_key(|p| (p.compute_slices, p.memory_mib))
+}
+
+/// The GPU's counter set: what all its MIG devices together may use.
+pub fn counter_set(gpu: &Gpu, mig: &MigInfo) -> Option<CounterSet> {
+    let full = full_profile(mig)?;
+    let mut counters: BTreeMap<String, Counter> = profile_counters(full)
+        .into_iter()
+        .map(|(name, value)| (name, counter(value)))
+        .collect();
+    counters.insert(
+        "compute-slices".into(),
+        counter(u64::from(mig.compute_slices)),
+    );
+    for slice in 0..mig.memory_slices {
+        counters.insert(memory_slice_counter(slice), counter(1));
+    }
+    Some(CounterSet {
+        name: counter_set_name(gpu.minor),
+        counters,
+    })
+}
+
+/// What a MIG device at `placement` consumes: its profile's engines and its memory slices. Zero
+/// amounts are left out; they constrain nothing.
+fn consumption(
+    gpu: &Gpu,
+    profile: &MigProfile,
+    placement: MigPlacement,
+) -> DeviceCounterConsumption {
+    let mut counters: BTreeMap<String, Counter> = profile_counters(profile)
+        .into_iter()
+        .filter(|(_, value)| *value > 0)
+        .map(|(name, value)| (name, counter(value)))
+        .collect();
+    for slice in placement.slices() {
+        counters.insert(memory_slice_counter(slice), counter(1));
+    }
+    DeviceCounterConsumption {
+        counter_set: counter_set_name(gpu.minor),
+        counters,
+        ..Default::default()
+    }
+}
+
+/// A whole GPU on a partitionable GPU consumes every counter, so it excludes all its MIG devices.
+pub fn whole_gpu_consumption(set: &CounterSet) -> DeviceCounterConsumption {
+    DeviceCounterConsumption {
+        counter_set: set.name.clone(),
+        counters: set
+            .counters
+            .iter()
+            .filter(|(_, c)| c.value.0 != "0")
+            .map(|(name, c)| (name.clone(), c.clone()))
+            .collect(),
+        ..Default::default()
+    }
+}
+
+/// Every profile at every placement, in packing order (see [`packing_order`]).
+pub fn dynamic_devices(inventory: &Inventory, gpu: &Gpu, mig: &MigInfo) -> Vec<Device> {
+    packing_order(mig)
+        .into_iter()
+        .map(|(profile, placement)| {
+            let mut device = mig_device(inventory, gpu, profile, placement, None);
+            device.consumes_counters = Some(vec![consumption(gpu, profile, placement)]);
+            device
+        })
+        .collect()
+}
+
+/// The MIG devices that exist on a GPU in static MIG mode, with their UUIDs.
+pub fn static_devices(inventory: &Inventory, gpu: &Gpu, mig: &MigInfo) -> Vec<Device> {
+    mig.instances
+        .iter()
+        .filter_map(|instance| {
+            let profile = mig.profile(instance.profile_id)?;
+            Some(mig_device(
+                inventory,
+                gpu,
+                profile,
+                instance.placement,
+                Some(instance),
+            ))
+        })
+        .collect()
+}
+
+/// The order the scheduler should try a GPU's MIG devices in. It takes the first device that fits, so:
+/// smaller profiles before larger ones (a request that several profiles satisfy gets the least it
+/// needs), and for each profile the placements that block the least of the larger profiles' placements
+/// first (small devices go where they leave 4g/3g/7g placements whole; on A100/H100/H200 that is the
+/// top memory slices, keeping the 4g placement at slice 0 free longest).
+pub fn packing_order(mig: &MigInfo) -> Vec<(&MigProfile, MigPlacement)> {
+    let mut profiles: Vec<&MigProfile> = mig.profiles.iter().collect();
+    profiles.sort_by_key(|p| (p.memory_mib, p.compute_slices, p.name.clone()));
+    let mut order = Vec::new();
+    for profile in profiles {
+        let mut placements = profile.placements.clone();
+        placements
+            .sort_by_key(|placement| (blocked_weight(mig, profile, placement), placement.start));
+        order.extend(placements.into_iter().map(|placement| (profile, placement)));
+    }
+    order
+}
+
+/// How much of the other profiles' placements (in memory slices) a device at `placement` would block.
+fn blocked_weight(mig: &MigInfo, profile: &MigProfile, placement: &MigPlacement) -> u32 {
+    mig.profiles
+        .iter()
+        .filter(|other| other.id != profile.id)
+        .flat_map(|other| other.placements.iter())
+        .filter(|other| other.overlaps(placement))
+        .map(|other| other.size)
+        .sum()
+}
+
+fn mig_device(
+    inventory: &Inventory,
+    gpu: &Gpu,
+    profile: &MigProfile,
+    placement: MigPlacement,
+    instance: Option<&MigInstance>,
+) -> Device {
+    let mut attributes = common_attributes(inventory, gpu);
+    attributes.insert("type".into(), string("mig"));
+    attributes.insert("parentUUID".into(), string(&gpu.uuid));
+    attributes.insert("profile".into(), string(&profile.name));
+    match instance {
+        Some(instance) => attributes.insert("uuid".into(), string(&instance.uuid)),
+        None => attributes.remove("uuid"),
+    };
+    let capacity = BTreeMap::from([
+        ("memory".to_string(), quantity(profile.memory_bytes())),
+        (
+            "multiprocessors".into(),
+            quantity(profile.multiprocessors.into()),
+        ),
+        ("copyEngines".into(), quantity(profile.copy_engines.into())),
+        ("decoders".into(), quantity(profile.decoders.into())),
+        ("encoders".into(), quantity(profile.encoders.into())),
+        ("jpegEngines".into(), quantity(profile.jpeg_engines.into())),
+        ("ofaEngines".into(), quantity(profile.ofa_engines.into())),
+    ]);
+    Device {
+        name: DeviceName::Mig {
+            minor: gpu.minor,
+            profile: profile.dns_name(),
+            start: placement.start,
+        }
+        .to_string(),
+        attributes: Some(attributes),
+        capacity: Some(capacity),
+        ..Default::default()
+    }
+}
+
+fn counter(value: u64) -> Counter {
+    Counter {
+        value: Quantity(value.to_string()),
+    }
+}
+
+fn quantity(value: u64) -> DeviceCapacity {
+    DeviceCapacity {
+        value: Quantity(value.to_string()),
+        ..Default::default()
+    }
+}

@@ -36,6 +36,11 @@ pub async fn run(out: &mut impl Write) -> Result<()> {
         serde_json::json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE}}),
     );
     say(out, &format!("created Node {NODE}"))?;
+    crate::support::harness::install_device_classes(&api);
+    say(
+        out,
+        "created DeviceClasses gpu.dra.dev (whole GPUs) and mig.gpu.dra.dev (MIG devices)",
+    )?;
 
     let config = PluginConfig {
         http_addr: Some(([127, 0, 0, 1], 0).into()),

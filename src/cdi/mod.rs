@@ -1,14 +1,24 @@
 //! CDI (Container Device Interface) specs: the JSON the container runtime reads to give a container its GPU
 //! device nodes, environment and mounts. gpu-dra writes one spec file per prepared claim and returns the
-//! qualified device ids to the kubelet, which hands them to containerd / CRI-O.
+//! qualified device ids to the kubelet, which hands them to containerd / CRI-O. On real GPU nodes the
+//! specs also carry the host driver's libraries and binaries (`host_driver`), unless the NVIDIA
+//! Container Toolkit's own spec (`toolkit`) already describes the GPU.
 
+mod host_driver;
+mod ldcache;
 mod spec;
+mod toolkit;
 mod writer;
 
 use std::io;
 use std::path::PathBuf;
 
+pub use host_driver::{
+    CdiHook, DiscoveryOptions, DriverFile, FileKind, HookCli, HostDriver, HostDriverError,
+    LibraryClass,
+};
 pub use spec::{minimum_version, validate, ContainerEdits, Device, DeviceNode, Hook, Mount, Spec};
+pub use toolkit::{DeviceIndex, ToolkitSearch, ToolkitSpec, ToolkitWarning, TOOLKIT_KIND};
 pub use writer::CdiRegistry;
 
 #[derive(Debug, thiserror::Error)]

@@ -60,6 +60,9 @@ pub fn counter_set(gpu: &Gpu, mig: &MigInfo) -> Option<CounterSet> {
         "compute-slices".into(),
         counter(u64::from(mig.compute_slices)),
     );
+    // The GPU's whole memory, not the 7g profile's: NVIDIA rounds each profile's memory on its own,
+    // and on H200 a valid set of small devices adds up to more than the 7g profile has.
+    counters.insert("memory".into(), counter(gpu.memory_bytes));
     for slice in 0..mig.memory_slices {
         counters.insert(memory_slice_counter(slice), counter(1));
     }

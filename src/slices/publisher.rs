@@ -596,7 +596,7 @@ mod tests {
         // The server writes memory counters in its canonical form.
         let set = &mut stored_slices[0].spec.shared_counters.as_mut().unwrap()[0];
         let memory = set.counters.get_mut("memory").unwrap();
-        memory.value.0 = format!("{}Mi", 81152);
+        memory.value.0 = format!("{}Mi", 81559);
         stored_slices.reverse();
         assert!(reconcile(&stored_slices, &desired, "node-a").is_noop);
 

@@ -5,16 +5,32 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use serde::Deserialize;
+
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 use kube::api::{Api, ListParams, PostParams};
 
-use super::apiserver::ApiServer;
+use super::apiserver::{ApiServer, ServerVersion};
 use super::kubelet::{ClaimRef, KubeletDouble};
 use super::scheduler;
 use crate::plugin::PluginConfig;
 
 pub const DRIVER: &str = "gpu.dra.dev";
 pub const NODE: &str = "node-a";
+/// The DeviceClass for MIG devices, as `deploy/` ships it.
+pub const MIG_CLASS: &str = "mig.gpu.dra.dev";
+
+/// The DeviceClasses `deploy/` ships, so tests allocate with the selectors users get.
+const DEVICE_CLASSES: &str = include_str!("../../deploy/base/deviceclasses.yaml");
+
+/// Stores the DeviceClasses `deploy/` ships in the API server double.
+pub fn install_device_classes(api: &ApiServer) {
+    for document in serde_yaml::Deserializer::from_str(DEVICE_CLASSES) {
+        // The file is part of this repository and parsed by a test of its own.
+        let class = serde_json::Value::deserialize(document).expect("DeviceClass YAML");
+        api.insert("deviceclasses", class);
+    }
+}
 
 pub struct Harness {
     pub api: ApiServer,
@@ -25,11 +41,19 @@ pub struct Harness {
 impl Harness {
     /// An API server with Node `node-a` and a plugin config for the given fake profile.
     pub async fn new(profile: &str) -> Harness {
-        let api = ApiServer::start().await.expect("API server double starts");
+        Self::with_version(profile, ServerVersion::default()).await
+    }
+
+    /// [`Harness::new`] with an API server of the given Kubernetes version.
+    pub async fn with_version(profile: &str, version: ServerVersion) -> Harness {
+        let api = ApiServer::start_with(version)
+            .await
+            .expect("API server double starts");
         api.insert(
             "nodes",
             serde_json::json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE}}),
         );
+        install_device_classes(&api);
         let dir = tempfile::tempdir().expect("temp dir");
         let root = dir.path();
         let config = PluginConfig {
@@ -110,6 +134,51 @@ impl Harness {
         .await
         .expect("claim allocated");
         ClaimRef::new("default", name, uid)
+    }
+
+    /// Creates a claim in `default` with the given `spec.devices` and allocates it on this node.
+    pub async fn allocated_claim_with(
+        &self,
+        name: &str,
+        devices: serde_json::Value,
+    ) -> Result<ClaimRef, scheduler::AllocationError> {
+        let claims: Api<ResourceClaim> = Api::namespaced(self.api.client(), "default");
+        let claim: ResourceClaim = serde_json::from_value(serde_json::json!({
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "metadata": {"name": name, "namespace": "default"},
+            "spec": {"devices": devices}
+        }))
+        .expect("claim JSON");
+        let created = claims
+            .create(&PostParams::default(), &claim)
+            .await
+            .expect("claim created");
+        scheduler::allocate(
+            &self.api.client(),
+            "default",
+            name,
+            NODE,
+            ("pod", "pod-uid"),
+        )
+        .await?;
+        Ok(ClaimRef::new(
+            "default",
+            name,
+            created.metadata.uid.unwrap_or_default(),
+        ))
+    }
+
+    /// The fake GPUs as the plugin's backend sees them (same profile and state file).
+    pub fn fake_backend(&self) -> crate::gpu::FakeBackend {
+        match &self.config.backend {
+            crate::plugin::BackendChoice::Fake {
+                profile,
+                state_file,
+            } => crate::gpu::FakeBackend::with_state_file(NODE, profile, state_file.clone())
+                .expect("fake backend"),
+            other => panic!("not a fake backend: {other:?}"),
+        }
     }
 
     /// Creates an unallocated claim for `count` GPUs in `default`; returns its UID.

@@ -1,7 +1,8 @@
 //! Test doubles for what a development machine lacks: a Kubernetes API server (`apiserver`), a kubelet
-//! (`kubelet`) and the scheduler's allocation step (`scheduler`). They are compiled into the library
+//! (`kubelet`) and the scheduler's allocation step (`allocator`, pure; `scheduler`, through the API). They are compiled into the library
 //! (see `src/lib.rs`) because `gpu-dra demo` and the benchmark drive the same doubles as the tests.
 
+pub mod allocator;
 pub mod apiserver;
 pub mod harness;
 pub mod kubelet;

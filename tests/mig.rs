@@ -1,0 +1,387 @@
+//! MIG and NVLink end to end against the doubles: dynamic MIG devices published as partitionable devices,
+//! allocated by the scheduler double with counters, created at prepare and destroyed at unprepare, their
+//! UUIDs in the claim status, the start-up sweep of unowned MIG devices, static MIG, both slice layouts,
+//! and multi-GPU claims kept on one NVLink domain.
+
+use std::time::Duration;
+
+use gpu_dra::devices::MigMode;
+use gpu_dra::gpu::GpuBackend;
+use gpu_dra::support::apiserver::ServerVersion;
+use gpu_dra::support::harness::{Harness, DRIVER, MIG_CLASS, NODE};
+use gpu_dra::support::kubelet::ClaimRef;
+use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
+use kube::Api;
+use serde_json::json;
+
+fn mig_request(profile: &str) -> serde_json::Value {
+    json!({"requests": [{"name": "mig", "exactly": {
+        "deviceClassName": MIG_CLASS,
+        "selectors": [{"cel": {"expression": format!("device.attributes[\"{DRIVER}\"].profile == \"{profile}\"")}}]
+    }}]})
+}
+
+async fn dynamic_node(profile: &str, version: ServerVersion) -> Harness {
+    let mut node = Harness::with_version(profile, version).await;
+    node.config.mig_mode = MigMode::Dynamic;
+    node
+}
+
+fn allocated_device(claim: &ResourceClaim) -> String {
+    gpu_dra::claims::allocation_results(claim)[0].device.clone()
+}
+
+async fn get_claim(node: &Harness, name: &str) -> ResourceClaim {
+    let claims: Api<ResourceClaim> = Api::namespaced(node.api.client(), "default");
+    claims.get(name).await.unwrap()
+}
+
+/// All MIG devices on the fake node, as (parent minor, start, UUID).
+fn mig_devices(node: &Harness) -> Vec<(u32, u32, String)> {
+    let inventory = node.fake_backend().inventory().unwrap();
+    inventory
+        .gpus
+        .iter()
+        .flat_map(|gpu| {
+            gpu.mig.iter().flat_map(move |mig| {
+                mig.instances
+                    .iter()
+                    .map(move |i| (gpu.minor, i.placement.start, i.uuid.clone()))
+            })
+        })
+        .collect()
+}
+
+async fn wait_for_dynamic_slices(node: &Harness, count: usize) -> Vec<ResourceSlice> {
+    node.wait_for_slices_where(|slices| slices.len() == count)
+        .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dynamic_mig_claim_creates_the_device_and_unprepare_destroys_it() {
+    let node = dynamic_node("dgx-h100", ServerVersion::V1_35).await;
+    let _plugin = node.start_plugin().await;
+    let kubelet = node.kubelet().await;
+    // 1.35: one counters-only slice for the 8 GPUs, one device slice per GPU.
+    let slices = wait_for_dynamic_slices(&node, 9).await;
+    let counter_slices: Vec<_> = slices
+        .iter()
+        .filter(|s| s.spec.shared_counters.is_some())
+        .collect();
+    assert_eq!(counter_slices.len(), 1);
+    assert!(counter_slices[0].spec.devices.is_none());
+
+    let claim = node
+        .allocated_claim_with("small", mig_request("1g.10gb"))
+        .await
+        .unwrap();
+    let device = allocated_device(&get_claim(&node, "small").await);
+    assert!(
+        device.ends_with("-mig-1g10gb-6"),
+        "the first 1g device goes to the top memory slice: {device}"
+    );
+
+    let answer = kubelet.prepare(std::slice::from_ref(&claim)).await.unwrap();
+    let prepared = answer[&claim.uid].clone().unwrap();
+    assert_eq!(prepared[0].device_name, device);
+    let made = mig_devices(&node);
+    assert_eq!(made.len(), 1, "{made:?}");
+    let mig_uuid = made[0].2.clone();
+    assert_eq!(made[0].1, 6);
+
+    // The CDI spec gives the container the parent GPU, the MIG capability files and the MIG UUID.
+    let spec = std::fs::read_to_string(
+        node.cdi_dir()
+            .join(format!("k8s.{DRIVER}-gpu_{}.json", claim.uid)),
+    )
+    .unwrap();
+    assert!(spec.contains("/dev/nvidia-caps/nvidia-cap"), "{spec}");
+    assert!(
+        spec.contains(&format!("/dev/nvidia{}\"", made[0].0)),
+        "{spec}"
+    );
+    assert!(spec.contains(&mig_uuid), "{spec}");
+
+    // The claim's status reports the created device's UUID.
+    let mut reported = None;
+    for _ in 0..100 {
+        let claim = get_claim(&node, "small").await;
+        reported = claim
+            .status
+            .and_then(|s| s.devices)
+            .and_then(|d| d.into_iter().next());
+        if reported.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let reported = reported.expect("status.devices written");
+    assert_eq!(reported.device, device);
+    assert_eq!(reported.driver, DRIVER);
+    assert_eq!(reported.data.unwrap().0["uuid"], json!(mig_uuid));
+
+    let answer = kubelet
+        .unprepare(std::slice::from_ref(&claim))
+        .await
+        .unwrap();
+    answer[&claim.uid].clone().unwrap();
+    assert!(mig_devices(&node).is_empty(), "MIG device destroyed");
+    assert!(node.cdi_files().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn counters_keep_whole_gpus_and_their_partitions_apart_on_1_34() {
+    let node = dynamic_node("dgx-h100", ServerVersion::V1_34).await;
+    let _plugin = node.start_plugin().await;
+    let kubelet = node.kubelet().await;
+    // 1.34: one combined slice per GPU, counter set and devices together.
+    let slices = wait_for_dynamic_slices(&node, 8).await;
+    assert!(slices.iter().all(|s| s
+        .spec
+        .shared_counters
+        .as_ref()
+        .is_some_and(|c| c.len() == 1)
+        && s.spec.devices.as_ref().is_some_and(|d| d.len() == 26)));
+
+    // A 4g device takes half of the first GPU; a whole-GPU claim then goes elsewhere.
+    let half = node
+        .allocated_claim_with("half", mig_request("4g.40gb"))
+        .await
+        .unwrap();
+    let half_device = allocated_device(&get_claim(&node, "half").await);
+    let parent = half_device.split("-mig-").next().unwrap().to_string();
+    let whole = node.allocated_claim("whole", 7).await;
+    let whole_devices: Vec<String> =
+        gpu_dra::claims::allocation_results(&get_claim(&node, "whole").await)
+            .iter()
+            .map(|r| r.device.clone())
+            .collect();
+    assert!(!whole_devices.contains(&parent), "{whole_devices:?}");
+    // Every GPU is now used: nothing is left for an 8th whole GPU, and only the free half of the
+    // partly used GPU is left for MIG devices.
+    let error = node
+        .allocated_claim_with(
+            "too-many",
+            json!({"requests": [{"name": "gpus", "exactly": {"deviceClassName": DRIVER}}]}),
+        )
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("cannot be allocated"), "{error}");
+    let third = node
+        .allocated_claim_with("other-half", mig_request("3g.40gb"))
+        .await
+        .unwrap();
+    assert_eq!(
+        allocated_device(&get_claim(&node, "other-half").await),
+        format!("{parent}-mig-3g40gb-4")
+    );
+
+    let answer = kubelet
+        .prepare(&[half.clone(), whole.clone(), third.clone()])
+        .await
+        .unwrap();
+    for claim in [&half, &whole, &third] {
+        answer[&claim.uid].clone().unwrap();
+    }
+    assert_eq!(mig_devices(&node).len(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prepare_refuses_a_device_that_overlaps_one_in_use() {
+    // Claims written by hand (no scheduler) that break the counters: the plugin still refuses.
+    let node = dynamic_node("dgx-h100", ServerVersion::V1_35).await;
+    let _plugin = node.start_plugin().await;
+    let kubelet = node.kubelet().await;
+    wait_for_dynamic_slices(&node, 9).await;
+    let first = node
+        .allocated_claim_with("first", mig_request("3g.40gb"))
+        .await
+        .unwrap();
+    let device = allocated_device(&get_claim(&node, "first").await);
+    kubelet.prepare(std::slice::from_ref(&first)).await.unwrap()[&first.uid]
+        .clone()
+        .unwrap();
+    let parent = device.split("-mig-").next().unwrap();
+    let overlapping = forge_claim(&node, "forged", &format!("{parent}-mig-1g10gb-6")).await;
+    let answer = kubelet
+        .prepare(std::slice::from_ref(&overlapping))
+        .await
+        .unwrap();
+    let error = answer[&overlapping.uid].clone().unwrap_err();
+    assert!(
+        error.contains("already prepared for claim") && error.contains(&device),
+        "{error}"
+    );
+    assert_eq!(
+        mig_devices(&node).len(),
+        1,
+        "nothing created for the refused claim"
+    );
+}
+
+/// A claim whose allocation names `device` directly, as a broken scheduler might.
+async fn forge_claim(node: &Harness, name: &str, device: &str) -> ClaimRef {
+    let uid = node.create_claim(name, 1).await;
+    let claims: Api<ResourceClaim> = Api::namespaced(node.api.client(), "default");
+    let mut claim = claims.get(name).await.unwrap();
+    claim.status = Some(
+        serde_json::from_value(json!({
+            "allocation": {"devices": {"results": [
+                {"request": "gpus", "driver": DRIVER, "pool": NODE, "device": device}
+            ]}}
+        }))
+        .unwrap(),
+    );
+    claims
+        .replace_status(name, &Default::default(), &claim)
+        .await
+        .unwrap();
+    ClaimRef::new("default", name, uid)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_destroys_mig_devices_no_prepared_claim_owns() {
+    let node = dynamic_node("dgx-h200", ServerVersion::V1_35).await;
+    let plugin = node.start_plugin().await;
+    let kubelet = node.kubelet().await;
+    wait_for_dynamic_slices(&node, 9).await;
+    let claim = node
+        .allocated_claim_with("kept", mig_request("2g.35gb"))
+        .await
+        .unwrap();
+    kubelet.prepare(std::slice::from_ref(&claim)).await.unwrap()[&claim.uid]
+        .clone()
+        .unwrap();
+    let kept = mig_devices(&node);
+    plugin.shutdown().await;
+
+    // A crash between creating a MIG device and recording it leaves one nobody owns.
+    let backend = node.fake_backend();
+    let gpu = backend.inventory().unwrap().gpus[5].clone();
+    let profile = gpu.mig.as_ref().unwrap().profiles[0].clone();
+    let stray = backend
+        .create_mig(&gpu_dra::gpu::MigRequest {
+            parent_uuid: gpu.uuid.clone(),
+            profile_id: profile.id,
+            placement: profile.placements[0],
+        })
+        .unwrap();
+
+    let plugin = node.start_plugin().await;
+    assert_eq!(plugin.recovery.kept, vec![claim.uid.clone()]);
+    assert_eq!(plugin.recovery.mig_devices_destroyed, vec![stray.uuid]);
+    assert_eq!(
+        mig_devices(&node),
+        kept,
+        "the prepared claim's device stays"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn static_mig_devices_an_admin_made_are_published_and_prepared_in_place() {
+    let mut node = Harness::new("dgx-h100").await;
+    let mut profile = gpu_dra::gpu::builtin_profile("dgx-h100").unwrap();
+    profile.gpus.truncate(2);
+    profile.gpus[1].mig_enabled = true;
+    profile.gpus[1].mig_instances = serde_yaml::from_str(
+        "[{profile: 3g.40gb, start: 0}, {profile: 2g.20gb, start: 4}, {profile: 1g.10gb, start: 6}]",
+    )
+    .unwrap();
+    let path = node.dir.path().join("static.yaml");
+    std::fs::write(&path, serde_yaml::to_string(&profile).unwrap()).unwrap();
+    node.config.backend = gpu_dra::plugin::BackendChoice::Fake {
+        profile: path.display().to_string(),
+        state_file: Some(node.dir.path().join("static-state.json")),
+    };
+    let _plugin = node.start_plugin().await;
+    let kubelet = node.kubelet().await;
+    let slices = node.wait_for_slices().await;
+    let names: Vec<&str> = slices[0]
+        .spec
+        .devices
+        .iter()
+        .flatten()
+        .map(|d| d.name.as_str())
+        .collect();
+    assert_eq!(
+        names,
+        vec![
+            "gpu-0",
+            "gpu-1-mig-3g40gb-0",
+            "gpu-1-mig-2g20gb-4",
+            "gpu-1-mig-1g10gb-6"
+        ]
+    );
+    let before = mig_devices(&node);
+
+    let claim = node
+        .allocated_claim_with("static", mig_request("2g.20gb"))
+        .await
+        .unwrap();
+    kubelet.prepare(std::slice::from_ref(&claim)).await.unwrap()[&claim.uid]
+        .clone()
+        .unwrap();
+    let spec = std::fs::read_to_string(
+        node.cdi_dir()
+            .join(format!("k8s.{DRIVER}-gpu_{}.json", claim.uid)),
+    )
+    .unwrap();
+    let uuid = &before.iter().find(|(_, start, _)| *start == 4).unwrap().2;
+    assert!(spec.contains(uuid.as_str()), "{spec}");
+    kubelet
+        .unprepare(std::slice::from_ref(&claim))
+        .await
+        .unwrap()[&claim.uid]
+        .clone()
+        .unwrap();
+    assert_eq!(
+        mig_devices(&node),
+        before,
+        "static MIG devices are left alone"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_two_gpu_claim_with_match_attribute_stays_on_one_nvlink_domain() {
+    // Two NVLink-bridged pairs: gpu-0 + gpu-1 and gpu-2 + gpu-3.
+    let node = Harness::new("a100-pcie-4").await;
+    let _plugin = node.start_plugin().await;
+    let kubelet = node.kubelet().await;
+    node.wait_for_slices().await;
+    let single = node.allocated_claim("single", 1).await;
+    assert_eq!(allocated_device(&get_claim(&node, "single").await), "gpu-0");
+
+    let pair = node
+        .allocated_claim_with(
+            "pair",
+            json!({
+                "requests": [{"name": "gpus", "exactly": {"deviceClassName": DRIVER, "count": 2}}],
+                "constraints": [{"matchAttribute": format!("{DRIVER}/nvlinkDomain")}]
+            }),
+        )
+        .await
+        .unwrap();
+    let devices: Vec<String> = gpu_dra::claims::allocation_results(&get_claim(&node, "pair").await)
+        .iter()
+        .map(|r| r.device.clone())
+        .collect();
+    assert_eq!(
+        devices,
+        vec!["gpu-2", "gpu-3"],
+        "not gpu-1 + gpu-2 across domains"
+    );
+    let answer = kubelet.prepare(&[single, pair.clone()]).await.unwrap();
+    assert_eq!(answer[&pair.uid].clone().unwrap().len(), 2);
+
+    // Without the constraint, first fit would have crossed domains.
+    let loose = node
+        .allocated_claim_with(
+            "loose",
+            json!({"requests": [{"name": "gpus", "exactly": {"deviceClassName": DRIVER, "count": 1}}]}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(allocated_device(&get_claim(&node, "loose").await), "gpu-1");
+    drop(loose);
+}

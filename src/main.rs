@@ -35,6 +35,24 @@ enum Command {
         #[command(subcommand)]
         command: FakeCommand,
     },
+    /// NVML tools, for checking a node with real GPUs.
+    Nvml {
+        #[command(subcommand)]
+        command: NvmlCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum NvmlCommand {
+    /// Print what NVML reports about the node's GPUs (read-only: changes nothing on them).
+    Probe {
+        /// Where the host's root filesystem (with the NVIDIA driver) is mounted.
+        #[arg(long, env = "NVIDIA_DRIVER_ROOT", default_value = "/")]
+        driver_root: PathBuf,
+        /// An explicit libnvidia-ml.so.1 to load.
+        #[arg(long)]
+        library: Option<PathBuf>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -166,6 +184,20 @@ fn main() -> Result<()> {
             command: FakeCommand::Profiles,
         } => {
             print!("{}", gpu_dra::gpu::describe_builtin_profiles());
+            Ok(())
+        }
+        Command::Nvml {
+            command:
+                NvmlCommand::Probe {
+                    driver_root,
+                    library,
+                },
+        } => {
+            let report = gpu_dra::gpu::nvml::probe(gpu_dra::gpu::NvmlOptions {
+                library_path: library,
+                driver_root,
+            })?;
+            print!("{report}");
             Ok(())
         }
         Command::Fake {

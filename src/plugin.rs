@@ -13,9 +13,11 @@ use tokio_stream::wrappers::UnixListenerStream;
 use tracing::{error, info, warn};
 
 use crate::cdi::CdiRegistry;
+use crate::cdi::{HostDriver, ToolkitSpec};
+use crate::claims::DriverEdits;
 use crate::claims::{self, ClaimsConfig, Preparer, Recovery};
 use crate::devices::{node_devices, MigMode, NodeDevices};
-use crate::gpu::{FakeBackend, GpuBackend, GpuError, Inventory};
+use crate::gpu::{FakeBackend, GpuBackend, GpuError, Inventory, NvmlBackend, NvmlOptions};
 use crate::kubelet::{self, DraV1, DraV1beta1, RegistrationService};
 use crate::observability::{self, Metrics, Readiness};
 use crate::proto::dra_v1::dra_plugin_server::DraPluginServer as DraV1Server;
@@ -111,6 +113,8 @@ pub enum PluginError {
     },
     #[error(transparent)]
     Socket(#[from] kubelet::SocketError),
+    #[error("the NVIDIA driver's files for containers: {0}; mount the host's root at --driver-root, or install the NVIDIA Container Toolkit's CDI spec (nvidia-ctk cdi generate)")]
+    DriverFiles(String),
     #[error("recovering prepared claims: {0}")]
     Recovery(#[from] claims::ClaimError),
     #[error("serving HTTP on {addr}: {source}")]
@@ -134,10 +138,10 @@ pub fn open_backend(
             profile,
             state_file.clone(),
         )?)),
-        BackendChoice::Nvml { .. } => Err(GpuError::Unavailable {
-            backend: "nvml".to_string(),
-            reason: "the NVML backend is not built yet; use --backend fake".to_string(),
-        }),
+        BackendChoice::Nvml { driver_root } => Ok(Arc::new(NvmlBackend::open(NvmlOptions {
+            library_path: None,
+            driver_root: driver_root.clone(),
+        })?)),
     }
 }
 
@@ -212,6 +216,7 @@ pub async fn start(
             cdi: CdiRegistry::new(&config.cdi_root, &config.driver_name),
             checkpoint_path: claims::checkpoint_path(&plugin_dir),
             mig_mode: config.mig_mode,
+            driver_edits: driver_edits(&config, &inventory)?,
         },
         client.clone(),
         backend.clone(),
@@ -344,6 +349,48 @@ async fn rescan(
             });
             let _ = inventory_tx.send(Arc::new(latest));
         }
+    }
+}
+
+/// What containers get from the host driver: nothing for fake GPUs; on real ones the driver's
+/// libraries and binaries found under the driver root, and the NVIDIA Container Toolkit's CDI spec
+/// where the node has one (claims then reference its devices). Neither on a real node is an error:
+/// CUDA could not run in the containers.
+fn driver_edits(config: &PluginConfig, inventory: &Inventory) -> Result<DriverEdits, PluginError> {
+    let BackendChoice::Nvml { driver_root } = &config.backend else {
+        return Ok(DriverEdits::default());
+    };
+    let search = ToolkitSpec::find(&[driver_root.join("etc/cdi"), config.cdi_root.clone()]);
+    for warning in &search.warnings {
+        warn!(path = %warning.path.display(), reason = %warning.reason, "skipping a CDI spec");
+    }
+    let toolkit = search.spec.map(Arc::new);
+    if let Some(spec) = &toolkit {
+        info!(path = %spec.path().display(), "claims reference the NVIDIA Container Toolkit's CDI devices where it names them");
+    }
+    match HostDriver::discover(driver_root, &inventory.driver_version) {
+        Ok(host) => {
+            for warning in host.warnings() {
+                warn!(%warning, "host driver discovery");
+            }
+            info!(
+                files = host.files().len(),
+                hook = host.cdi_hook().is_some(),
+                "host driver files found"
+            );
+            Ok(DriverEdits {
+                host: Some(host.container_edits()),
+                toolkit,
+            })
+        }
+        Err(error) if toolkit.is_some() => {
+            warn!(%error, "host driver files not found; devices the toolkit's spec does not name get device nodes only");
+            Ok(DriverEdits {
+                host: None,
+                toolkit,
+            })
+        }
+        Err(error) => Err(PluginError::DriverFiles(error.to_string())),
     }
 }
 

@@ -124,9 +124,76 @@ fn mistakes_get_clear_errors() {
     assert!(!output.status.success());
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(
-        stderr.contains("GPU backend nvml is not available"),
+        stderr.contains("GPU backend nvml is not available")
+            && stderr.contains("libnvidia-ml.so.1")
+            && stderr.contains("--backend fake"),
         "{stderr}"
     );
+
+    // The probe is for GPU machines; without the driver it says what is missing.
+    let output = gpu_dra(&[
+        "nvml",
+        "probe",
+        "--library",
+        "/nonexistent/libnvidia-ml.so.1",
+    ]);
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("/nonexistent/libnvidia-ml.so.1") && stderr.contains("NVIDIA driver"),
+        "{stderr}"
+    );
+
+    let output = gpu_dra(&["devices", "--backend", "fake", "--mig-mode", "sometimes"]);
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("--mig-mode") && stderr.contains("dynamic"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn devices_shows_dynamic_mig_in_both_slice_layouts() {
+    let split = stdout(&gpu_dra(&[
+        "devices",
+        "--backend",
+        "fake",
+        "--fake-profile",
+        "dgx-a100",
+        "--mig-mode",
+        "dynamic",
+        "-o",
+        "json",
+    ]));
+    let slices: Vec<serde_json::Value> = serde_json::from_str(&split).unwrap();
+    // A100s with MIG mode off: whole GPUs only, in one slice, no counters.
+    assert_eq!(slices.len(), 1);
+    let h100 = stdout(&gpu_dra(&[
+        "devices",
+        "--backend",
+        "fake",
+        "--mig-mode",
+        "dynamic",
+        "--kubernetes-minor",
+        "34",
+        "-o",
+        "json",
+    ]));
+    let slices: Vec<serde_json::Value> = serde_json::from_str(&h100).unwrap();
+    assert_eq!(slices.len(), 8, "one combined slice per GPU on 1.34");
+    assert!(slices
+        .iter()
+        .all(|s| s["spec"]["sharedCounters"].as_array().unwrap().len() == 1));
+    let table = stdout(&gpu_dra(&[
+        "devices",
+        "--backend",
+        "fake",
+        "--mig-mode",
+        "dynamic",
+    ]));
+    assert!(table.contains("gpu-0-mig-1g10gb-6"), "{table}");
+    assert!(table.contains("mig"), "{table}");
 }
 
 #[test]

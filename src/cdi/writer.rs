@@ -52,6 +52,17 @@ impl CdiRegistry {
         claim_uid: &str,
         devices: &[(String, ContainerEdits)],
     ) -> Result<Vec<String>, CdiError> {
+        self.write_claim_spec_with(claim_uid, &ContainerEdits::default(), devices)
+    }
+
+    /// [`write_claim_spec`](Self::write_claim_spec) with spec-level edits (`common`), which the runtime
+    /// applies once to a container that gets any device of the spec: the driver's libraries, say.
+    pub fn write_claim_spec_with(
+        &self,
+        claim_uid: &str,
+        common: &ContainerEdits,
+        devices: &[(String, ContainerEdits)],
+    ) -> Result<Vec<String>, CdiError> {
         let path = self.checked_spec_path(claim_uid)?;
         let invalid = |reason: String| CdiError::InvalidClaimSpec {
             claim_uid: claim_uid.to_owned(),
@@ -68,6 +79,7 @@ impl CdiRegistry {
                     ..Default::default()
                 })
                 .collect(),
+            container_edits: common.clone(),
             ..Default::default()
         };
         spec.cdi_version = minimum_version(&spec).to_owned();

@@ -1,23 +1,73 @@
 //! What goes into a claim's CDI spec: for each prepared GPU or MIG device, its device files (the GPU's,
 //! the MIG device's capability files, the driver's control files) and an environment variable that
-//! names the device by UUID.
+//! names the device by UUID; on real GPUs also the host driver's libraries and binaries, unless the
+//! NVIDIA Container Toolkit's own CDI spec describes the device, which the claim then references.
+
+use std::sync::Arc;
 
 use super::PreparedDevice;
-use crate::cdi::{CdiRegistry, ContainerEdits, DeviceNode};
+use crate::cdi::{CdiRegistry, ContainerEdits, DeviceNode, ToolkitSpec};
 use crate::devices::DeviceName;
 use crate::gpu::{Gpu, Inventory};
+
+/// What containers need from the host's NVIDIA driver besides device nodes.
+#[derive(Debug, Clone, Default)]
+pub struct DriverEdits {
+    /// Mounts and hooks for the driver's libraries and binaries; `None` for fake GPUs, whose
+    /// containers need nothing from a driver.
+    pub host: Option<ContainerEdits>,
+    /// The NVIDIA Container Toolkit's spec for `nvidia.com/gpu`, if the node has one.
+    pub toolkit: Option<Arc<ToolkitSpec>>,
+}
+
+impl DriverEdits {
+    /// Adds the toolkit's CDI id for the device to its ids when the toolkit's spec names it (by GPU
+    /// or MIG UUID), so the runtime takes the device nodes, libraries and hooks from there.
+    pub(super) fn reference_toolkit(&self, inventory: &Inventory, device: &mut PreparedDevice) {
+        let Some(toolkit) = &self.toolkit else { return };
+        let uuid = match (&device.mig, find_gpu(inventory, &device.device)) {
+            (Some(mig), _) => mig.uuid.clone(),
+            (None, Some(gpu)) => gpu.uuid.clone(),
+            (None, None) => return,
+        };
+        if let Some(id) = toolkit.device_for(&uuid, None) {
+            if !device.cdi_device_ids.contains(&id) {
+                device.cdi_device_ids.push(id);
+            }
+        }
+    }
+}
 
 pub(super) fn write_spec_with(
     cdi: &CdiRegistry,
     uid: &str,
     devices: &[PreparedDevice],
     inventory: &Inventory,
+    driver: &DriverEdits,
 ) -> Result<(), crate::cdi::CdiError> {
+    let our_kind = format!("{}=", cdi.kind());
+    let uses_toolkit = |device: &PreparedDevice| {
+        device
+            .cdi_device_ids
+            .iter()
+            .any(|id| !id.starts_with(&our_kind))
+    };
     let edits: Vec<(String, ContainerEdits)> = devices
         .iter()
-        .map(|device| (device.device.clone(), container_edits(inventory, device)))
+        .map(|device| {
+            let mut edits = container_edits(inventory, device);
+            if uses_toolkit(device) {
+                // The toolkit's device brings the nodes; ours only names the device.
+                edits.device_nodes.clear();
+            }
+            (device.device.clone(), edits)
+        })
         .collect();
-    cdi.write_claim_spec(uid, &edits).map(|_| ())
+    let common = match &driver.host {
+        Some(host) if !devices.iter().all(uses_toolkit) => host.clone(),
+        _ => ContainerEdits::default(),
+    };
+    cdi.write_claim_spec_with(uid, &common, &edits).map(|_| ())
 }
 
 /// What a container that gets `device` needs: its device files and the driver's control files, and an

@@ -23,7 +23,7 @@ use tracing::{info, info_span, warn, Instrument};
 
 pub use checkpoint::{ClaimRecord, ClaimState, PreparedDevice, PreparedMig};
 use edits::write_spec_with;
-pub use edits::{container_edits, device_variable};
+pub use edits::{container_edits, device_variable, DriverEdits};
 
 use crate::cdi::CdiRegistry;
 use crate::devices::MigMode;
@@ -129,6 +129,7 @@ pub struct ClaimsConfig {
     pub cdi: CdiRegistry,
     pub checkpoint_path: std::path::PathBuf,
     pub mig_mode: MigMode,
+    pub driver_edits: DriverEdits,
 }
 
 /// The claim state machine of one plugin instance.
@@ -140,6 +141,7 @@ pub struct Preparer {
     checkpoint: CheckpointFile,
     backend: Arc<dyn GpuBackend>,
     mig_mode: MigMode,
+    driver_edits: DriverEdits,
     inventory: watch::Receiver<Arc<Inventory>>,
     metrics: Arc<Metrics>,
     state: Mutex<State>,
@@ -167,6 +169,7 @@ impl Preparer {
             checkpoint: CheckpointFile::new(config.checkpoint_path),
             backend,
             mig_mode: config.mig_mode,
+            driver_edits: config.driver_edits,
             inventory,
             metrics,
             state: Mutex::new(State {
@@ -299,17 +302,23 @@ impl Preparer {
                 device,
                 reason,
             })?;
+        for device in devices.iter_mut() {
+            self.driver_edits.reference_toolkit(inventory, device);
+        }
         let cdi = self.cdi.clone();
         let uid = claim.uid.clone();
         let snapshot = devices.to_vec();
         let inventory = inventory.clone();
-        tokio::task::spawn_blocking(move || write_spec_with(&cdi, &uid, &snapshot, &inventory))
-            .await
-            .map_err(|join| internal(&claim.to_string(), join))?
-            .map_err(|source| ClaimError::Cdi {
-                claim: claim.to_string(),
-                source,
-            })
+        let driver = self.driver_edits.clone();
+        tokio::task::spawn_blocking(move || {
+            write_spec_with(&cdi, &uid, &snapshot, &inventory, &driver)
+        })
+        .await
+        .map_err(|join| internal(&claim.to_string(), join))?
+        .map_err(|source| ClaimError::Cdi {
+            claim: claim.to_string(),
+            source,
+        })
     }
 
     async fn unprepare_one(&self, claim: &ClaimRef) -> Result<(), ClaimError> {

@@ -73,12 +73,17 @@ impl Preparer {
                     // /var/run/cdi is tmpfs: after a reboot the spec is gone and is written again;
                     // one that a power cut left unreadable is replaced the same way.
                     if rewrite || !matches!(self.cdi.read_claim_spec(&uid), Ok(Some(_))) {
-                        write_spec_with(&self.cdi, &uid, &record.devices, &inventory).map_err(
-                            |source| ClaimError::Cdi {
-                                claim: describe(&uid, &record),
-                                source,
-                            },
-                        )?;
+                        write_spec_with(
+                            &self.cdi,
+                            &uid,
+                            &record.devices,
+                            &inventory,
+                            &self.driver_edits,
+                        )
+                        .map_err(|source| ClaimError::Cdi {
+                            claim: describe(&uid, &record),
+                            source,
+                        })?;
                     }
                     recovery.kept.push(uid.clone());
                     data.claims.insert(uid, record);

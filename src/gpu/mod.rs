@@ -2,13 +2,19 @@
 //! trait that the rest of the driver reads and changes the node's GPUs through. Backends: `fake` (YAML
 //! profiles, for tests, the demo and kind) and `nvml` (the NVIDIA driver's management library).
 
+pub mod caps;
 pub mod fake;
 pub mod mig;
 pub mod nvlink;
+pub mod nvml;
+mod nvml_mig;
+mod nvml_probe;
+mod nvml_support;
 mod profiles;
 
 pub use fake::FakeBackend;
 pub use mig::{MigInfo, MigInstance, MigPlacement, MigProfile, MigRequest};
+pub use nvml::{NvmlBackend, NvmlOptions};
 pub use profiles::{builtin_profile, builtin_profile_names, FakeGpuSpec, FakeProfile};
 
 use thiserror::Error;

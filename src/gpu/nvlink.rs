@@ -29,16 +29,27 @@ impl FabricInfo {
 }
 
 /// Sets `nvlink_domain` on every GPU: the fabric domain where there is one, else the connected
-/// component of the NVLink peer graph (GPUs with no active link get `None`). Links to devices that are
-/// not GPUs of this node (NVSwitches, absent GPUs) only show that the GPU has NVLink.
+/// component of the NVLink graph on this node, in which GPUs are linked directly or through a shared
+/// NVSwitch (a peer that is not one of the node's GPUs). GPUs with no active link get `None`.
 pub fn assign_domains(gpus: &mut [Gpu]) {
-    let by_bus: BTreeMap<String, usize> = gpus
-        .iter()
-        .enumerate()
-        .map(|(i, gpu)| (normalize_bus_id(&gpu.pci_bus_id), i))
-        .collect();
-    // Union-find over peer links between GPUs of this node.
-    let mut parent: Vec<usize> = (0..gpus.len()).collect();
+    // Union-find over the GPUs and every other device their links reach.
+    let mut index: BTreeMap<String, usize> = BTreeMap::new();
+    for gpu in gpus.iter() {
+        let next = index.len();
+        index
+            .entry(normalize_bus_id(&gpu.pci_bus_id))
+            .or_insert(next);
+    }
+    let mut links: Vec<(usize, usize)> = Vec::new();
+    for gpu in gpus.iter() {
+        let own = index[&normalize_bus_id(&gpu.pci_bus_id)];
+        for peer in &gpu.nvlink_peers {
+            let next = index.len();
+            let other = *index.entry(normalize_bus_id(peer)).or_insert(next);
+            links.push((own, other));
+        }
+    }
+    let mut parent: Vec<usize> = (0..index.len()).collect();
     fn root(parent: &mut [usize], mut i: usize) -> usize {
         while parent[i] != i {
             parent[i] = parent[parent[i]];
@@ -46,27 +57,25 @@ pub fn assign_domains(gpus: &mut [Gpu]) {
         }
         i
     }
-    for (i, gpu) in gpus.iter().enumerate() {
-        for peer in &gpu.nvlink_peers {
-            if let Some(&j) = by_bus.get(&normalize_bus_id(peer)) {
-                let (a, b) = (root(&mut parent, i), root(&mut parent, j));
-                parent[a.max(b)] = a.min(b);
-            }
-        }
+    for (a, b) in links {
+        let (a, b) = (root(&mut parent, a), root(&mut parent, b));
+        parent[a.max(b)] = a.min(b);
     }
+    let roots: Vec<usize> = gpus
+        .iter()
+        .map(|gpu| root(&mut parent, index[&normalize_bus_id(&gpu.pci_bus_id)]))
+        .collect();
     let mut members: BTreeMap<usize, BTreeSet<String>> = BTreeMap::new();
-    for i in 0..gpus.len() {
-        let r = root(&mut parent, i);
-        members.entry(r).or_default().insert(gpus[i].uuid.clone());
+    for (gpu, r) in gpus.iter().zip(&roots) {
+        members.entry(*r).or_default().insert(gpu.uuid.clone());
     }
-    let roots: Vec<usize> = (0..gpus.len()).map(|i| root(&mut parent, i)).collect();
-    for (i, gpu) in gpus.iter_mut().enumerate() {
+    for (gpu, r) in gpus.iter_mut().zip(&roots) {
         gpu.nvlink_domain = if let Some(fabric) = &gpu.fabric {
             Some(fabric.domain())
         } else if gpu.nvlink_peers.is_empty() {
             None
         } else {
-            let uuids: Vec<String> = members[&roots[i]].iter().cloned().collect();
+            let uuids: Vec<String> = members[r].iter().cloned().collect();
             Some(
                 uuid::Uuid::new_v5(&NVLINK_DOMAIN_NAMESPACE, uuids.join(",").as_bytes())
                     .to_string(),
@@ -76,12 +85,13 @@ pub fn assign_domains(gpus: &mut [Gpu]) {
 }
 
 /// PCI bus ids come as `00000000:18:00.0` from NVML and `0000:18:00.0` from sysfs; compare them in the
-/// short, lowercase form.
+/// sysfs form: lowercase, the domain without the extra leading zeros (VMD domains keep five digits).
 pub fn normalize_bus_id(bus_id: &str) -> String {
     let lower = bus_id.trim().to_ascii_lowercase();
     match lower.split_once(':') {
         Some((domain, rest)) if domain.len() > 4 => {
-            format!("{}:{rest}", &domain[domain.len() - 4..])
+            let significant = domain.trim_start_matches('0');
+            format!("{significant:0>4}:{rest}")
         }
         _ => lower,
     }
@@ -130,11 +140,17 @@ mod tests {
     }
 
     #[test]
-    fn links_through_switches_only_mark_nvlink_presence() {
-        // Peers that are not GPUs of this node (an NVSwitch) still give the GPU a domain of its own.
-        let mut gpus = vec![gpu("0000:01:00.0", &["0000:99:00.0"])];
+    fn gpus_on_one_nvswitch_share_a_domain() {
+        // NVSwitch systems: every GPU's links end on the switches, never on another GPU.
+        let mut gpus = vec![
+            gpu("0000:01:00.0", &["0000:99:00.0", "0000:9a:00.0"]),
+            gpu("0000:02:00.0", &["0000:9a:00.0"]),
+            gpu("0000:03:00.0", &["0000:77:00.0"]),
+        ];
         assign_domains(&mut gpus);
         assert!(gpus[0].nvlink_domain.is_some());
+        assert_eq!(gpus[0].nvlink_domain, gpus[1].nvlink_domain);
+        assert_ne!(gpus[0].nvlink_domain, gpus[2].nvlink_domain);
     }
 
     #[test]
@@ -159,5 +175,6 @@ mod tests {
     fn bus_ids_normalize() {
         assert_eq!(normalize_bus_id("00000000:3B:00.0"), "0000:3b:00.0");
         assert_eq!(normalize_bus_id("0000:3b:00.0"), "0000:3b:00.0");
+        assert_eq!(normalize_bus_id("00010000:01:00.0"), "10000:01:00.0");
     }
 }

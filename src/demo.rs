@@ -1,6 +1,7 @@
 //! `gpu-dra demo`: the whole driver on one machine without a cluster or GPUs. It starts the in-process
-//! API server double, the plugin with the fake backend, and the kubelet double, then walks one claim
-//! through publish → allocate → prepare → CDI spec → unprepare, saying what happens at each step.
+//! API server double, the plugin with the fake backend and dynamic MIG, and the kubelet double, then
+//! walks a whole-GPU claim and a MIG claim through publish → allocate → prepare (the MIG device is
+//! created) → CDI spec → unprepare (it is destroyed), saying what happens at each step.
 
 use std::io::Write;
 use std::time::Duration;
@@ -9,6 +10,8 @@ use anyhow::{bail, Context, Result};
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 use kube::api::{Api, ListParams, PostParams};
 
+use crate::devices::MigMode;
+use crate::gpu::GpuBackend;
 use crate::plugin::PluginConfig;
 use crate::support::apiserver::ApiServer;
 use crate::support::kubelet::{ClaimRef, KubeletDouble};
@@ -18,6 +21,7 @@ const NODE: &str = "demo-node";
 const DRIVER: &str = "gpu.dra.dev";
 const NAMESPACE: &str = "default";
 const CLAIM: &str = "one-gpu";
+const MIG_CLAIM: &str = "small-mig";
 
 pub async fn run(out: &mut impl Write) -> Result<()> {
     let workdir = tempfile::Builder::new().prefix("gpu-dra-demo-").tempdir()?;
@@ -44,13 +48,14 @@ pub async fn run(out: &mut impl Write) -> Result<()> {
 
     let config = PluginConfig {
         http_addr: Some(([127, 0, 0, 1], 0).into()),
+        mig_mode: MigMode::Dynamic,
         ..PluginConfig::fake_node_under(root, DRIVER, NODE, "dgx-h100")
     };
     let plugin = crate::plugin::start(config.clone(), api.client()).await?;
     step(
         out,
         2,
-        "Started the plugin with the fake backend (profile dgx-h100: 8x H100 80GB)",
+        "Started the plugin with the fake backend (profile dgx-h100: 8x H100 80GB) and dynamic MIG",
     )?;
     say(
         out,
@@ -89,18 +94,32 @@ pub async fn run(out: &mut impl Write) -> Result<()> {
         .iter()
         .flat_map(|s| s.spec.devices.clone().unwrap_or_default())
         .collect();
+    let counter_sets = slices
+        .iter()
+        .flat_map(|s| s.spec.shared_counters.clone().unwrap_or_default())
+        .count();
     step(
         out,
         4,
         &format!(
-            "The plugin published {} ResourceSlice(s) with {} devices for pool {NODE}:",
+            "The plugin published {} ResourceSlice(s) with {} devices and {counter_sets} counter sets for pool {NODE}:",
             slices.len(),
-            devices.len()
+            devices.len(),
         ),
     )?;
-    for line in crate::devices::table(&devices).lines() {
+    say(
+        out,
+        "each GPU: the whole GPU and every MIG profile at every placement, all consuming the GPU's counter set",
+    )?;
+    let first_gpu: Vec<_> = devices
+        .iter()
+        .filter(|d| d.name == "gpu-0" || d.name.starts_with("gpu-0-"))
+        .cloned()
+        .collect();
+    for line in crate::devices::table(&first_gpu).lines() {
         say(out, line)?;
     }
+    say(out, "... and the same for gpu-1 to gpu-7")?;
 
     let claims: Api<ResourceClaim> = Api::namespaced(api.client(), NAMESPACE);
     let claim: ResourceClaim = serde_json::from_value(serde_json::json!({
@@ -165,6 +184,8 @@ pub async fn run(out: &mut impl Write) -> Result<()> {
         say(out, line)?;
     }
 
+    let mig_uid = demo_mig_claim(out, &api, &kubelet, &plugin).await?;
+
     if let Some(addr) = plugin.http_addr {
         let ready = http_get(addr, "/readyz")
             .await
@@ -172,7 +193,7 @@ pub async fn run(out: &mut impl Write) -> Result<()> {
         let metrics = http_get(addr, "/metrics").await.unwrap_or_default();
         step(
             out,
-            8,
+            9,
             &format!("http://{addr}/readyz says: {}", ready.trim()),
         )?;
         for line in metrics.lines().filter(|l| {
@@ -183,16 +204,32 @@ pub async fn run(out: &mut impl Write) -> Result<()> {
         }
     }
 
-    let unprepared = kubelet.unprepare(std::slice::from_ref(&claim_ref)).await?;
-    if let Some(Err(error)) = unprepared.get(&uid) {
-        bail!("unprepare failed: {error}");
+    let mig_ref = ClaimRef::new(NAMESPACE, MIG_CLAIM, mig_uid.clone());
+    let unprepared = kubelet
+        .unprepare(&[claim_ref.clone(), mig_ref.clone()])
+        .await?;
+    for answer in unprepared.values() {
+        if let Err(error) = answer {
+            bail!("unprepare failed: {error}");
+        }
     }
+    let mig_left = crate::gpu::FakeBackend::with_state_file(
+        NODE,
+        "dgx-h100",
+        Some(root.join("fake-gpu-state.json")),
+    )?
+    .inventory()?
+    .gpus
+    .iter()
+    .filter_map(|g| g.mig.as_ref())
+    .map(|m| m.instances.len())
+    .sum::<usize>();
     step(
         out,
-        9,
+        10,
         &format!(
-            "NodeUnprepareResources succeeded; CDI spec removed: {}",
-            !spec_path.exists()
+            "NodeUnprepareResources succeeded for both claims; CDI specs removed: {}; MIG devices left: {mig_left}",
+            !spec_path.exists() && !plugin.preparer.cdi_spec_path(&mig_uid).exists()
         ),
     )?;
 
@@ -200,7 +237,7 @@ pub async fn run(out: &mut impl Write) -> Result<()> {
     plugin.shutdown().await;
     step(
         out,
-        10,
+        11,
         &format!(
             "Plugin stopped; sockets removed: {}",
             sockets.iter().all(|s| !s.exists())
@@ -210,6 +247,83 @@ pub async fn run(out: &mut impl Write) -> Result<()> {
     Ok(())
 }
 
+/// Step 8: a claim for a 1g.10gb MIG device, allocated, prepared (the MIG device is created), with its
+/// CDI edits and the UUID the plugin reports in the claim's status. Returns the claim's UID.
+async fn demo_mig_claim(
+    out: &mut impl Write,
+    api: &ApiServer,
+    kubelet: &KubeletDouble,
+    plugin: &crate::plugin::RunningPlugin,
+) -> Result<String> {
+    let claims: Api<ResourceClaim> = Api::namespaced(api.client(), NAMESPACE);
+    let claim: ResourceClaim = serde_json::from_value(serde_json::json!({
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": MIG_CLAIM, "namespace": NAMESPACE},
+        "spec": {"devices": {"requests": [{"name": "mig", "exactly": {
+            "deviceClassName": "mig.gpu.dra.dev",
+            "selectors": [{"cel": {"expression": "device.attributes[\"gpu.dra.dev\"].profile == \"1g.10gb\""}}]
+        }}]}}
+    }))?;
+    let created = claims.create(&PostParams::default(), &claim).await?;
+    let uid = created.metadata.uid.clone().unwrap_or_default();
+    let allocated = scheduler::allocate(
+        &api.client(),
+        NAMESPACE,
+        MIG_CLAIM,
+        NODE,
+        ("mig-pod", "mig-pod-uid"),
+    )
+    .await?;
+    let device = crate::claims::allocation_results(&allocated)
+        .first()
+        .context("the MIG claim has no allocation result")?
+        .device
+        .clone();
+    let claim_ref = ClaimRef::new(NAMESPACE, MIG_CLAIM, uid.clone());
+    let prepared = kubelet.prepare(std::slice::from_ref(&claim_ref)).await?;
+    if let Some(Err(error)) = prepared.get(&uid) {
+        bail!("prepare of the MIG claim failed: {error}");
+    }
+    step(
+        out,
+        8,
+        &format!(
+            "ResourceClaim {NAMESPACE}/{MIG_CLAIM} asked for a 1g.10gb MIG device: the scheduler picked {device}\n    (the top memory slice keeps the 4g placement free); prepare created it:"
+        ),
+    )?;
+    let spec = crate::cdi::CdiRegistry::new(&plugin.config.cdi_root, DRIVER)
+        .read_claim_spec(&uid)?
+        .context("the MIG claim has no CDI spec")?;
+    for edits in spec.devices.iter().map(|d| &d.container_edits) {
+        for node in &edits.device_nodes {
+            say(out, &format!("device node {}", node.path))?;
+        }
+        for env in &edits.env {
+            say(out, &format!("env {env}"))?;
+        }
+    }
+    // The plugin reports the created device's UUID in the claim status right after answering.
+    for _ in 0..100 {
+        let claim = claims.get(MIG_CLAIM).await?;
+        if let Some(status) = claim
+            .status
+            .and_then(|s| s.devices)
+            .and_then(|d| d.into_iter().next())
+        {
+            let data = status.data.map(|d| d.0.to_string()).unwrap_or_default();
+            say(
+                out,
+                &format!("claim status.devices: {} {data}", status.device),
+            )?;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Ok(uid)
+}
+
+/// Waits until the node's pool is complete: every slice of its newest generation is there.
 async fn wait_for_slices(client: &kube::Client) -> Result<Vec<ResourceSlice>> {
     let api: Api<ResourceSlice> = Api::all(client.clone());
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
@@ -218,8 +332,16 @@ async fn wait_for_slices(client: &kube::Client) -> Result<Vec<ResourceSlice>> {
             .list(&ListParams::default().fields(&format!("spec.nodeName={NODE}")))
             .await?
             .items;
-        if !slices.is_empty() {
-            return Ok(slices);
+        let newest = slices.iter().map(|s| s.spec.pool.generation).max();
+        let current: Vec<ResourceSlice> = slices
+            .into_iter()
+            .filter(|s| Some(s.spec.pool.generation) == newest)
+            .collect();
+        if current
+            .first()
+            .is_some_and(|s| s.spec.pool.resource_slice_count == current.len() as i64)
+        {
+            return Ok(current);
         }
         if tokio::time::Instant::now() > deadline {
             bail!("no ResourceSlices published within 10 s");

@@ -202,7 +202,12 @@ fn demo_walks_through_every_step() {
     for expected in [
         "[1] Started a Kubernetes API server double",
         "[3] The kubelet double found the registration socket and registered the plugin",
-        "[4] The plugin published 1 ResourceSlice(s) with 8 devices",
+        "[4] The plugin published 9 ResourceSlice(s) with 208 devices and 8 counter sets",
+        "gpu-0-mig-1g10gb-6",
+        "[8] ResourceClaim default/small-mig asked for a 1g.10gb MIG device",
+        "/dev/nvidia-caps/nvidia-cap",
+        "-mig-1g10gb-6 {\"parentUUID\":\"GPU-",
+        "MIG devices left: 0",
         "NodePrepareResources answered",
         "k8s.gpu.dra.dev/gpu=",
         "\"cdiVersion\": \"0.5.0\"",

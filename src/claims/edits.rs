@@ -109,3 +109,87 @@ pub(super) fn find_gpu<'a>(inventory: &'a Inventory, device: &str) -> Option<&'a
     let minor = DeviceName::parse(device)?.minor();
     inventory.gpus.iter().find(|gpu| gpu.minor == minor)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cdi::Mount;
+    use crate::gpu::{FakeBackend, GpuBackend};
+
+    fn device(cdi: &CdiRegistry, uid: &str, name: &str) -> PreparedDevice {
+        PreparedDevice {
+            request_names: vec!["gpu".into()],
+            pool: "node-a".into(),
+            device: name.into(),
+            cdi_device_ids: vec![cdi.qualified_device_id(uid, name)],
+            share_id: None,
+            admin_access: false,
+            mig: None,
+        }
+    }
+
+    #[test]
+    fn toolkit_devices_are_referenced_and_other_devices_get_the_host_driver_files() {
+        let root = tempfile::tempdir().unwrap();
+        let cdi = CdiRegistry::new(root.path().join("cdi"), "gpu.dra.dev");
+        let toolkit_dir = root.path().join("etc-cdi");
+        std::fs::create_dir_all(&toolkit_dir).unwrap();
+        std::fs::copy(
+            concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/tests/fixtures/toolkit/nvidia.yaml"
+            ),
+            toolkit_dir.join("nvidia.yaml"),
+        )
+        .unwrap();
+        let toolkit = ToolkitSpec::find(&[toolkit_dir])
+            .spec
+            .expect("toolkit spec");
+
+        let mut inventory = FakeBackend::new("node-a", "l40s-4")
+            .unwrap()
+            .inventory()
+            .unwrap();
+        // GPU 0 is one the toolkit's spec names by UUID; GPU 1 is not.
+        inventory.gpus[0].uuid = "GPU-4cf8db2d-06c0-7d70-1a51-e59b25b2c16c".into();
+        inventory.stand_in_device_file = None;
+        let libcuda = Mount {
+            host_path: "/usr/lib/x86_64-linux-gnu/libcuda.so.550.90.07".into(),
+            container_path: "/usr/lib/x86_64-linux-gnu/libcuda.so.550.90.07".into(),
+            options: vec!["ro".into(), "nosuid".into(), "nodev".into(), "bind".into()],
+            mount_type: None,
+        };
+        let driver = DriverEdits {
+            host: Some(ContainerEdits {
+                mounts: vec![libcuda.clone()],
+                ..Default::default()
+            }),
+            toolkit: Some(Arc::new(toolkit)),
+        };
+        let uid = "6c3e0f0a-3d4b-4a8e-9f00-1d2c3b4a5e6f";
+        let mut devices = vec![device(&cdi, uid, "gpu-0"), device(&cdi, uid, "gpu-1")];
+        for d in devices.iter_mut() {
+            driver.reference_toolkit(&inventory, d);
+        }
+        assert_eq!(
+            devices[0].cdi_device_ids[1],
+            "nvidia.com/gpu=GPU-4cf8db2d-06c0-7d70-1a51-e59b25b2c16c"
+        );
+        assert_eq!(devices[1].cdi_device_ids.len(), 1);
+
+        write_spec_with(&cdi, uid, &devices, &inventory, &driver).unwrap();
+        let spec = cdi.read_claim_spec(uid).unwrap().unwrap();
+        // The toolkit's device brings its own nodes; ours only names the GPU.
+        let first = &spec.devices[0].container_edits;
+        assert!(first.device_nodes.is_empty());
+        assert!(first.env[0].ends_with("GPU-4cf8db2d-06c0-7d70-1a51-e59b25b2c16c"));
+        let second = &spec.devices[1].container_edits;
+        assert!(second.device_nodes.iter().any(|n| n.path == "/dev/nvidia1"));
+        assert_eq!(spec.container_edits.mounts, vec![libcuda]);
+
+        // When the toolkit names every device, the driver files come from it alone.
+        write_spec_with(&cdi, uid, &devices[..1], &inventory, &driver).unwrap();
+        let spec = cdi.read_claim_spec(uid).unwrap().unwrap();
+        assert!(spec.container_edits.mounts.is_empty());
+    }
+}

@@ -300,15 +300,22 @@ pub fn table(devices: &[Device]) -> String {
             .map(|nanos| format!("{:.1}", nanos as f64 / 1e9 / f64::from(1u32 << 30)))
             .unwrap_or_else(|| "-".to_string())
     };
+    let width = devices
+        .iter()
+        .map(|d| d.name.len())
+        .max()
+        .unwrap_or(0)
+        .max(10);
     let mut text = format!(
-        "{:<10} {:<5} {:<24} {:>9} {:>4} {:<14} {:<38} UUID\n",
-        "NAME", "TYPE", "PRODUCT", "MEM(GiB)", "NUMA", "PCI BUS", "NVLINK DOMAIN"
+        "{:<width$} {:<5} {:<10} {:<24} {:>9} {:>4} {:<14} {:<38} UUID\n",
+        "NAME", "TYPE", "PROFILE", "PRODUCT", "MEM(GiB)", "NUMA", "PCI BUS", "NVLINK DOMAIN"
     );
     for device in devices {
         text.push_str(&format!(
-            "{:<10} {:<5} {:<24} {:>9} {:>4} {:<14} {:<38} {}\n",
+            "{:<width$} {:<5} {:<10} {:<24} {:>9} {:>4} {:<14} {:<38} {}\n",
             device.name,
             attribute(device, "type"),
+            attribute(device, "profile"),
             attribute(device, "productName"),
             memory(device),
             attribute(device, &format!("{KUBERNETES_DOMAIN}/numaNode")),

@@ -343,6 +343,11 @@ impl GpuBackend for FakeBackend {
                 .insert((parent_uuid.to_string(), gpu_instance_id));
         }
         next.created.retain(|_, list| !list.is_empty());
+        // As the NVML backend does: with the last MIG device gone, MIG mode goes off again where it
+        // was switched on at run time, so the whole GPU can be used.
+        if !next.created.contains_key(parent_uuid) {
+            next.mig_enabled.remove(parent_uuid);
+        }
         if next != *hardware {
             self.store_hardware(&next)?;
             *hardware = next;
@@ -693,13 +698,21 @@ mod mig_tests {
         backend
             .destroy_mig(&gpu.uuid, made.gpu_instance_id)
             .unwrap();
-        let left = &backend.inventory().unwrap().gpus[0]
-            .mig
-            .clone()
-            .unwrap()
-            .instances;
-        assert_eq!(left.len(), 1);
-        assert_eq!(left[0].placement.start, 0);
+        let left = backend.inventory().unwrap().gpus[0].mig.clone().unwrap();
+        assert_eq!(left.instances.len(), 1);
+        assert_eq!(left.instances[0].placement.start, 0);
+        assert!(left.enabled);
+        // With the last MIG device gone, MIG mode goes off so the whole GPU works again.
+        backend
+            .destroy_mig(&gpu.uuid, left.instances[0].gpu_instance_id)
+            .unwrap();
+        assert!(
+            !backend.inventory().unwrap().gpus[0]
+                .mig
+                .clone()
+                .unwrap()
+                .enabled
+        );
     }
 
     #[test]

@@ -239,11 +239,33 @@ impl NvmlBackend {
             NvmlError::NotSupported,
         ];
         match gi_by_id(&device, gpu_instance_id) {
-            Ok(gi) => Ok(tear_down(self.nvml, gi)?),
+            Ok(gi) => tear_down(self.nvml, gi)?,
             // Gone already (or MIG mode is off, so it cannot exist): retries converge.
-            Err(f) if is(&f, &gone) => Ok(()),
-            Err(f) => Err(f.into()),
+            Err(f) if is(&f, &gone) => return Ok(()),
+            Err(f) => return Err(f.into()),
         }
+        self.switch_mig_off_when_empty(&device)
+    }
+
+    /// With the last MIG device gone, MIG mode is switched off again where that needs no reset, so the
+    /// whole GPU, which dynamic MIG also publishes, runs CUDA again (a GPU in MIG mode shows no device
+    /// to CUDA without an instance).
+    fn switch_mig_off_when_empty(&self, device: &Device<'static>) -> Result<(), GpuError> {
+        if !architecture_code(device).is_some_and(support::toggles_without_reset) {
+            return Ok(());
+        }
+        for profile in read_profiles(device)? {
+            let max = profile.info.instance_count;
+            if !gpu_instances(device, profile.info.id, max)?.is_empty() {
+                return Ok(());
+            }
+        }
+        let status = device.set_mig_mode(false).named("nvmlDeviceSetMigMode")?;
+        if status != 0 {
+            // The GPU still works in MIG mode; the next whole-GPU claim will report it.
+            tracing::warn!(reason = %support::return_code_text(status), "switching MIG mode off failed");
+        }
+        Ok(())
     }
 }
 

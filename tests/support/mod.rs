@@ -6,4 +6,5 @@ pub mod allocator;
 pub mod apiserver;
 pub mod harness;
 pub mod kubelet;
+pub mod packing;
 pub mod scheduler;

@@ -212,7 +212,7 @@ fn demo_walks_through_every_step() {
         "k8s.gpu.dra.dev/gpu=",
         "\"cdiVersion\": \"0.5.0\"",
         "readyz says: ready",
-        "CDI spec removed: true",
+        "CDI specs removed: true",
         "sockets removed: true",
         "Demo complete.",
     ] {

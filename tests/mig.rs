@@ -385,3 +385,37 @@ async fn a_two_gpu_claim_with_match_attribute_stays_on_one_nvlink_domain() {
     assert_eq!(allocated_device(&get_claim(&node, "loose").await), "gpu-1");
     drop(loose);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_reboot_a_prepared_claims_mig_device_is_made_again() {
+    let node = dynamic_node("dgx-h100", ServerVersion::V1_35).await;
+    let plugin = node.start_plugin().await;
+    let kubelet = node.kubelet().await;
+    wait_for_dynamic_slices(&node, 9).await;
+    let claim = node
+        .allocated_claim_with("survivor", mig_request("3g.40gb"))
+        .await
+        .unwrap();
+    kubelet.prepare(std::slice::from_ref(&claim)).await.unwrap()[&claim.uid]
+        .clone()
+        .unwrap();
+    let before = mig_devices(&node);
+    plugin.shutdown().await;
+
+    // MIG configuration does not survive a reboot: the GPUs come back without MIG devices.
+    std::fs::remove_file(node.dir.path().join("fake-gpu-state.json")).unwrap();
+    assert!(mig_devices(&node).is_empty());
+
+    let plugin = node.start_plugin().await;
+    assert_eq!(plugin.recovery.kept, vec![claim.uid.clone()]);
+    let after = mig_devices(&node);
+    assert_eq!(after.len(), 1);
+    assert_eq!((after[0].0, after[0].1), (before[0].0, before[0].1), "same GPU and placement");
+    assert_ne!(after[0].2, before[0].2, "a new MIG device has a new UUID");
+    let spec = std::fs::read_to_string(node.cdi_dir().join(format!(
+        "k8s.{DRIVER}-gpu_{}.json",
+        claim.uid
+    )))
+    .unwrap();
+    assert!(spec.contains(&after[0].2) && !spec.contains(&before[0].2), "{spec}");
+}

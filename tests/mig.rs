@@ -410,12 +410,19 @@ async fn after_a_reboot_a_prepared_claims_mig_device_is_made_again() {
     assert_eq!(plugin.recovery.kept, vec![claim.uid.clone()]);
     let after = mig_devices(&node);
     assert_eq!(after.len(), 1);
-    assert_eq!((after[0].0, after[0].1), (before[0].0, before[0].1), "same GPU and placement");
+    assert_eq!(
+        (after[0].0, after[0].1),
+        (before[0].0, before[0].1),
+        "same GPU and placement"
+    );
     assert_ne!(after[0].2, before[0].2, "a new MIG device has a new UUID");
-    let spec = std::fs::read_to_string(node.cdi_dir().join(format!(
-        "k8s.{DRIVER}-gpu_{}.json",
-        claim.uid
-    )))
+    let spec = std::fs::read_to_string(
+        node.cdi_dir()
+            .join(format!("k8s.{DRIVER}-gpu_{}.json", claim.uid)),
+    )
     .unwrap();
-    assert!(spec.contains(&after[0].2) && !spec.contains(&before[0].2), "{spec}");
+    assert!(
+        spec.contains(&after[0].2) && !spec.contains(&before[0].2),
+        "{spec}"
+    );
 }

@@ -121,21 +121,10 @@ pub async fn run(out: &mut impl Write) -> Result<()> {
     }
     say(out, "... and the same for gpu-1 to gpu-7")?;
 
-    let claims: Api<ResourceClaim> = Api::namespaced(api.client(), NAMESPACE);
-    let claim: ResourceClaim = serde_json::from_value(serde_json::json!({
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceClaim",
-        "metadata": {"name": CLAIM, "namespace": NAMESPACE},
-        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": DRIVER}}]}}
-    }))?;
-    let created = claims.create(&PostParams::default(), &claim).await?;
-    let uid = created.metadata.uid.clone().unwrap_or_default();
-    let allocated = scheduler::allocate(
-        &api.client(),
-        NAMESPACE,
+    let (uid, allocated) = create_and_allocate(
+        &api,
         CLAIM,
-        NODE,
-        ("demo-pod", "demo-pod-uid"),
+        serde_json::json!({"requests": [{"name": "gpu", "exactly": {"deviceClassName": DRIVER}}]}),
     )
     .await?;
     let result = crate::claims::allocation_results(&allocated)
@@ -255,26 +244,16 @@ async fn demo_mig_claim(
     kubelet: &KubeletDouble,
     plugin: &crate::plugin::RunningPlugin,
 ) -> Result<String> {
-    let claims: Api<ResourceClaim> = Api::namespaced(api.client(), NAMESPACE);
-    let claim: ResourceClaim = serde_json::from_value(serde_json::json!({
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceClaim",
-        "metadata": {"name": MIG_CLAIM, "namespace": NAMESPACE},
-        "spec": {"devices": {"requests": [{"name": "mig", "exactly": {
+    let (uid, allocated) = create_and_allocate(
+        api,
+        MIG_CLAIM,
+        serde_json::json!({"requests": [{"name": "mig", "exactly": {
             "deviceClassName": "mig.gpu.dra.dev",
             "selectors": [{"cel": {"expression": "device.attributes[\"gpu.dra.dev\"].profile == \"1g.10gb\""}}]
-        }}]}}
-    }))?;
-    let created = claims.create(&PostParams::default(), &claim).await?;
-    let uid = created.metadata.uid.clone().unwrap_or_default();
-    let allocated = scheduler::allocate(
-        &api.client(),
-        NAMESPACE,
-        MIG_CLAIM,
-        NODE,
-        ("mig-pod", "mig-pod-uid"),
+        }}]}),
     )
     .await?;
+    let claims: Api<ResourceClaim> = Api::namespaced(api.client(), NAMESPACE);
     let device = crate::claims::allocation_results(&allocated)
         .first()
         .context("the MIG claim has no allocation result")?
@@ -321,6 +300,29 @@ async fn demo_mig_claim(
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     Ok(uid)
+}
+
+/// Creates the claim with `devices` as its `spec.devices` and lets the scheduler double allocate it to a
+/// pod named after it; returns the claim's UID and the allocated claim.
+async fn create_and_allocate(
+    api: &ApiServer,
+    name: &str,
+    devices: serde_json::Value,
+) -> Result<(String, ResourceClaim)> {
+    let claims: Api<ResourceClaim> = Api::namespaced(api.client(), NAMESPACE);
+    let claim: ResourceClaim = serde_json::from_value(serde_json::json!({
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": name, "namespace": NAMESPACE},
+        "spec": {"devices": devices}
+    }))?;
+    let created = claims.create(&PostParams::default(), &claim).await?;
+    let uid = created.metadata.uid.clone().unwrap_or_default();
+    let pod = format!("{name}-pod");
+    let pod_uid = format!("{name}-pod-uid");
+    let allocated =
+        scheduler::allocate(&api.client(), NAMESPACE, name, NODE, (&pod, &pod_uid)).await?;
+    Ok((uid, allocated))
 }
 
 /// Waits until the node's pool is complete: every slice of its newest generation is there.

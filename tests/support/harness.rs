@@ -123,17 +123,9 @@ impl Harness {
 
     /// Creates a claim for `count` GPUs in `default` and allocates it on this node; returns its reference.
     pub async fn allocated_claim(&self, name: &str, count: i64) -> ClaimRef {
-        let uid = self.create_claim(name, count).await;
-        scheduler::allocate(
-            &self.api.client(),
-            "default",
-            name,
-            NODE,
-            ("pod", "pod-uid"),
-        )
-        .await
-        .expect("claim allocated");
-        ClaimRef::new("default", name, uid)
+        self.allocated_claim_with(name, gpus_request(count))
+            .await
+            .expect("claim allocated")
     }
 
     /// Creates a claim in `default` with the given `spec.devices` and allocates it on this node.
@@ -142,18 +134,7 @@ impl Harness {
         name: &str,
         devices: serde_json::Value,
     ) -> Result<ClaimRef, scheduler::AllocationError> {
-        let claims: Api<ResourceClaim> = Api::namespaced(self.api.client(), "default");
-        let claim: ResourceClaim = serde_json::from_value(serde_json::json!({
-            "apiVersion": "resource.k8s.io/v1",
-            "kind": "ResourceClaim",
-            "metadata": {"name": name, "namespace": "default"},
-            "spec": {"devices": devices}
-        }))
-        .expect("claim JSON");
-        let created = claims
-            .create(&PostParams::default(), &claim)
-            .await
-            .expect("claim created");
+        let uid = self.create_claim_with(name, devices).await;
         scheduler::allocate(
             &self.api.client(),
             "default",
@@ -162,11 +143,7 @@ impl Harness {
             ("pod", "pod-uid"),
         )
         .await?;
-        Ok(ClaimRef::new(
-            "default",
-            name,
-            created.metadata.uid.unwrap_or_default(),
-        ))
+        Ok(ClaimRef::new("default", name, uid))
     }
 
     /// The fake GPUs as the plugin's backend sees them (same profile and state file).
@@ -183,12 +160,17 @@ impl Harness {
 
     /// Creates an unallocated claim for `count` GPUs in `default`; returns its UID.
     pub async fn create_claim(&self, name: &str, count: i64) -> String {
+        self.create_claim_with(name, gpus_request(count)).await
+    }
+
+    /// Creates an unallocated claim in `default` with the given `spec.devices`; returns its UID.
+    pub async fn create_claim_with(&self, name: &str, devices: serde_json::Value) -> String {
         let claims: Api<ResourceClaim> = Api::namespaced(self.api.client(), "default");
         let claim: ResourceClaim = serde_json::from_value(serde_json::json!({
             "apiVersion": "resource.k8s.io/v1",
             "kind": "ResourceClaim",
             "metadata": {"name": name, "namespace": "default"},
-            "spec": {"devices": {"requests": [{"name": "gpus", "exactly": {"deviceClassName": DRIVER, "count": count}}]}}
+            "spec": {"devices": devices}
         }))
         .expect("claim JSON");
         let created = claims
@@ -249,4 +231,9 @@ impl Harness {
     pub async fn allocated_claim_named(&self, n: usize) -> ClaimRef {
         self.allocated_claim(&format!("claim-{n}"), 1).await
     }
+}
+
+/// `spec.devices` of a claim for `count` whole GPUs.
+fn gpus_request(count: i64) -> serde_json::Value {
+    serde_json::json!({"requests": [{"name": "gpus", "exactly": {"deviceClassName": DRIVER, "count": count}}]})
 }

@@ -13,8 +13,10 @@ use serde::{Deserialize, Serialize};
 use super::mig::{
     builtin_profiles_for, MigInfo, MigInstance, MigPlacement, MigProfile, MigRequest,
 };
-use super::profiles::{builtin_profile, builtin_profile_names, FakeGpuSpec, FakeProfile};
-use super::{nvlink, Gpu, GpuBackend, GpuError, Inventory};
+use super::profiles::{
+    builtin_profile, builtin_profile_names, FakeFault, FakeFaultKind, FakeGpuSpec, FakeProfile,
+};
+use super::{nvlink, Gpu, GpuBackend, GpuError, GpuEvent, GpuEventKind, Inventory};
 
 /// The namespace of the name-based UUIDs the fake backend derives, so they are stable per node.
 const FAKE_UUID_NAMESPACE: uuid::Uuid =
@@ -44,7 +46,24 @@ pub struct FakeBackend {
     hardware: Mutex<FakeHardware>,
     /// Where the hardware state is kept across restarts; `None` keeps it in memory.
     state_file: Option<PathBuf>,
+    faults: Mutex<FaultWatch>,
 }
+
+/// A fault as events report it: the GPU, the MIG device's GPU instance (if any), what happened.
+type FaultKey = (String, Option<u32>, FakeFaultKind, Option<u64>);
+
+/// What `wait_event` has reported so far, to turn edits of the profile's faults into events.
+#[derive(Debug, Default)]
+struct FaultWatch {
+    reported: std::collections::BTreeSet<FaultKey>,
+    pending: std::collections::VecDeque<GpuEvent>,
+    /// The profile file's modification time and length when last read.
+    last_seen: Option<(std::time::SystemTime, u64)>,
+    primed: bool,
+}
+
+/// How often `wait_event` looks at the profile file for changed faults.
+const FAULT_POLL: std::time::Duration = std::time::Duration::from_millis(10);
 
 impl FakeBackend {
     /// `profile` is a built-in profile name or the path of a YAML profile file. A file is checked now,
@@ -74,6 +93,7 @@ impl FakeBackend {
             source,
             hardware: Mutex::new(FakeHardware::default()),
             state_file,
+            faults: Mutex::new(FaultWatch::default()),
         };
         backend.load_hardware()?;
         backend.inventory()?;
@@ -331,6 +351,31 @@ impl GpuBackend for FakeBackend {
         Ok(instance)
     }
 
+    /// Reports the profile's faults as events: each fault when it appears (faults present at start
+    /// included), and `Recovered` for a GPU or MIG device when its last fault is removed from the file.
+    fn wait_event(&self, timeout: std::time::Duration) -> Result<Option<GpuEvent>, GpuError> {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            {
+                let mut watch = lock(&self.faults);
+                if watch.pending.is_empty() && self.faults_changed(&mut watch) {
+                    // A profile that cannot be read keeps the faults as they were.
+                    if let Ok(profile) = self.profile() {
+                        self.queue_fault_events(&profile, &mut watch);
+                    }
+                }
+                if let Some(event) = watch.pending.pop_front() {
+                    return Ok(Some(event));
+                }
+            }
+            let now = std::time::Instant::now();
+            if now >= deadline {
+                return Ok(None);
+            }
+            std::thread::sleep(FAULT_POLL.min(deadline - now));
+        }
+    }
+
     fn destroy_mig(&self, parent_uuid: &str, gpu_instance_id: u32) -> Result<(), GpuError> {
         let mut hardware = lock(&self.hardware);
         let mut next = hardware.clone();
@@ -353,6 +398,75 @@ impl GpuBackend for FakeBackend {
             *hardware = next;
         }
         Ok(())
+    }
+}
+
+impl FakeBackend {
+    /// Whether the profile may have new faults since the last look: always the first time, then
+    /// when the file's modification time or length changed (built-in profiles never change).
+    fn faults_changed(&self, watch: &mut FaultWatch) -> bool {
+        let first = !watch.primed;
+        watch.primed = true;
+        let ProfileSource::File(path) = &self.source else {
+            return first;
+        };
+        let seen = std::fs::metadata(path)
+            .ok()
+            .and_then(|m| Some((m.modified().ok()?, m.len())));
+        let changed = seen != watch.last_seen;
+        watch.last_seen = seen;
+        first || changed
+    }
+
+    fn queue_fault_events(&self, profile: &FakeProfile, watch: &mut FaultWatch) {
+        let current: std::collections::BTreeSet<FaultKey> = profile
+            .gpus
+            .iter()
+            .enumerate()
+            .flat_map(|(index, spec)| {
+                let uuid = self.gpu_uuid(spec, spec.minor.unwrap_or(index as u32));
+                spec.faults.iter().map(move |fault| fault_key(&uuid, fault))
+            })
+            .collect();
+        for key in current.difference(&watch.reported) {
+            watch.pending.push_back(fault_event(key));
+        }
+        let targets = |set: &std::collections::BTreeSet<FaultKey>| {
+            set.iter()
+                .map(|(uuid, gi, _, _)| (uuid.clone(), *gi))
+                .collect::<std::collections::BTreeSet<_>>()
+        };
+        for (uuid, gpu_instance_id) in targets(&watch.reported).difference(&targets(&current)) {
+            watch.pending.push_back(GpuEvent {
+                gpu_uuid: uuid.clone(),
+                gpu_instance_id: *gpu_instance_id,
+                compute_instance_id: gpu_instance_id.map(|_| 0),
+                kind: GpuEventKind::Recovered,
+            });
+        }
+        watch.reported = current;
+    }
+}
+
+fn fault_key(uuid: &str, fault: &FakeFault) -> FaultKey {
+    let gpu_instance = fault
+        .mig_start
+        .map(|start| gpu_instance_id(MigPlacement { start, size: 1 }));
+    (uuid.to_string(), gpu_instance, fault.kind, fault.xid)
+}
+
+fn fault_event((uuid, gpu_instance_id, kind, xid): &FaultKey) -> GpuEvent {
+    GpuEvent {
+        gpu_uuid: uuid.clone(),
+        gpu_instance_id: *gpu_instance_id,
+        compute_instance_id: gpu_instance_id.map(|_| 0),
+        kind: match kind {
+            FakeFaultKind::Xid => GpuEventKind::Xid(xid.unwrap_or(0)),
+            FakeFaultKind::DoubleBitEcc => GpuEventKind::DoubleBitEcc,
+            FakeFaultKind::RetirementPending => GpuEventKind::RetirementPending,
+            FakeFaultKind::RowRemapFailure => GpuEventKind::RowRemapFailure,
+            FakeFaultKind::Lost => GpuEventKind::Lost,
+        },
     }
 }
 
@@ -464,6 +578,18 @@ fn check_profile(profile: &FakeProfile) -> Result<(), String> {
             return Err(format!("gpus[{index}].memoryBytes must be positive"));
         }
         check_mig(index, gpu)?;
+        for (i, fault) in gpu.faults.iter().enumerate() {
+            if (fault.kind == FakeFaultKind::Xid) != fault.xid.is_some() {
+                return Err(format!(
+                    "gpus[{index}].faults[{i}]: `xid` is required for kind xid and only for it"
+                ));
+            }
+            if fault.mig_start.is_some() && !gpu.mig_capable {
+                return Err(format!(
+                    "gpus[{index}].faults[{i}]: migStart on a GPU without MIG"
+                ));
+            }
+        }
     }
     Ok(())
 }
@@ -808,5 +934,63 @@ mod mig_tests {
         assert_eq!(d[0], d[1]);
         assert_eq!(d[2], d[3]);
         assert_ne!(d[1], d[2]);
+    }
+}
+
+#[cfg(test)]
+mod fault_tests {
+    use super::*;
+
+    fn write(path: &std::path::Path, profile: &FakeProfile) {
+        std::fs::write(path, serde_yaml::to_string(profile).unwrap()).unwrap();
+    }
+
+    fn next(backend: &FakeBackend) -> Option<GpuEvent> {
+        backend
+            .wait_event(std::time::Duration::from_millis(300))
+            .unwrap()
+    }
+
+    #[test]
+    fn faults_in_the_profile_become_events_and_removing_them_recovers() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("node.yaml");
+        let mut profile = builtin_profile("dgx-h100").unwrap();
+        profile.gpus.truncate(2);
+        profile.gpus[1].faults = vec![FakeFault {
+            kind: FakeFaultKind::Xid,
+            xid: Some(79),
+            mig_start: None,
+        }];
+        write(&path, &profile);
+        let backend = FakeBackend::new("n", path.to_str().unwrap()).unwrap();
+        let gpus = backend.inventory().unwrap().gpus;
+
+        // A fault present at start is reported.
+        let event = next(&backend).unwrap();
+        assert_eq!(event.gpu_uuid, gpus[1].uuid);
+        assert_eq!(event.kind, GpuEventKind::Xid(79));
+        assert_eq!(next(&backend), None);
+
+        // A new fault on a MIG device, then the whole-GPU fault cleared.
+        profile.gpus[0].faults = vec![FakeFault {
+            kind: FakeFaultKind::DoubleBitEcc,
+            xid: None,
+            mig_start: Some(4),
+        }];
+        profile.gpus[1].faults.clear();
+        write(&path, &profile);
+        let mut events = vec![next(&backend).unwrap(), next(&backend).unwrap()];
+        events.sort_by_key(|e| e.gpu_uuid == gpus[1].uuid);
+        assert_eq!(events[0].gpu_uuid, gpus[0].uuid);
+        assert_eq!(events[0].gpu_instance_id, Some(5));
+        assert_eq!(events[0].kind, GpuEventKind::DoubleBitEcc);
+        assert_eq!(events[1].kind, GpuEventKind::Recovered);
+        assert_eq!(events[1].gpu_instance_id, None);
+
+        profile.gpus[0].faults[0].xid = Some(1);
+        write(&path, &profile);
+        let err = backend.inventory().unwrap_err().to_string();
+        assert!(err.contains("faults[0]") && err.contains("xid"), "{err}");
     }
 }

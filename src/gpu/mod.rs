@@ -15,7 +15,9 @@ mod profiles;
 pub use fake::FakeBackend;
 pub use mig::{MigInfo, MigInstance, MigPlacement, MigProfile, MigRequest};
 pub use nvml::{NvmlBackend, NvmlOptions};
-pub use profiles::{builtin_profile, builtin_profile_names, FakeGpuSpec, FakeProfile};
+pub use profiles::{
+    builtin_profile, builtin_profile_names, FakeFault, FakeFaultKind, FakeGpuSpec, FakeProfile,
+};
 
 use thiserror::Error;
 
@@ -105,8 +107,16 @@ pub enum GpuEventKind {
     Xid(u64),
     SingleBitEcc,
     DoubleBitEcc,
+    /// Memory pages wait to be retired (pre-Ampere) or rows to be remapped (Ampere and later); the
+    /// GPU needs a reset for it to take effect.
+    RetirementPending,
+    /// Row remapping failed: the memory cannot be repaired in the field.
+    RowRemapFailure,
     /// The GPU fell off the bus.
     Lost,
+    /// The GPU (or the MIG device) is healthy again: every fault seen on it is over (after a reset,
+    /// or when a fake fault is removed).
+    Recovered,
     /// MIG devices were created or destroyed.
     MigConfigChange,
     /// Any other event NVML reported, by its event type bit.

@@ -54,6 +54,34 @@ pub struct FakeGpuSpec {
     /// MIG devices an admin created before the plugin started (static MIG); needs `migEnabled`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub mig_instances: Vec<FakeMigInstance>,
+    /// Faults the GPU has now. Adding one to the file injects it; removing it clears it (the GPU
+    /// reports itself healthy again).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub faults: Vec<FakeFault>,
+}
+
+/// One injected fault: an XID error, a double-bit ECC error, pending retirement, a failed row remap,
+/// or the GPU lost from the bus; on the whole GPU, or on the MIG device that starts at `migStart`.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct FakeFault {
+    pub kind: FakeFaultKind,
+    /// The XID number, for `kind: xid`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub xid: Option<u64>,
+    /// The memory slice the faulty MIG device starts at; the whole GPU when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mig_start: Option<u32>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum FakeFaultKind {
+    Xid,
+    DoubleBitEcc,
+    RetirementPending,
+    RowRemapFailure,
+    Lost,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -164,6 +192,7 @@ fn uniform(
             mig_capable: model.mig_capable,
             mig_enabled: false,
             mig_instances: Vec::new(),
+            faults: Vec::new(),
         })
         .collect();
     FakeProfile {

@@ -365,14 +365,37 @@ fn reconcile<'a>(
     stale.extend(unmatched.into_iter().flatten());
 
     let generations: BTreeSet<i64> = in_pool.iter().map(|s| s.spec.pool.generation).collect();
-    let is_noop = stale.is_empty()
-        && generations.len() == 1
-        && writes
-            .iter()
-            .all(|(want, existing)| existing.is_some_and(|have| same_content(want, have)));
+    let newest = generations.last().copied().unwrap_or(0);
+    let changed: Vec<usize> = (0..writes.len())
+        .filter(|&i| {
+            let (want, existing) = &writes[i];
+            !existing.is_some_and(|have| same_content(want, have))
+        })
+        .collect();
+    let consistent = stale.is_empty() && generations.len() == 1;
+    if consistent && changed.is_empty() {
+        return Reconciliation {
+            is_noop: true,
+            generation: newest,
+            stale,
+            writes,
+        };
+    }
+    // One slice updated in place keeps the pool's generation, as the upstream controller does: a
+    // taint on one GPU is one write, not a rewrite of the pool. Anything more bumps the generation
+    // and writes every slice, so consumers never mix slices of two generations.
+    if consistent && changed.len() == 1 && writes[changed[0]].1.is_some() {
+        let only = writes.swap_remove(changed[0]);
+        return Reconciliation {
+            is_noop: false,
+            generation: newest,
+            stale,
+            writes: vec![only],
+        };
+    }
     Reconciliation {
-        is_noop,
-        generation: generations.last().copied().unwrap_or(0) + 1,
+        is_noop: false,
+        generation: newest + 1,
         stale,
         writes,
     }
@@ -529,7 +552,42 @@ mod tests {
     }
 
     #[test]
-    fn changed_devices_update_in_place_with_a_new_generation() {
+    fn one_changed_slice_is_updated_alone_and_keeps_the_generation() {
+        let node = node("dgx-h100", MigMode::Dynamic);
+        let desired = desired_slices("gpu.dra.dev", "node-a", "uid-1", &node, V1_35);
+        let stored_slices: Vec<ResourceSlice> = desired
+            .iter()
+            .enumerate()
+            .map(|(i, s)| stored(s.clone(), &format!("s{i}"), 5))
+            .collect();
+        let mut tainted = node.clone();
+        tainted.gpus[3].devices[0].taints =
+            Some(vec![k8s_openapi::api::resource::v1::DeviceTaint {
+                key: "gpu.dra.dev/xid".into(),
+                value: Some("79".into()),
+                effect: "NoSchedule".into(),
+                ..Default::default()
+            }]);
+        let want = desired_slices("gpu.dra.dev", "node-a", "uid-1", &tainted, V1_35);
+        let plan = reconcile(&stored_slices, &want, "node-a");
+        assert!(!plan.is_noop);
+        assert_eq!(plan.generation, 5);
+        assert_eq!(plan.writes.len(), 1);
+        assert_eq!(
+            plan.writes[0].1.and_then(|s| s.metadata.name.as_deref()),
+            Some("s4")
+        );
+
+        // Two GPUs changing at once bump the generation and rewrite the pool.
+        tainted.gpus[5].devices[0].taints = tainted.gpus[3].devices[0].taints.clone();
+        let want = desired_slices("gpu.dra.dev", "node-a", "uid-1", &tainted, V1_35);
+        let plan = reconcile(&stored_slices, &want, "node-a");
+        assert_eq!(plan.generation, 6);
+        assert_eq!(plan.writes.len(), want.len());
+    }
+
+    #[test]
+    fn changed_devices_update_in_place() {
         let devices = h100_devices();
         let mut fewer = devices.clone();
         fewer.gpus.truncate(7);
@@ -538,7 +596,10 @@ mod tests {
         let desired = desired_slices("gpu.dra.dev", "node-a", "uid-1", &devices, V1_35);
         let plan = reconcile(std::slice::from_ref(&have), &desired, "node-a");
         assert!(!plan.is_noop);
-        assert_eq!(plan.generation, 4);
+        assert_eq!(
+            plan.generation, 3,
+            "a single in-place update keeps the generation"
+        );
         assert!(plan.stale.is_empty());
         assert_eq!(
             plan.writes[0].1.and_then(|s| s.metadata.name.as_deref()),

@@ -142,7 +142,7 @@ impl ResourceDef {
     }
 }
 
-const RESOURCES: [ResourceDef; 4] = [
+const RESOURCES: [ResourceDef; 5] = [
     ResourceDef {
         plural: "nodes",
         kind: "Node",
@@ -177,6 +177,16 @@ const RESOURCES: [ResourceDef; 4] = [
         version: "v1",
         namespaced: false,
         status_subresource: false,
+        status_on_create: false,
+    },
+    // gpu-dra's own CRD (crd/), cluster-scoped with a status subresource.
+    ResourceDef {
+        plural: "gpunodepolicies",
+        kind: "GpuNodePolicy",
+        group: "gpu.dra.dev",
+        version: "v1alpha1",
+        namespaced: false,
+        status_subresource: true,
         status_on_create: false,
     },
 ];

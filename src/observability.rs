@@ -27,6 +27,16 @@ struct OperationLabels {
     operation: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DeviceLabels {
+    device: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct FaultLabels {
+    kind: String,
+}
+
 /// The plugin's metrics; cheap to update from any task.
 pub struct Metrics {
     registry: Registry,
@@ -36,6 +46,8 @@ pub struct Metrics {
     unprepare_seconds: Histogram,
     published_devices: Gauge,
     api_errors: Family<OperationLabels, Counter>,
+    device_healthy: Family<DeviceLabels, Gauge>,
+    faults: Family<FaultLabels, Counter>,
 }
 
 impl Metrics {
@@ -48,6 +60,18 @@ impl Metrics {
         let unprepare_seconds = Histogram::new(exponential_buckets(0.0005, 2.0, 16));
         let published_devices = Gauge::default();
         let api_errors = Family::<OperationLabels, Counter>::default();
+        let device_healthy = Family::<DeviceLabels, Gauge>::default();
+        let faults = Family::<FaultLabels, Counter>::default();
+        registry.register(
+            "device_healthy",
+            "1 for a published device that is healthy, 0 for one with a fault that takes it out of use",
+            device_healthy.clone(),
+        );
+        registry.register(
+            "faults",
+            "GPU faults seen, by kind (xid_<n>, double_bit_ecc, retirement_pending, row_remap_failure, gpu_lost)",
+            faults.clone(),
+        );
         registry.register(
             "claims_prepared",
             "Claims handled by NodePrepareResources, by outcome (ok or error)",
@@ -86,7 +110,29 @@ impl Metrics {
             unprepare_seconds,
             published_devices,
             api_errors,
+            device_healthy,
+            faults,
         })
+    }
+
+    /// Sets the health of every published device (devices no longer published are dropped).
+    pub fn set_device_health(&self, devices: &[(String, bool)]) {
+        self.device_healthy.clear();
+        for (device, healthy) in devices {
+            self.device_healthy
+                .get_or_create(&DeviceLabels {
+                    device: device.clone(),
+                })
+                .set(i64::from(*healthy));
+        }
+    }
+
+    pub fn fault_seen(&self, kind: &str) {
+        self.faults
+            .get_or_create(&FaultLabels {
+                kind: kind.to_string(),
+            })
+            .inc();
     }
 
     pub fn claim_prepared(&self, ok: bool, elapsed: Duration) {

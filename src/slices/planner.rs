@@ -17,6 +17,9 @@ pub const MAX_DEVICES_PER_SLICE: usize = 128;
 pub const MAX_DEVICES_PER_SLICE_WITH_TAINTS_OR_COUNTERS: usize = 64;
 /// `ResourceSliceMaxCounterSets` (1.35+).
 pub const MAX_COUNTER_SETS_PER_SLICE: usize = 8;
+/// `DeviceTaintsMaxLength`: 4 in 1.34, 16 from 1.35.
+const MAX_TAINTS_1_34: usize = 4;
+const MAX_TAINTS: usize = 16;
 
 /// The Kubernetes minor version the API server reports, which decides the slice layout and limits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -36,6 +39,11 @@ impl ServerVersion {
 
     /// Whether counter sets live in slices of their own (1.35+).
     pub fn splits_counters(&self) -> bool {
+        self.minor >= 35
+    }
+
+    /// Whether taints may have effect `None` (1.35+).
+    pub fn allows_none_effect(&self) -> bool {
         self.minor >= 35
     }
 }
@@ -66,12 +74,12 @@ pub fn plan(node: &NodeDevices, version: ServerVersion) -> Vec<PlannedSlice> {
             });
         }
         for gpu in &partitionable {
-            slices.extend(device_slices(&gpu.devices));
+            slices.extend(device_slices(&fitted(&gpu.devices, version)));
         }
     } else {
         for gpu in &partitionable {
             // A combined slice: the counter set stays with the devices that consume it.
-            let mut chunks = device_slices(&gpu.devices);
+            let mut chunks = device_slices(&fitted(&gpu.devices, version));
             if let Some(first) = chunks.first_mut() {
                 first.shared_counters = gpu.counter_set.clone().into_iter().collect();
             }
@@ -79,11 +87,45 @@ pub fn plan(node: &NodeDevices, version: ServerVersion) -> Vec<PlannedSlice> {
         }
     }
     let plain_devices: Vec<Device> = plain.iter().flat_map(|g| g.devices.clone()).collect();
-    slices.extend(device_slices(&plain_devices));
+    slices.extend(device_slices(&fitted(&plain_devices, version)));
     if slices.is_empty() {
         slices.push(PlannedSlice::default());
     }
     slices
+}
+
+/// Fits device taints to what the server accepts: 1.34 knows no effect `None` (those taints, which
+/// only inform, are left out) and takes 4 taints per device, later versions 16; the most severe stay.
+fn fit_taints(devices: &mut [Device], version: ServerVersion) {
+    let limit = if version.allows_none_effect() {
+        MAX_TAINTS
+    } else {
+        MAX_TAINTS_1_34
+    };
+    for device in devices.iter_mut() {
+        let Some(taints) = device.taints.as_mut() else {
+            continue;
+        };
+        if !version.allows_none_effect() {
+            taints.retain(|t| t.effect != "None");
+        }
+        let severity = |effect: &str| match effect {
+            "NoExecute" => 0,
+            "NoSchedule" => 1,
+            _ => 2,
+        };
+        taints.sort_by_key(|t| severity(&t.effect));
+        taints.truncate(limit);
+        if taints.is_empty() {
+            device.taints = None;
+        }
+    }
+}
+
+fn fitted(devices: &[Device], version: ServerVersion) -> Vec<Device> {
+    let mut devices = devices.to_vec();
+    fit_taints(&mut devices, version);
+    devices
 }
 
 /// Device-only slices for `devices`, cut at the limit that applies to them.
@@ -222,6 +264,35 @@ mod tests {
         let slices = plan(&node, V1_35);
         assert_eq!(sizes(&slices[..2]), vec![(0, 8), (0, 2)]);
         assert_eq!(slices.len(), 2 + 10);
+    }
+
+    #[test]
+    fn taints_fit_the_server_version() {
+        let taint = |key: &str, effect: &str| DeviceTaint {
+            key: key.into(),
+            effect: effect.into(),
+            ..Default::default()
+        };
+        let mut node = plain(1);
+        node.gpus[0].devices[0].taints = Some(vec![
+            taint("gpu.dra.dev/xid", "None"),
+            taint("gpu.dra.dev/a", "NoSchedule"),
+            taint("gpu.dra.dev/b", "NoSchedule"),
+            taint("gpu.dra.dev/c", "NoSchedule"),
+            taint("gpu.dra.dev/d", "NoSchedule"),
+            taint("gpu.dra.dev/gpu-lost", "NoExecute"),
+        ]);
+        let old = plan(&node, V1_34);
+        let kept = old[0].devices[0].taints.clone().unwrap();
+        assert_eq!(kept.len(), 4);
+        assert_eq!(kept[0].key, "gpu.dra.dev/gpu-lost");
+        assert!(kept.iter().all(|t| t.effect != "None"));
+        let new = plan(&node, V1_35);
+        assert_eq!(new[0].devices[0].taints.as_ref().unwrap().len(), 6);
+
+        // Only an informational taint: nothing at all on 1.34.
+        node.gpus[0].devices[0].taints = Some(vec![taint("gpu.dra.dev/xid", "None")]);
+        assert_eq!(plan(&node, V1_34)[0].devices[0].taints, None);
     }
 
     #[test]

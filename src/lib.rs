@@ -10,6 +10,7 @@ pub mod demo;
 pub mod devices;
 pub mod fsutil;
 pub mod gpu;
+pub mod health;
 pub mod kubelet;
 pub mod observability;
 pub mod plugin;

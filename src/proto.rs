@@ -21,9 +21,15 @@ pub mod health_v1alpha1 {
     tonic::include_proto!("v1alpha1");
 }
 
+/// DRA resource health API v1 (`v1`, Kubernetes 1.37+); same messages as v1alpha1.
+pub mod health_v1 {
+    tonic::include_proto!("v1");
+}
+
 /// The registration strings a DRA plugin advertises in `PluginInfo.supported_versions`.
 pub const DRA_V1_SERVICE: &str = "v1.DRAPlugin";
 pub const DRA_V1BETA1_SERVICE: &str = "v1beta1.DRAPlugin";
 pub const HEALTH_V1ALPHA1_SERVICE: &str = "v1alpha1.DRAResourceHealth";
+pub const HEALTH_V1_SERVICE: &str = "v1.DRAResourceHealth";
 /// `PluginInfo.type` of a DRA plugin.
 pub const DRA_PLUGIN_TYPE: &str = "DRAPlugin";

@@ -128,7 +128,8 @@ pub struct ClaimsConfig {
     pub pool: String,
     pub cdi: CdiRegistry,
     pub checkpoint_path: std::path::PathBuf,
-    pub mig_mode: MigMode,
+    /// How MIG devices are handled now; the admin's policy may change it while the plugin runs.
+    pub mig_mode: watch::Receiver<MigMode>,
     pub driver_edits: DriverEdits,
 }
 
@@ -140,7 +141,7 @@ pub struct Preparer {
     cdi: CdiRegistry,
     checkpoint: CheckpointFile,
     backend: Arc<dyn GpuBackend>,
-    mig_mode: MigMode,
+    mig_mode: watch::Receiver<MigMode>,
     driver_edits: DriverEdits,
     inventory: watch::Receiver<Arc<Inventory>>,
     metrics: Arc<Metrics>,
@@ -295,7 +296,8 @@ impl Preparer {
         inventory: &Arc<Inventory>,
         devices: &mut [PreparedDevice],
     ) -> Result<(), ClaimError> {
-        mig::prepare_mig_devices(&self.backend, inventory, self.mig_mode, devices)
+        let mig_mode = *self.mig_mode.borrow();
+        mig::prepare_mig_devices(&self.backend, inventory, mig_mode, devices)
             .await
             .map_err(|(device, reason)| ClaimError::Mig {
                 claim: claim.to_string(),

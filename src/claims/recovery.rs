@@ -105,7 +105,7 @@ impl Preparer {
                 recovery.orphan_specs_removed.push(uid);
             }
         }
-        if self.mig_mode == MigMode::Dynamic {
+        if *self.mig_mode.borrow() == MigMode::Dynamic {
             let owned: BTreeSet<(String, u32)> = data
                 .claims
                 .values()

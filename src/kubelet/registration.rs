@@ -11,7 +11,10 @@ use crate::proto::pluginregistration::registration_server::Registration;
 use crate::proto::pluginregistration::{
     InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse,
 };
-use crate::proto::{DRA_PLUGIN_TYPE, DRA_V1BETA1_SERVICE, DRA_V1_SERVICE};
+use crate::proto::{
+    DRA_PLUGIN_TYPE, DRA_V1BETA1_SERVICE, DRA_V1_SERVICE, HEALTH_V1ALPHA1_SERVICE,
+    HEALTH_V1_SERVICE,
+};
 
 pub struct RegistrationService {
     driver_name: String,
@@ -38,8 +41,15 @@ impl RegistrationService {
             r#type: DRA_PLUGIN_TYPE.to_string(),
             name: self.driver_name.clone(),
             endpoint: self.dra_endpoint.clone(),
-            // The kubelet takes the first entry it supports: v1 first, v1beta1 for older kubelets.
-            supported_versions: vec![DRA_V1_SERVICE.to_string(), DRA_V1BETA1_SERVICE.to_string()],
+            // The kubelet takes the first DRA entry it supports: v1 first, v1beta1 for older kubelets.
+            // It ignores the health entries for that choice; 1.37 opens the health stream only on
+            // a health service listed here (v1 preferred), 1.34 – 1.36 always open v1alpha1.
+            supported_versions: vec![
+                DRA_V1_SERVICE.to_string(),
+                DRA_V1BETA1_SERVICE.to_string(),
+                HEALTH_V1_SERVICE.to_string(),
+                HEALTH_V1ALPHA1_SERVICE.to_string(),
+            ],
         }
     }
 }

@@ -27,6 +27,9 @@ use crate::observability::{Metrics, Readiness};
 const RESYNC_INTERVAL: Duration = Duration::from_secs(60);
 /// Longest wait between retries of a failed sync.
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
+/// Device changes within this long after a write wait for its end and go out together: a burst of
+/// faults is written at once and then at most once more per window (at most two writes a second).
+const COALESCE_WINDOW: Duration = Duration::from_secs(1);
 /// `MaxGeneratedNameLength` of the API server: longer generateName prefixes are cut by the server.
 const MAX_GENERATE_NAME_PREFIX: usize = 58;
 
@@ -229,11 +232,15 @@ impl Publisher {
             changed.clone(),
         ));
         let mut backoff = Backoff::new();
+        let mut last_write: Option<tokio::time::Instant> = None;
         loop {
             let snapshot = devices.borrow_and_update().clone();
             let span = info_span!("slice_sync", driver = %self.driver, node = %self.node_name, devices = snapshot.device_count());
             let wait = match self.sync(&snapshot).instrument(span).await {
-                Ok(_) => {
+                Ok(stats) => {
+                    if stats.writes() > 0 {
+                        last_write = Some(tokio::time::Instant::now());
+                    }
                     backoff.reset();
                     readiness.set_slices_published();
                     RESYNC_INTERVAL
@@ -250,7 +257,17 @@ impl Publisher {
             };
             tokio::select! {
                 _ = tokio::time::sleep(wait) => {}
-                result = devices.changed() => if result.is_err() { break },
+                result = devices.changed() => {
+                    if result.is_err() {
+                        break;
+                    }
+                    if let Some(window_end) = last_write.map(|at| at + COALESCE_WINDOW) {
+                        tokio::select! {
+                            _ = tokio::time::sleep_until(window_end) => {}
+                            _ = shutdown.changed() => break,
+                        }
+                    }
+                }
                 _ = changed.notified() => {
                     // Let a burst of watch events (our own writes echoing back) settle into one sync.
                     tokio::time::sleep(Duration::from_millis(50)).await;

@@ -16,6 +16,7 @@ use tonic::{Code, Request, Response, Status};
 use crate::proto::pluginregistration::registration_client::RegistrationClient;
 use crate::proto::pluginregistration::{InfoRequest, RegistrationStatus};
 use crate::proto::{dra_v1, dra_v1beta1, DRA_PLUGIN_TYPE, DRA_V1BETA1_SERVICE, DRA_V1_SERVICE};
+use crate::proto::{health_v1, health_v1alpha1, HEALTH_V1ALPHA1_SERVICE, HEALTH_V1_SERVICE};
 
 /// What the plugin answered in `GetInfo`.
 pub use crate::proto::pluginregistration::PluginInfo;
@@ -52,6 +53,16 @@ pub enum KubeletError {
     MissingClaims(Vec<String>),
     #[error("the plugin returned results for unknown claim UIDs {0:?}")]
     UnknownClaims(Vec<String>),
+    #[error("the plugin advertises no resource-health service in {0:?}")]
+    NoHealthService(Vec<String>),
+    #[error("NodeWatchResources failed: {0}")]
+    HealthStream(Status),
+    #[error("bad health report for device {pool:?}/{device:?}: {reason}")]
+    BadHealth {
+        pool: String,
+        device: String,
+        reason: String,
+    },
 }
 
 /// The claim identity the kubelet sends: the ResourceClaim may already be gone, so this is all a plugin gets.
@@ -117,6 +128,8 @@ enum DraClient {
 pub struct KubeletDouble {
     info: PluginInfo,
     endpoint: PathBuf,
+    /// The one connection to the DRA socket; the kubelet runs DRA calls and the health stream over it.
+    channel: Channel,
     client: DraClient,
     call_timeout: Duration,
 }
@@ -195,11 +208,11 @@ impl KubeletDouble {
         let channel = Endpoint::from_static(PLACEHOLDER_URI)
             .connect_with_connector_lazy(unix_connector(&endpoint));
         let client = match service {
-            DraService::V1 => {
-                DraClient::V1(dra_v1::dra_plugin_client::DraPluginClient::new(channel))
-            }
+            DraService::V1 => DraClient::V1(dra_v1::dra_plugin_client::DraPluginClient::new(
+                channel.clone(),
+            )),
             DraService::V1beta1 => DraClient::V1beta1(
-                dra_v1beta1::dra_plugin_client::DraPluginClient::new(channel),
+                dra_v1beta1::dra_plugin_client::DraPluginClient::new(channel.clone()),
             ),
         };
 
@@ -219,6 +232,7 @@ impl KubeletDouble {
         Ok(Self {
             info,
             endpoint,
+            channel,
             client,
             call_timeout: CALL_TIMEOUT,
         })
@@ -609,4 +623,231 @@ fn error_chain(error: &dyn std::error::Error) -> String {
         source = cause.source();
     }
     text
+}
+
+// ---- Resource health (`DRAResourceHealth.NodeWatchResources`) ----
+
+/// The health API version of a stream. Kubernetes 1.34 – 1.36 always open v1alpha1 (whatever the plugin
+/// advertises) and only log `Unimplemented`; 1.37 opens only an advertised one, preferring v1.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HealthApi {
+    V1alpha1,
+    V1,
+}
+
+/// A device's health as the kubelet records it; the same in both API versions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HealthStatus {
+    Unknown,
+    Healthy,
+    Unhealthy,
+}
+
+/// One device of a `NodeWatchResources` response, after the double's checks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceHealth {
+    pub pool: String,
+    pub device: String,
+    pub health: HealthStatus,
+    pub message: String,
+    /// Unix seconds (`last_updated_time`).
+    pub last_updated: i64,
+    /// `health_check_timeout_seconds`; 0 means the kubelet's 30 s default.
+    pub timeout_seconds: i64,
+}
+
+/// The longest `DeviceHealth.message` the kubelet keeps, in characters.
+pub const MAX_HEALTH_MESSAGE_CHARS: usize = 1024;
+
+enum HealthStream {
+    V1alpha1(tonic::Streaming<health_v1alpha1::NodeWatchResourcesResponse>),
+    V1(tonic::Streaming<health_v1::NodeWatchResourcesResponse>),
+}
+
+/// An open `NodeWatchResources` stream. Dropping it closes the stream, as a kubelet that deregisters the plugin does.
+pub struct HealthWatch {
+    stream: HealthStream,
+}
+
+impl KubeletDouble {
+    /// Opens `NodeWatchResources` on the plugin's DRA socket as a 1.37 kubelet does (`pickHealthService`): v1 when
+    /// the plugin advertised `v1.DRAResourceHealth`, else v1alpha1 when it advertised
+    /// `v1alpha1.DRAResourceHealth`, else no stream at all.
+    pub async fn watch_health(&self) -> Result<HealthWatch, KubeletError> {
+        let advertised = |service: &str| self.info.supported_versions.iter().any(|v| v == service);
+        let api = if advertised(HEALTH_V1_SERVICE) {
+            HealthApi::V1
+        } else if advertised(HEALTH_V1ALPHA1_SERVICE) {
+            HealthApi::V1alpha1
+        } else {
+            return Err(KubeletError::NoHealthService(
+                self.info.supported_versions.clone(),
+            ));
+        };
+        self.watch_health_with(api).await
+    }
+
+    /// Opens `NodeWatchResources` in `api` regardless of what the plugin advertised; `HealthApi::V1alpha1` is what
+    /// a 1.34 – 1.36 kubelet does with every DRA plugin.
+    pub async fn watch_health_with(&self, api: HealthApi) -> Result<HealthWatch, KubeletError> {
+        let stream = match api {
+            HealthApi::V1alpha1 => {
+                let mut client =
+                    health_v1alpha1::dra_resource_health_client::DraResourceHealthClient::new(
+                        self.channel.clone(),
+                    );
+                let request = health_v1alpha1::NodeWatchResourcesRequest {};
+                HealthStream::V1alpha1(
+                    client
+                        .node_watch_resources(request)
+                        .await
+                        .map_err(KubeletError::HealthStream)?
+                        .into_inner(),
+                )
+            }
+            HealthApi::V1 => {
+                let mut client =
+                    health_v1::dra_resource_health_client::DraResourceHealthClient::new(
+                        self.channel.clone(),
+                    );
+                let request = health_v1::NodeWatchResourcesRequest {};
+                HealthStream::V1(
+                    client
+                        .node_watch_resources(request)
+                        .await
+                        .map_err(KubeletError::HealthStream)?
+                        .into_inner(),
+                )
+            }
+        };
+        Ok(HealthWatch { stream })
+    }
+}
+
+impl HealthWatch {
+    pub fn api(&self) -> HealthApi {
+        match self.stream {
+            HealthStream::V1alpha1(_) => HealthApi::V1alpha1,
+            HealthStream::V1(_) => HealthApi::V1,
+        }
+    }
+
+    /// The next response: `Ok(None)` when the plugin ended the stream (the kubelet then clears the driver's health
+    /// cache and reopens it after 5 s). Entries the kubelet could not use are errors here, where the kubelet would
+    /// log and skip them (or, for long messages, truncate), so a test sees the plugin's mistake.
+    pub async fn next(&mut self) -> Result<Option<Vec<DeviceHealth>>, KubeletError> {
+        let devices = match &mut self.stream {
+            HealthStream::V1alpha1(stream) => match stream.message().await {
+                Ok(Some(response)) => response
+                    .devices
+                    .into_iter()
+                    .map(|d| {
+                        let id = d.device.unwrap_or_default();
+                        let health = match health_v1alpha1::HealthStatus::try_from(d.health) {
+                            Ok(health_v1alpha1::HealthStatus::Unknown) => {
+                                Some(HealthStatus::Unknown)
+                            }
+                            Ok(health_v1alpha1::HealthStatus::Healthy) => {
+                                Some(HealthStatus::Healthy)
+                            }
+                            Ok(health_v1alpha1::HealthStatus::Unhealthy) => {
+                                Some(HealthStatus::Unhealthy)
+                            }
+                            Err(_) => None,
+                        };
+                        check_device_health(
+                            id.pool_name,
+                            id.device_name,
+                            health,
+                            d.health,
+                            d.message,
+                            d.last_updated_time,
+                            d.health_check_timeout_seconds,
+                        )
+                    })
+                    .collect::<Result<Vec<_>, _>>()?,
+                Ok(None) => return Ok(None),
+                Err(status) => return Err(KubeletError::HealthStream(status)),
+            },
+            HealthStream::V1(stream) => match stream.message().await {
+                Ok(Some(response)) => response
+                    .devices
+                    .into_iter()
+                    .map(|d| {
+                        let id = d.device.unwrap_or_default();
+                        let health = match health_v1::HealthStatus::try_from(d.health) {
+                            Ok(health_v1::HealthStatus::Unknown) => Some(HealthStatus::Unknown),
+                            Ok(health_v1::HealthStatus::Healthy) => Some(HealthStatus::Healthy),
+                            Ok(health_v1::HealthStatus::Unhealthy) => Some(HealthStatus::Unhealthy),
+                            Err(_) => None,
+                        };
+                        check_device_health(
+                            id.pool_name,
+                            id.device_name,
+                            health,
+                            d.health,
+                            d.message,
+                            d.last_updated_time,
+                            d.health_check_timeout_seconds,
+                        )
+                    })
+                    .collect::<Result<Vec<_>, _>>()?,
+                Ok(None) => return Ok(None),
+                Err(status) => return Err(KubeletError::HealthStream(status)),
+            },
+        };
+        Ok(Some(devices))
+    }
+}
+
+/// The kubelet's view of one entry: it keys its cache by pool/device, keeps at most 1024 message characters and
+/// takes `last_updated_time` as the time of the report, so a future time would keep a device alive too long.
+fn check_device_health(
+    pool: String,
+    device: String,
+    health: Option<HealthStatus>,
+    raw_health: i32,
+    message: String,
+    last_updated: i64,
+    timeout_seconds: i64,
+) -> Result<DeviceHealth, KubeletError> {
+    let bad = |reason: String| KubeletError::BadHealth {
+        pool: pool.clone(),
+        device: device.clone(),
+        reason,
+    };
+    if pool.is_empty() || device.is_empty() {
+        return Err(bad("empty pool or device name".to_string()));
+    }
+    let Some(health) = health else {
+        return Err(bad(format!("unknown health value {raw_health}")));
+    };
+    let chars = message.chars().count();
+    if chars > MAX_HEALTH_MESSAGE_CHARS {
+        return Err(bad(format!(
+            "message has {chars} characters, more than {MAX_HEALTH_MESSAGE_CHARS}"
+        )));
+    }
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|since| i64::try_from(since.as_secs()).unwrap_or(i64::MAX))
+        .unwrap_or(0);
+    if last_updated > now {
+        return Err(bad(format!(
+            "last_updated_time {last_updated} is in the future (now {now})"
+        )));
+    }
+    if timeout_seconds < 0 {
+        return Err(bad(format!(
+            "negative health_check_timeout_seconds {timeout_seconds}"
+        )));
+    }
+    Ok(DeviceHealth {
+        pool,
+        device,
+        health,
+        message,
+        last_updated,
+        timeout_seconds,
+    })
 }

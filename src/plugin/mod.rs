@@ -1,13 +1,19 @@
 //! `gpu-dra plugin`: wires the backend, the claim state machine, the gRPC servers, the ResourceSlice
 //! publisher and the HTTP endpoints together, and takes them down cleanly (sockets removed) on shutdown.
 
+mod monitor;
+
+pub use monitor::NodePolicy;
+use monitor::{Monitor, MonitorChannels};
+
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use thiserror::Error;
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio_stream::wrappers::UnixListenerStream;
 use tracing::{error, info, warn};
@@ -16,12 +22,17 @@ use crate::cdi::CdiRegistry;
 use crate::cdi::{HostDriver, ToolkitSpec};
 use crate::claims::DriverEdits;
 use crate::claims::{self, ClaimsConfig, Preparer, Recovery};
-use crate::devices::{node_devices, MigMode, NodeDevices};
+use crate::devices::{node_devices, MigMode};
 use crate::gpu::{FakeBackend, GpuBackend, GpuError, Inventory, NvmlBackend, NvmlOptions};
-use crate::kubelet::{self, DraV1, DraV1beta1, RegistrationService};
+use crate::kubelet::health::DEFAULT_HEALTH_TIMEOUT;
+use crate::kubelet::{
+    self, DeviceHealthReport, DraV1, DraV1beta1, HealthService, RegistrationService,
+};
 use crate::observability::{self, Metrics, Readiness};
 use crate::proto::dra_v1::dra_plugin_server::DraPluginServer as DraV1Server;
 use crate::proto::dra_v1beta1::dra_plugin_server::DraPluginServer as DraV1beta1Server;
+use crate::proto::health_v1::dra_resource_health_server::DraResourceHealthServer as HealthV1Server;
+use crate::proto::health_v1alpha1::dra_resource_health_server::DraResourceHealthServer as HealthV1alpha1Server;
 use crate::proto::pluginregistration::registration_server::RegistrationServer;
 use crate::slices::Publisher;
 
@@ -117,6 +128,8 @@ pub enum PluginError {
     DriverFiles(String),
     #[error("recovering prepared claims: {0}")]
     Recovery(#[from] claims::ClaimError),
+    #[error("starting the GPU event reader: {0}")]
+    EventReader(std::io::Error),
     #[error("serving HTTP on {addr}: {source}")]
     Http {
         addr: SocketAddr,
@@ -153,15 +166,24 @@ pub struct RunningPlugin {
     pub preparer: Arc<Preparer>,
     pub metrics: Arc<Metrics>,
     pub readiness: Arc<Readiness>,
+    /// The admin's policy for this node as the plugin applies it (fed by the GpuNodePolicy watcher).
+    pub policy: watch::Sender<NodePolicy>,
     shutdown: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
+    stop_events: Arc<AtomicBool>,
+    event_reader: Option<std::thread::JoinHandle<()>>,
 }
 
 impl RunningPlugin {
-    pub async fn shutdown(self) {
+    pub async fn shutdown(mut self) {
         let _ = self.shutdown.send(true);
+        self.stop_events.store(true, Ordering::Relaxed);
         for task in self.tasks {
             let _ = tokio::time::timeout(Duration::from_secs(5), task).await;
+        }
+        if let Some(reader) = self.event_reader.take() {
+            // The reader wakes at least every 100 ms to look at the stop flag.
+            let _ = tokio::task::spawn_blocking(move || reader.join()).await;
         }
         kubelet::socket::remove_socket(&self.config.registration_socket());
         kubelet::socket::remove_socket(&self.config.dra_socket());
@@ -208,6 +230,10 @@ pub async fn start(
     let (inventory_tx, inventory_rx) = watch::channel(inventory.clone());
     let (devices_tx, devices_rx) =
         watch::channel(Arc::new(node_devices(&inventory, config.mig_mode)));
+    let (health_tx, health_rx) = watch::channel(Arc::new(Vec::<DeviceHealthReport>::new()));
+    let (mig_mode_tx, mig_mode_rx) = watch::channel(config.mig_mode);
+    let (policy_tx, policy_rx) = watch::channel(NodePolicy::default());
+    let (events_tx, events_rx) = mpsc::channel(1024);
 
     let (preparer, recovery) = Preparer::start(
         ClaimsConfig {
@@ -215,7 +241,7 @@ pub async fn start(
             pool: config.node_name.clone(),
             cdi: CdiRegistry::new(&config.cdi_root, &config.driver_name),
             checkpoint_path: claims::checkpoint_path(&plugin_dir),
-            mig_mode: config.mig_mode,
+            mig_mode: mig_mode_rx,
             driver_edits: driver_edits(&config, &inventory)?,
         },
         client.clone(),
@@ -226,10 +252,34 @@ pub async fn start(
     .await?;
 
     let mut tasks = Vec::new();
+    let stop_events = Arc::new(AtomicBool::new(false));
+    let event_reader = monitor::spawn_event_reader(backend.clone(), events_tx, stop_events.clone())
+        .map_err(PluginError::EventReader)?;
+    let health_monitor = Monitor {
+        driver: config.driver_name.clone(),
+        pool: config.node_name.clone(),
+        default_mig_mode: config.mig_mode,
+        metrics: metrics.clone(),
+    };
+    tasks.push(tokio::spawn(health_monitor.run(
+        MonitorChannels {
+            inventory: inventory_tx.subscribe(),
+            policy: policy_rx,
+            events: events_rx,
+            devices: devices_tx,
+            health: health_tx,
+            mig_mode: mig_mode_tx,
+        },
+        shutdown_rx.clone(),
+    )));
+
+    let health = HealthService::new(health_rx, DEFAULT_HEALTH_TIMEOUT);
     let dra_listener = kubelet::bind_private_socket(&config.dra_socket())?;
     let dra_server = tonic::transport::Server::builder()
         .add_service(DraV1Server::new(DraV1::new(preparer.clone())))
         .add_service(DraV1beta1Server::new(DraV1beta1::new(preparer.clone())))
+        .add_service(HealthV1alpha1Server::new(health.clone()))
+        .add_service(HealthV1Server::new(health))
         .serve_with_incoming_shutdown(
             UnixListenerStream::new(dra_listener),
             stopped(shutdown_rx.clone()),
@@ -270,9 +320,7 @@ pub async fn start(
     tasks.push(tokio::spawn(rescan(
         backend,
         config.rescan_interval,
-        config.mig_mode,
         inventory_tx,
-        devices_tx,
         shutdown_rx.clone(),
     )));
 
@@ -303,19 +351,21 @@ pub async fn start(
         preparer,
         metrics,
         readiness,
+        policy: policy_tx,
         shutdown: shutdown_tx,
         tasks,
+        stop_events,
+        event_reader: Some(event_reader),
     })
 }
 
 /// Asks the backend for the inventory every `interval` and passes on changes, so that a fake profile
-/// edited on disk (or a GPU that appears) reaches the ResourceSlices and the prepare checks.
+/// edited on disk (or a GPU that appears) reaches the ResourceSlices (through the health monitor) and
+/// the prepare checks.
 async fn rescan(
     backend: Arc<dyn GpuBackend>,
     interval: Duration,
-    mig_mode: MigMode,
     inventory_tx: watch::Sender<Arc<Inventory>>,
-    devices_tx: watch::Sender<Arc<NodeDevices>>,
     mut shutdown: watch::Receiver<bool>,
 ) {
     loop {
@@ -338,15 +388,8 @@ async fn rescan(
         };
         if **inventory_tx.borrow() != latest {
             info!(gpus = latest.gpus.len(), "GPU inventory changed");
-            let devices = node_devices(&latest, mig_mode);
-            // MIG devices created for claims change the inventory but not what dynamic MIG publishes.
-            devices_tx.send_if_modified(|current| {
-                let changed = **current != devices;
-                if changed {
-                    *current = Arc::new(devices);
-                }
-                changed
-            });
+            // The health monitor turns it into devices; MIG devices created for claims change the
+            // inventory but not what dynamic MIG publishes, so the slices stay as they are then.
             let _ = inventory_tx.send(Arc::new(latest));
         }
     }

@@ -1,0 +1,181 @@
+//! The health monitor: reads the backend's events on a thread of its own, keeps the fault state, and
+//! turns inventory + faults + the admin's policy into what the node publishes (devices with taints)
+//! and what the kubelet hears (device health). Every input change recomputes both outputs; a burst of
+//! events becomes one recomputation per wake-up, and the publisher coalesces further.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::{mpsc, watch};
+use tracing::{info, warn};
+
+use crate::devices::{node_devices, MigMode, NodeDevices};
+use crate::gpu::{GpuBackend, GpuEvent, Inventory};
+use crate::health::{Fault, HealthPolicy, HealthState};
+use crate::kubelet::DeviceHealthReport;
+use crate::observability::Metrics;
+
+/// How long one wait for a backend event lasts, so the reader notices shutdown promptly.
+const EVENT_WAIT: Duration = Duration::from_millis(100);
+/// Pause after a failed wait, so a broken event source does not spin.
+const EVENT_ERROR_PAUSE: Duration = Duration::from_secs(1);
+
+/// What the admin's policy sets for this node (a GpuNodePolicy), or the defaults.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct NodePolicy {
+    pub health: HealthPolicy,
+    /// `None` keeps the plugin's `--mig-mode`.
+    pub mig_mode: Option<MigMode>,
+}
+
+/// The monitor's inputs and outputs.
+pub struct MonitorChannels {
+    pub inventory: watch::Receiver<Arc<Inventory>>,
+    pub policy: watch::Receiver<NodePolicy>,
+    pub events: mpsc::Receiver<GpuEvent>,
+    pub devices: watch::Sender<Arc<NodeDevices>>,
+    pub health: watch::Sender<Arc<Vec<DeviceHealthReport>>>,
+    pub mig_mode: watch::Sender<MigMode>,
+}
+
+pub struct Monitor {
+    pub driver: String,
+    pub pool: String,
+    pub default_mig_mode: MigMode,
+    pub metrics: Arc<Metrics>,
+}
+
+/// Reads backend events until `stop` is set, forwarding them to `events`. Backends block in
+/// `wait_event` (NVML's event set does), hence a thread rather than a task.
+pub fn spawn_event_reader(
+    backend: Arc<dyn GpuBackend>,
+    events: mpsc::Sender<GpuEvent>,
+    stop: Arc<AtomicBool>,
+) -> std::io::Result<std::thread::JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name("gpu-events".into())
+        .spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                match backend.wait_event(EVENT_WAIT) {
+                    Ok(Some(event)) => {
+                        if events.blocking_send(event).is_err() {
+                            return;
+                        }
+                    }
+                    Ok(None) => {}
+                    Err(error) => {
+                        warn!(%error, "reading GPU events failed");
+                        std::thread::sleep(EVENT_ERROR_PAUSE);
+                    }
+                }
+            }
+        })
+}
+
+impl Monitor {
+    /// Runs until `shutdown` turns true or the event reader ends.
+    pub async fn run(self, mut ch: MonitorChannels, mut shutdown: watch::Receiver<bool>) {
+        let mut state = HealthState::new();
+        self.recompute(&state, &ch);
+        loop {
+            tokio::select! {
+                event = ch.events.recv() => {
+                    let Some(event) = event else { return };
+                    let mut changed = self.record(&mut state, &event);
+                    // Take whatever else arrived in the same burst before recomputing.
+                    while let Ok(more) = ch.events.try_recv() {
+                        changed |= self.record(&mut state, &more);
+                    }
+                    if !changed {
+                        continue;
+                    }
+                }
+                result = ch.inventory.changed() => {
+                    if result.is_err() { return }
+                    let inventory = ch.inventory.borrow_and_update().clone();
+                    state.forget_vanished_mig_devices(&inventory);
+                }
+                result = ch.policy.changed() => {
+                    if result.is_err() { return }
+                    ch.policy.borrow_and_update();
+                }
+                _ = shutdown.changed() => return,
+            }
+            self.recompute(&state, &ch);
+        }
+    }
+
+    fn record(&self, state: &mut HealthState, event: &GpuEvent) -> bool {
+        let changed = state.apply(event);
+        if changed {
+            if let Some(fault) = Fault::from_event(&event.kind) {
+                self.metrics.fault_seen(&fault_kind(&fault));
+                warn!(gpu = %event.gpu_uuid, gpu_instance = ?event.gpu_instance_id, fault = %fault.describe(), "GPU fault");
+            } else {
+                info!(gpu = %event.gpu_uuid, gpu_instance = ?event.gpu_instance_id, kind = ?event.kind, "GPU health event");
+            }
+        }
+        changed
+    }
+
+    /// Devices with taints and health reports from the current inventory, faults and policy.
+    fn recompute(&self, state: &HealthState, ch: &MonitorChannels) {
+        let inventory = ch.inventory.borrow().clone();
+        let policy = ch.policy.borrow().clone();
+        let mode = policy.mig_mode.unwrap_or(self.default_mig_mode);
+        let mut node = node_devices(&inventory, mode);
+        // Taints are made for the newest API; the planner fits them to the server's version.
+        state.taint(
+            &mut node,
+            &inventory,
+            &self.driver,
+            &policy.health,
+            u32::MAX,
+        );
+        let statuses = state.device_health(&node, &inventory, &policy.health);
+        self.metrics.set_device_health(
+            &statuses
+                .iter()
+                .map(|s| (s.device.clone(), s.healthy))
+                .collect::<Vec<_>>(),
+        );
+        let reports: Vec<DeviceHealthReport> = statuses
+            .into_iter()
+            .map(|s| DeviceHealthReport {
+                pool: self.pool.clone(),
+                device: s.device,
+                healthy: s.healthy,
+                message: s.message,
+            })
+            .collect();
+        send_if_changed(&ch.devices, node);
+        send_if_changed(&ch.health, reports);
+        ch.mig_mode.send_if_modified(|current| {
+            let changed = *current != mode;
+            *current = mode;
+            changed
+        });
+    }
+}
+
+fn send_if_changed<T: PartialEq>(tx: &watch::Sender<Arc<T>>, value: T) {
+    tx.send_if_modified(|current| {
+        let changed = **current != value;
+        if changed {
+            *current = Arc::new(value);
+        }
+        changed
+    });
+}
+
+/// The `kind` label of the fault counter.
+fn fault_kind(fault: &Fault) -> String {
+    match fault {
+        Fault::Xid(xid) => format!("xid_{xid}"),
+        Fault::DoubleBitEcc => "double_bit_ecc".into(),
+        Fault::RetirementPending => "retirement_pending".into(),
+        Fault::RowRemapFailure => "row_remap_failure".into(),
+        Fault::Lost => "gpu_lost".into(),
+    }
+}

@@ -80,7 +80,7 @@ fn xid(number: u64) -> FakeFault {
     }
 }
 
-fn taints<'a>(devices: &'a [Device], name: &str) -> Vec<(String, Option<String>, String)> {
+fn taints(devices: &[Device], name: &str) -> Vec<(String, Option<String>, String)> {
     devices
         .iter()
         .find(|d| d.name == name)

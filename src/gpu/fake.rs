@@ -980,7 +980,7 @@ mod fault_tests {
         }];
         profile.gpus[1].faults.clear();
         write(&path, &profile);
-        let mut events = vec![next(&backend).unwrap(), next(&backend).unwrap()];
+        let mut events = [next(&backend).unwrap(), next(&backend).unwrap()];
         events.sort_by_key(|e| e.gpu_uuid == gpus[1].uuid);
         assert_eq!(events[0].gpu_uuid, gpus[0].uuid);
         assert_eq!(events[0].gpu_instance_id, Some(5));

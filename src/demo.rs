@@ -1,7 +1,8 @@
 //! `gpu-dra demo`: the whole driver on one machine without a cluster or GPUs. It starts the in-process
 //! API server double, the plugin with the fake backend and dynamic MIG, and the kubelet double, then
 //! walks a whole-GPU claim and a MIG claim through publish → allocate → prepare (the MIG device is
-//! created) → CDI spec → unprepare (it is destroyed), saying what happens at each step.
+//! created) → CDI spec → unprepare (it is destroyed), injects a GPU fault (taints, health stream) and
+//! clears it, saying what happens at each step.
 
 use std::io::Write;
 use std::time::Duration;
@@ -46,10 +47,15 @@ pub async fn run(out: &mut impl Write) -> Result<()> {
         "created DeviceClasses gpu.dra.dev (whole GPUs) and mig.gpu.dra.dev (MIG devices)",
     )?;
 
+    // The fake profile as a file, so that step 11 can inject a fault by editing it.
+    let profile_path = root.join("node-profile.yaml");
+    let mut profile = crate::gpu::builtin_profile("dgx-h100").context("built-in profile")?;
+    std::fs::write(&profile_path, serde_yaml::to_string(&profile)?)?;
+    let profile_arg = profile_path.display().to_string();
     let config = PluginConfig {
         http_addr: Some(([127, 0, 0, 1], 0).into()),
         mig_mode: MigMode::Dynamic,
-        ..PluginConfig::fake_node_under(root, DRIVER, NODE, "dgx-h100")
+        ..PluginConfig::fake_node_under(root, DRIVER, NODE, &profile_arg)
     };
     let plugin = crate::plugin::start(config.clone(), api.client()).await?;
     step(
@@ -204,7 +210,7 @@ pub async fn run(out: &mut impl Write) -> Result<()> {
     }
     let mig_left = crate::gpu::FakeBackend::with_state_file(
         NODE,
-        "dgx-h100",
+        &profile_arg,
         Some(root.join("fake-gpu-state.json")),
     )?
     .inventory()?
@@ -222,11 +228,55 @@ pub async fn run(out: &mut impl Write) -> Result<()> {
         ),
     )?;
 
+    let mut health = kubelet.watch_health().await?;
+    profile.gpus[5].faults = vec![crate::gpu::FakeFault {
+        kind: crate::gpu::FakeFaultKind::Xid,
+        xid: Some(79),
+        mig_start: None,
+    }];
+    std::fs::write(&profile_path, serde_yaml::to_string(&profile)?)?;
+    let tainted = wait_for_taints(&api.client(), |n| n > 0).await?;
+    step(
+        out,
+        11,
+        "Injected XID 79 (GPU fallen off the bus) on gpu-5 by editing the fake profile:",
+    )?;
+    say(
+        out,
+        &format!("{tainted} devices (gpu-5 and all its MIG devices) now carry the taint gpu.dra.dev/xid=79:NoExecute"),
+    )?;
+    loop {
+        let Some(list) = health.next().await? else {
+            bail!("the health stream ended");
+        };
+        if let Some(device) = list
+            .iter()
+            .find(|d| d.device == "gpu-5" && !d.message.is_empty())
+        {
+            say(
+                out,
+                &format!(
+                    "kubelet health stream: {} {:?}: {}",
+                    device.device, device.health, device.message
+                ),
+            )?;
+            break;
+        }
+    }
+    profile.gpus[5].faults.clear();
+    std::fs::write(&profile_path, serde_yaml::to_string(&profile)?)?;
+    let left = wait_for_taints(&api.client(), |n| n == 0).await?;
+    step(
+        out,
+        12,
+        &format!("Removed the fault (the GPU recovered): devices with taints: {left}"),
+    )?;
+
     let sockets = [config.registration_socket(), config.dra_socket()];
     plugin.shutdown().await;
     step(
         out,
-        11,
+        13,
         &format!(
             "Plugin stopped; sockets removed: {}",
             sockets.iter().all(|s| !s.exists())
@@ -323,6 +373,29 @@ async fn create_and_allocate(
     let allocated =
         scheduler::allocate(&api.client(), NAMESPACE, name, NODE, (&pod, &pod_uid)).await?;
     Ok((uid, allocated))
+}
+
+/// Waits until the number of tainted devices in the node's slices satisfies `done`; returns it.
+async fn wait_for_taints(client: &kube::Client, done: impl Fn(usize) -> bool) -> Result<usize> {
+    let api: Api<ResourceSlice> = Api::all(client.clone());
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let tainted = api
+            .list(&ListParams::default().fields(&format!("spec.nodeName={NODE}")))
+            .await?
+            .items
+            .iter()
+            .flat_map(|s| s.spec.devices.clone().unwrap_or_default())
+            .filter(|d| d.taints.as_ref().is_some_and(|t| !t.is_empty()))
+            .count();
+        if done(tainted) {
+            return Ok(tainted);
+        }
+        if tokio::time::Instant::now() > deadline {
+            bail!("the taints did not change within 10 s ({tainted} tainted devices)");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 /// Waits until the node's pool is complete: every slice of its newest generation is there.

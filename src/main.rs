@@ -176,8 +176,9 @@ fn main() -> Result<()> {
         Command::Plugin(args) => run_plugin(args),
         Command::Devices(args) => print_devices(args),
         Command::Demo => {
-            // The demo tells its own story on stdout; logs only for problems unless RUST_LOG asks.
-            init_logging(LogFormat::Text, "warn");
+            // The demo tells its own story on stdout (including the fault it injects); logs only for errors
+            // unless RUST_LOG asks.
+            init_logging(LogFormat::Text, "error");
             runtime()?.block_on(gpu_dra::demo::run(&mut std::io::stdout()))
         }
         Command::Fake {

@@ -234,6 +234,14 @@ impl Publisher {
         let mut backoff = Backoff::new();
         let mut last_write: Option<tokio::time::Instant> = None;
         loop {
+            // Whatever woke us (a device change, a watch event, the resync), no sync starts within
+            // the window after a write: the changes of a burst go out together.
+            if let Some(window_end) = last_write.map(|at| at + COALESCE_WINDOW) {
+                tokio::select! {
+                    _ = tokio::time::sleep_until(window_end) => {}
+                    _ = shutdown.changed() => break,
+                }
+            }
             let snapshot = devices.borrow_and_update().clone();
             let span = info_span!("slice_sync", driver = %self.driver, node = %self.node_name, devices = snapshot.device_count());
             let wait = match self.sync(&snapshot).instrument(span).await {
@@ -257,17 +265,7 @@ impl Publisher {
             };
             tokio::select! {
                 _ = tokio::time::sleep(wait) => {}
-                result = devices.changed() => {
-                    if result.is_err() {
-                        break;
-                    }
-                    if let Some(window_end) = last_write.map(|at| at + COALESCE_WINDOW) {
-                        tokio::select! {
-                            _ = tokio::time::sleep_until(window_end) => {}
-                            _ = shutdown.changed() => break,
-                        }
-                    }
-                }
+                result = devices.changed() => if result.is_err() { break },
                 _ = changed.notified() => {
                     // Let a burst of watch events (our own writes echoing back) settle into one sync.
                     tokio::time::sleep(Duration::from_millis(50)).await;

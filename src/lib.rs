@@ -4,6 +4,7 @@
 //! publisher); the kubelet calls `kubelet` (gRPC) → `claims` (prepare/unprepare) → `cdi` (spec files).
 //! `plugin` wires them together; `demo` walks through it all with the test doubles in `support`.
 
+pub mod api;
 pub mod cdi;
 pub mod claims;
 pub mod demo;

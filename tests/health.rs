@@ -302,3 +302,67 @@ async fn the_policy_changes_effects_while_the_plugin_runs() {
     .await;
     plugin.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gpu_node_policy_sets_health_and_mig_mode_and_a_broken_edit_keeps_the_last_good_one() {
+    use gpu_dra::api::GpuNodePolicy;
+    use kube::api::{Api, PostParams};
+
+    let mut node = Node::new(1, ServerVersion::V1_35, MigMode::Static).await;
+    let plugin = node.harness.start_plugin().await;
+    node.devices_where(|d| d.len() == 1).await;
+    let policies: Api<GpuNodePolicy> = Api::all(node.harness.api.client());
+    let policy: GpuNodePolicy = serde_json::from_value(serde_json::json!({
+        "apiVersion": "gpu.dra.dev/v1alpha1",
+        "kind": "GpuNodePolicy",
+        "metadata": {"name": "h100-nodes"},
+        "spec": {
+            "nodeSelector": {},
+            "health": {"fatalXids": [31], "fatalEffect": "NoExecute"},
+            "migMode": "dynamic"
+        }
+    }))
+    .unwrap();
+    policies
+        .create(&PostParams::default(), &policy)
+        .await
+        .unwrap();
+
+    // Dynamic MIG without a restart: the whole GPU and its 25 MIG placements.
+    node.devices_where(|d| d.len() == 26).await;
+    node.set_faults(0, vec![xid(31)]);
+    node.devices_where(|d| {
+        taints(d, "gpu-0")
+            .first()
+            .is_some_and(|t| t.2 == "NoExecute")
+    })
+    .await;
+
+    // An invalid edit is reported in the policy's status and the last good one stays in force.
+    let mut broken = policies.get("h100-nodes").await.unwrap();
+    broken.spec.health.as_mut().unwrap().ignored_xids = vec![31];
+    policies
+        .replace("h100-nodes", &PostParams::default(), &broken)
+        .await
+        .unwrap();
+    let deadline = Instant::now() + WAIT;
+    let condition = loop {
+        let current = policies.get("h100-nodes").await.unwrap();
+        let invalid = current
+            .status
+            .unwrap_or_default()
+            .conditions
+            .into_iter()
+            .find(|c| c.type_ == "Accepted" && c.status == "False");
+        if let Some(condition) = invalid {
+            break condition;
+        }
+        assert!(Instant::now() < deadline, "no Accepted=False condition");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(condition.message.contains("31"), "{condition:?}");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let devices = node.devices_where(|d| d.len() == 26).await;
+    assert_eq!(taints(&devices, "gpu-0")[0].2, "NoExecute");
+    plugin.shutdown().await;
+}

@@ -273,6 +273,18 @@ pub async fn start(
         shutdown_rx.clone(),
     )));
 
+    let (selected_tx, selected_rx) = watch::channel(None);
+    tasks.push(tokio::spawn(crate::api::PolicyWatcher::run(
+        client.clone(),
+        config.node_name.clone(),
+        selected_tx,
+        shutdown_rx.clone(),
+    )));
+    tasks.push(tokio::spawn(monitor::follow_policies(
+        selected_rx,
+        policy_tx.clone(),
+    )));
+
     let health = HealthService::new(health_rx, DEFAULT_HEALTH_TIMEOUT);
     let dra_listener = kubelet::bind_private_socket(&config.dra_socket())?;
     let dra_server = tonic::transport::Server::builder()

@@ -10,9 +10,10 @@ use std::time::Duration;
 use tokio::sync::{mpsc, watch};
 use tracing::{info, warn};
 
+use crate::api::{self, EffectivePolicy};
 use crate::devices::{node_devices, MigMode, NodeDevices};
 use crate::gpu::{GpuBackend, GpuEvent, Inventory};
-use crate::health::{Fault, HealthPolicy, HealthState};
+use crate::health::{Fault, HealthPolicy, HealthState, TaintEffect};
 use crate::kubelet::DeviceHealthReport;
 use crate::observability::Metrics;
 
@@ -27,6 +28,63 @@ pub struct NodePolicy {
     pub health: HealthPolicy,
     /// `None` keeps the plugin's `--mig-mode`.
     pub mig_mode: Option<MigMode>,
+}
+
+impl NodePolicy {
+    /// The policy a GpuNodePolicy sets (valid: the watcher passes only accepted specs); fields it
+    /// leaves out keep their defaults.
+    pub fn from_effective(policy: &EffectivePolicy) -> NodePolicy {
+        let defaults = HealthPolicy::default();
+        let effect = |spec: &Option<api::TaintEffect>, default: TaintEffect| match spec {
+            Some(api::TaintEffect::None) => TaintEffect::None,
+            Some(api::TaintEffect::NoSchedule) => TaintEffect::NoSchedule,
+            Some(api::TaintEffect::NoExecute) => TaintEffect::NoExecute,
+            _ => default,
+        };
+        let xids = |list: &[i64]| list.iter().filter_map(|x| u64::try_from(*x).ok()).collect();
+        let health = match &policy.health {
+            Some(spec) => HealthPolicy {
+                extra_ignored_xids: xids(&spec.ignored_xids),
+                extra_fatal_xids: xids(&spec.fatal_xids),
+                informational_effect: effect(
+                    &spec.informational_effect,
+                    defaults.informational_effect,
+                ),
+                reset_required_effect: effect(
+                    &spec.reset_required_effect,
+                    defaults.reset_required_effect,
+                ),
+                fatal_effect: effect(&spec.fatal_effect, defaults.fatal_effect),
+                clear_on_recovery: spec.clear_on_recovery.unwrap_or(defaults.clear_on_recovery),
+            },
+            None => defaults,
+        };
+        let mig_mode = match &policy.mig_mode {
+            Some(api::MigModeSpec::None) => Some(MigMode::None),
+            Some(api::MigModeSpec::Static) => Some(MigMode::Static),
+            Some(api::MigModeSpec::Dynamic) => Some(MigMode::Dynamic),
+            _ => None,
+        };
+        NodePolicy { health, mig_mode }
+    }
+}
+
+/// Passes the policy the GpuNodePolicy watcher selects for this node on to the monitor; no policy
+/// (none selects the node, or it was deleted) means the defaults.
+pub async fn follow_policies(
+    mut selected: watch::Receiver<Option<EffectivePolicy>>,
+    policy: watch::Sender<NodePolicy>,
+) {
+    while selected.changed().await.is_ok() {
+        // Not held across an await: the watcher's next send would wait on it.
+        let next = selected
+            .borrow_and_update()
+            .as_ref()
+            .map(NodePolicy::from_effective)
+            .unwrap_or_default();
+        info!(policy = ?selected.borrow().as_ref().map(|p| p.name.clone()), "node policy in force");
+        policy.send_replace(next);
+    }
 }
 
 /// The monitor's inputs and outputs.

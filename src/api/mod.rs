@@ -1,0 +1,76 @@
+//! gpu-dra's own API types: the cluster-scoped `GpuNodePolicy` CRD (`policy`), the watcher that applies
+//! it on one node (`watcher`), and the CRD manifest generated from the types (`crd_yaml`, checked
+//! against `crd/gpu.dra.dev_gpunodepolicies.yaml` by a test).
+
+pub mod policy;
+pub mod watcher;
+
+use kube::CustomResourceExt;
+
+pub use policy::{
+    select, GpuNodePolicy, GpuNodePolicySpec, GpuNodePolicyStatus, HealthSpec, LabelSelector,
+    LabelSelectorRequirement, MigModeSpec, PolicyCondition, SelectorOperator, TaintEffect,
+};
+pub use watcher::{EffectivePolicy, PolicyWatcher};
+
+/// Where the generated CRD manifest lives, relative to the crate root.
+pub const CRD_PATH: &str = "crd/gpu.dra.dev_gpunodepolicies.yaml";
+
+/// The `GpuNodePolicy` CustomResourceDefinition as YAML, with a header that says how it is made.
+pub fn crd_yaml() -> String {
+    // Serializing a CRD built from our own types cannot fail: it holds only strings, maps and JSON values.
+    let body = serde_yaml::to_string(&GpuNodePolicy::crd())
+        .expect("a CustomResourceDefinition always serializes to YAML");
+    format!(
+        "# Generated from src/api/policy.rs; do not edit.\n\
+         # Regenerate: UPDATE_CRD=1 cargo test crd_file_is_current\n{body}"
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Fails when the checked-in manifest differs from the types; `UPDATE_CRD=1` rewrites it.
+    #[test]
+    fn crd_file_is_current() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(CRD_PATH);
+        let expected = crd_yaml();
+        if std::env::var_os("UPDATE_CRD").is_some() {
+            std::fs::write(&path, &expected)
+                .unwrap_or_else(|e| panic!("writing {}: {e}", path.display()));
+            return;
+        }
+        let actual = std::fs::read_to_string(&path).unwrap_or_default();
+        assert!(
+            actual == expected,
+            "{} is out of date with src/api/policy.rs; regenerate it with \
+             `UPDATE_CRD=1 cargo test crd_file_is_current` and commit the result",
+            path.display()
+        );
+    }
+
+    #[test]
+    fn crd_names_the_resource_as_the_cluster_knows_it() {
+        let crd = GpuNodePolicy::crd();
+        assert_eq!(
+            crd.metadata.name.as_deref(),
+            Some("gpunodepolicies.gpu.dra.dev")
+        );
+        assert_eq!(crd.spec.scope, "Cluster");
+        assert_eq!(crd.spec.names.short_names, Some(vec!["gnp".to_string()]));
+        let version = &crd.spec.versions[0];
+        assert_eq!(version.name, "v1alpha1");
+        assert!(version
+            .subresources
+            .as_ref()
+            .is_some_and(|s| s.status.is_some()));
+        let columns: Vec<&str> = version
+            .additional_printer_columns
+            .iter()
+            .flatten()
+            .map(|c| c.name.as_str())
+            .collect();
+        assert_eq!(columns, ["Priority", "MigMode", "Accepted", "Age"]);
+    }
+}

@@ -72,7 +72,14 @@ struct EventState {
     unmonitored: Vec<(String, String)>,
     pending: VecDeque<GpuEvent>,
     lost: BTreeSet<String>,
+    /// Memory health per GPU as last polled: (retirement or remap pending, remap failed).
+    memory: HashMap<String, (bool, bool)>,
+    last_memory_poll: Option<std::time::Instant>,
 }
+
+/// How often memory health (pending retirement, row remapping) and lost GPUs are polled: NVML has no
+/// events for them.
+const MEMORY_POLL: Duration = Duration::from_secs(10);
 
 /// An NVML failure together with the C function that returned it.
 pub(super) struct Failed {
@@ -267,6 +274,50 @@ impl NvmlBackend {
 
     /// Lost-GPU events: the device NVML named, else every watched GPU that now answers "lost",
     /// else (NVML could not tell which) every watched GPU, as NVIDIA's own plugin does.
+    /// Queues events for memory health changes: retirement or row remapping newly pending, a failed
+    /// remap, and `Recovered` when pending work cleared without failure (the GPU was reset) or a lost
+    /// GPU answers again.
+    fn poll_memory_health(&self, state: &mut EventState) {
+        let uuids: Vec<String> = state.monitored.values().cloned().collect();
+        for uuid in uuids {
+            let Ok(device) = self.nvml.device_by_uuid(uuid.as_str()) else {
+                continue;
+            };
+            if state.lost.contains(&uuid) {
+                if device.memory_info().is_ok() {
+                    state.lost.remove(&uuid);
+                    state
+                        .pending
+                        .push_back(event(&uuid, GpuEventKind::Recovered));
+                }
+                continue;
+            }
+            let (pending, failed) = match remapped_rows(&device) {
+                Ok(rows) => rows,
+                // Before Ampere: page retirement instead of row remapping.
+                Err(_) => match device.are_pages_pending_retired() {
+                    Ok(pending) => (pending, false),
+                    Err(_) => continue,
+                },
+            };
+            let before = state.memory.insert(uuid.clone(), (pending, failed));
+            let (was_pending, was_failed) = before.unwrap_or((false, false));
+            if failed && !was_failed {
+                state
+                    .pending
+                    .push_back(event(&uuid, GpuEventKind::RowRemapFailure));
+            } else if pending && !was_pending {
+                state
+                    .pending
+                    .push_back(event(&uuid, GpuEventKind::RetirementPending));
+            } else if was_pending && !pending && !failed {
+                state
+                    .pending
+                    .push_back(event(&uuid, GpuEventKind::Recovered));
+            }
+        }
+    }
+
     fn queue_lost(&self, state: &mut EventState, device_key: usize) {
         let answers_lost = |uuid: &&String| {
             let device = self.nvml.device_by_uuid(uuid.as_str());
@@ -370,6 +421,16 @@ impl GpuBackend for NvmlBackend {
                 });
             }
         }
+        let due = state
+            .last_memory_poll
+            .is_none_or(|at| at.elapsed() >= MEMORY_POLL);
+        if due {
+            state.last_memory_poll = Some(std::time::Instant::now());
+            self.poll_memory_health(&mut state);
+            if let Some(event) = state.pending.pop_front() {
+                return Ok(Some(event));
+            }
+        }
         let ms = timeout.as_millis().min(u128::from(u32::MAX)) as u32;
         let outcome = match &state.set {
             Some(set) if !state.monitored.is_empty() => Some(wait_raw(set, ms)?),
@@ -412,6 +473,31 @@ impl GpuBackend for NvmlBackend {
             .into()),
         }
     }
+}
+
+fn event(uuid: &str, kind: GpuEventKind) -> GpuEvent {
+    GpuEvent {
+        gpu_uuid: uuid.to_string(),
+        gpu_instance_id: None,
+        compute_instance_id: None,
+        kind,
+    }
+}
+
+/// (rows waiting to be remapped at the next reset, a remap failed), Ampere and later.
+fn remapped_rows(device: &Device) -> Result<(bool, bool), Failed> {
+    let (mut correctable, mut uncorrectable, mut pending, mut failed) = (0, 0, 0, 0);
+    // SAFETY: all four out-pointers are valid for the duration of the call.
+    raw!(device.nvml().lib(), nvmlDeviceGetRemappedRows, |f| unsafe {
+        f(
+            device.handle(),
+            &mut correctable,
+            &mut uncorrectable,
+            &mut pending,
+            &mut failed,
+        )
+    })?;
+    Ok((pending != 0, failed != 0))
 }
 
 pub(super) fn architecture_code(device: &Device) -> Option<u32> {

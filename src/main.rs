@@ -217,7 +217,12 @@ fn main() -> Result<()> {
 }
 
 fn runtime() -> Result<tokio::runtime::Runtime> {
+    // The plugin's blocking work is short file and NVML calls; a small pool bounds the threads (and the
+    // allocator arenas that come with each) on nodes with many cores, which keeps memory low.
+    let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
     tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(cores.clamp(1, 4))
+        .max_blocking_threads(8)
         .enable_all()
         .build()
         .context("starting the async runtime")

@@ -113,6 +113,8 @@ pub fn spawn_event_reader(
 ) -> std::io::Result<std::thread::JoinHandle<()>> {
     std::thread::Builder::new()
         .name("gpu-events".into())
+        // It only waits and forwards; NVML's calls need little stack.
+        .stack_size(512 * 1024)
         .spawn(move || {
             while !stop.load(Ordering::Relaxed) {
                 match backend.wait_event(EVENT_WAIT) {

@@ -97,7 +97,7 @@ pub fn container_edits(inventory: &Inventory, device: &PreparedDevice) -> Contai
 }
 
 /// `GPU_DRA_DEVICE_<NAME>`: the device name in upper case with `-` and `.` as `_`.
-pub fn device_variable(device: &str) -> String {
+fn device_variable(device: &str) -> String {
     format!(
         "GPU_DRA_DEVICE_{}",
         device.to_ascii_uppercase().replace(['-', '.'], "_")

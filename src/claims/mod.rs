@@ -23,7 +23,7 @@ use tracing::{info, info_span, warn, Instrument};
 
 pub use checkpoint::{ClaimRecord, ClaimState, PreparedDevice, PreparedMig};
 use edits::write_spec_with;
-pub use edits::{container_edits, device_variable, DriverEdits};
+pub use edits::{container_edits, DriverEdits};
 
 use crate::cdi::CdiRegistry;
 use crate::devices::MigMode;

@@ -743,18 +743,7 @@ impl HealthWatch {
                     .into_iter()
                     .map(|d| {
                         let id = d.device.unwrap_or_default();
-                        let health = match health_v1alpha1::HealthStatus::try_from(d.health) {
-                            Ok(health_v1alpha1::HealthStatus::Unknown) => {
-                                Some(HealthStatus::Unknown)
-                            }
-                            Ok(health_v1alpha1::HealthStatus::Healthy) => {
-                                Some(HealthStatus::Healthy)
-                            }
-                            Ok(health_v1alpha1::HealthStatus::Unhealthy) => {
-                                Some(HealthStatus::Unhealthy)
-                            }
-                            Err(_) => None,
-                        };
+                        let health = health_status(d.health);
                         check_device_health(
                             id.pool_name,
                             id.device_name,
@@ -775,12 +764,7 @@ impl HealthWatch {
                     .into_iter()
                     .map(|d| {
                         let id = d.device.unwrap_or_default();
-                        let health = match health_v1::HealthStatus::try_from(d.health) {
-                            Ok(health_v1::HealthStatus::Unknown) => Some(HealthStatus::Unknown),
-                            Ok(health_v1::HealthStatus::Healthy) => Some(HealthStatus::Healthy),
-                            Ok(health_v1::HealthStatus::Unhealthy) => Some(HealthStatus::Unhealthy),
-                            Err(_) => None,
-                        };
+                        let health = health_status(d.health);
                         check_device_health(
                             id.pool_name,
                             id.device_name,
@@ -797,6 +781,16 @@ impl HealthWatch {
             },
         };
         Ok(Some(devices))
+    }
+}
+
+/// The health enum off the wire. v1alpha1 and v1 number `HealthStatus` the same (0 unknown, 1 healthy,
+/// 2 unhealthy), so one decoder serves both; `None` for a value neither defines.
+fn health_status(raw: i32) -> Option<HealthStatus> {
+    match health_v1alpha1::HealthStatus::try_from(raw).ok()? {
+        health_v1alpha1::HealthStatus::Unknown => Some(HealthStatus::Unknown),
+        health_v1alpha1::HealthStatus::Healthy => Some(HealthStatus::Healthy),
+        health_v1alpha1::HealthStatus::Unhealthy => Some(HealthStatus::Unhealthy),
     }
 }
 

@@ -6,6 +6,7 @@
 
 pub mod api;
 pub mod cdi;
+pub mod cel;
 pub mod claims;
 pub mod demo;
 pub mod devices;

@@ -2,7 +2,7 @@
 //! (`kubelet`) and the scheduler's allocation step (`allocator`, pure; `scheduler`, through the API). They are compiled into the library
 //! (see `src/lib.rs`) because `gpu-dra demo` and the benchmark drive the same doubles as the tests.
 
-pub mod allocator;
+pub use crate::cel::allocator;
 pub mod apiserver;
 pub mod harness;
 pub mod kubelet;

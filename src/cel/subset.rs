@@ -6,7 +6,7 @@ use std::cmp::Ordering;
 
 use k8s_openapi::api::resource::v1::{Device, DeviceAttribute};
 
-use super::quantity::Quantity;
+use crate::cel::quantity::Quantity;
 
 /// A compiled selector expression.
 #[derive(Debug, Clone)]

@@ -2,9 +2,6 @@
 //! ResourceClaim gets, with selectors, shared counters, taints, constraints and first-fit backtracking as in
 //! the Kubernetes allocator, so tests can check that what gpu-dra publishes is allocatable.
 
-pub mod quantity;
-pub mod selector;
-
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 
@@ -14,8 +11,8 @@ use k8s_openapi::api::resource::v1::{
 };
 use thiserror::Error;
 
-use quantity::Quantity;
-use selector::Selector;
+use super::quantity::Quantity;
+use super::{DeviceView, Selector};
 
 /// Search steps (devices tried) before `allocate` gives up, so a pathological claim cannot hang a test.
 pub const DEFAULT_STEP_LIMIT: u64 = 1_000_000;
@@ -107,6 +104,8 @@ pub struct Pools {
 struct Entry {
     candidate: Candidate,
     device: Device,
+    /// The device as selectors see it, converted once.
+    view: DeviceView,
     /// Counters the device takes, or why it cannot take them.
     consumes: Result<Vec<Consumption>, String>,
 }
@@ -227,6 +226,7 @@ impl Pools {
                 }
                 if device_targets_node(slice, device, node) {
                     entries.push(Entry {
+                        view: DeviceView::new(&candidate.driver, device),
                         candidate,
                         device: device.clone(),
                         consumes,
@@ -694,7 +694,7 @@ fn compile(origin: &str, expression: &str) -> Result<(String, Selector), Allocat
         .map_err(|reason| AllocationError::UnsupportedSelector {
             origin: origin.to_string(),
             expression: expression.to_string(),
-            reason,
+            reason: reason.to_string(),
         })
 }
 
@@ -746,7 +746,7 @@ fn selectable(
         .chain(alternative.selectors.iter().map(|s| (&request_origin, s)));
     let mut result = true;
     for (origin, (expression, selector)) in all_selectors {
-        match selector.matches(&device.candidate.driver, &device.device) {
+        match selector.matches(&device.view) {
             Ok(true) => {}
             Ok(false) => {
                 result = false;
@@ -757,7 +757,7 @@ fn selectable(
                     origin: origin.clone(),
                     expression: expression.clone(),
                     device: Box::new(device.candidate.clone()),
-                    reason,
+                    reason: reason.to_string(),
                 })
             }
         }

@@ -6,8 +6,8 @@ use k8s_openapi::api::resource::v1::{
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde_json::{json, Value};
 
-use super::quantity::Quantity;
 use super::{allocate, allocate_with_step_limit, in_use, AllocationError, Candidate, Pools};
+use crate::cel::quantity::Quantity;
 
 const DRIVER: &str = "gpu.dra.dev";
 const NODE: &str = "node-a";

@@ -37,6 +37,12 @@ struct FaultLabels {
     kind: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ClassProblemLabels {
+    class: String,
+    problem: &'static str,
+}
+
 /// The plugin's metrics; cheap to update from any task.
 pub struct Metrics {
     registry: Registry,
@@ -48,6 +54,7 @@ pub struct Metrics {
     api_errors: Family<OperationLabels, Counter>,
     device_healthy: Family<DeviceLabels, Gauge>,
     faults: Family<FaultLabels, Counter>,
+    device_class_problems: Family<ClassProblemLabels, Gauge>,
 }
 
 impl Metrics {
@@ -62,6 +69,13 @@ impl Metrics {
         let api_errors = Family::<OperationLabels, Counter>::default();
         let device_healthy = Family::<DeviceLabels, Gauge>::default();
         let faults = Family::<FaultLabels, Counter>::default();
+        let device_class_problems = Family::<ClassProblemLabels, Gauge>::default();
+        registry.register(
+            "device_class_problems",
+            "1 for each DeviceClass whose selectors error on this node's devices (DeviceClassSelectorError) or \
+             that names this driver and matches none of them (DeviceClassMatchesNothing)",
+            device_class_problems.clone(),
+        );
         registry.register(
             "device_healthy",
             "1 for a published device that is healthy, 0 for one with a fault that takes it out of use",
@@ -112,6 +126,7 @@ impl Metrics {
             api_errors,
             device_healthy,
             faults,
+            device_class_problems,
         })
     }
 
@@ -124,6 +139,19 @@ impl Metrics {
                     device: device.clone(),
                 })
                 .set(i64::from(*healthy));
+        }
+    }
+
+    /// Sets the classes with a problem on this node (classes no longer listed are dropped).
+    pub fn set_device_class_problems(&self, problems: &[(String, &'static str)]) {
+        self.device_class_problems.clear();
+        for (class, problem) in problems {
+            self.device_class_problems
+                .get_or_create(&ClassProblemLabels {
+                    class: class.clone(),
+                    problem,
+                })
+                .set(1);
         }
     }
 

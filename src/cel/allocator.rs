@@ -12,7 +12,10 @@ use k8s_openapi::api::resource::v1::{
 use thiserror::Error;
 
 use super::quantity::Quantity;
-use super::{DeviceView, Selector};
+use super::{CelError, DeviceView, Selector};
+
+mod node;
+pub use node::Node;
 
 /// Search steps (devices tried) before `allocate` gives up, so a pathological claim cannot hang a test.
 pub const DEFAULT_STEP_LIMIT: u64 = 1_000_000;
@@ -127,10 +130,11 @@ struct Consumption {
 
 impl Pools {
     /// Keeps, per (driver, pool), only the slices at the newest generation, and only pools whose count
-    /// of such slices equals `resourceSliceCount`. With `node`, only devices of slices whose
-    /// `spec.nodeName` is that node (or `allNodes`, or per-device `nodeName` / `allNodes`) are candidates;
-    /// node selectors are not evaluated. Pools come in (driver, pool) order, slices by name.
-    pub fn from_slices(slices: &[ResourceSlice], node: Option<&str>) -> Pools {
+    /// of such slices equals `resourceSliceCount`. With `node`, only devices the node can use are
+    /// candidates: slices whose `nodeName`, `allNodes` or `nodeSelector` selects it, and with
+    /// `perDeviceNodeSelection` the devices that select it themselves; counters are shared across the
+    /// whole pool. Without `node`, every device is. Pools come in (driver, pool) order, slices by name.
+    pub fn from_slices(slices: &[ResourceSlice], node: Option<&Node>) -> Pools {
         let mut by_pool: BTreeMap<(String, String), Vec<&ResourceSlice>> = BTreeMap::new();
         for slice in slices {
             let key = (slice.spec.driver.clone(), slice.spec.pool.name.clone());
@@ -138,14 +142,26 @@ impl Pools {
         }
         let mut pools = Pools::default();
         for ((driver, pool), all) in by_pool {
-            if !all.iter().any(|slice| targets_node(slice, node)) {
-                continue; // Another node's pool.
-            }
             let skip = |reason: String| SkippedPool {
                 driver: driver.clone(),
                 pool: pool.clone(),
                 reason,
             };
+            let mut targeted = false;
+            let mut invalid = None;
+            for slice in &all {
+                match targets_node(slice, node) {
+                    Ok(yes) => targeted |= yes,
+                    Err(reason) => invalid = Some(reason),
+                }
+            }
+            if let Some(reason) = invalid {
+                pools.skipped.push(skip(reason));
+                continue;
+            }
+            if !targeted {
+                continue; // Another node's pool.
+            }
             let generation = all
                 .iter()
                 .map(|s| s.spec.pool.generation)
@@ -179,7 +195,7 @@ impl Pools {
         driver: &str,
         pool: &str,
         slices: &[&ResourceSlice],
-        node: Option<&str>,
+        node: Option<&Node>,
     ) -> Result<(), String> {
         // Counter sets may sit beside devices (1.34) or in a slice of their own (1.35+).
         let mut counters: BTreeMap<(&str, &str), usize> = BTreeMap::new();
@@ -224,7 +240,7 @@ impl Pools {
                 if let Ok(consumes) = &consumes {
                     consumers.insert(candidate.clone(), consumes.clone());
                 }
-                if device_targets_node(slice, device, node) {
+                if device_targets_node(slice, device, node)? {
                     entries.push(Entry {
                         view: DeviceView::new(&candidate.driver, device),
                         candidate,
@@ -267,43 +283,65 @@ impl Pools {
                     info.set.clone(),
                     info.name.clone(),
                 );
-                (key, info.capacity.saturating_sub(consumed))
+                (key, info.capacity.sub(&consumed))
             })
             .collect()
     }
 
     fn base_consumption(&self, in_use: &BTreeSet<Candidate>) -> Vec<Quantity> {
-        let mut consumed = vec![Quantity::ZERO; self.counters.len()];
+        let mut consumed = vec![Quantity::zero(); self.counters.len()];
         for candidate in in_use {
             for c in self.consumers.get(candidate).into_iter().flatten() {
-                consumed[c.counter] = consumed[c.counter].saturating_add(c.amount);
+                consumed[c.counter] = consumed[c.counter].add(&c.amount);
             }
         }
         consumed
     }
 }
 
-/// Whether the slice is meant for `node` (every slice is without a node filter).
-fn targets_node(slice: &ResourceSlice, node: Option<&str>) -> bool {
-    let Some(wanted) = node else { return true };
-    let spec = &slice.spec;
-    spec.node_name.as_deref() == Some(wanted)
-        || spec.all_nodes == Some(true)
-        || spec
-            .devices
-            .iter()
-            .flatten()
-            .any(|device| device_targets_node(slice, device, node))
+/// Whether the slice has devices for `node` (every slice has without a node filter). A slice of
+/// counters only does not make a pool the node's. Errors name the slice and its invalid selector.
+fn targets_node(slice: &ResourceSlice, node: Option<&Node>) -> Result<bool, String> {
+    if node.is_none() {
+        return Ok(true);
+    }
+    let mut any = false;
+    for device in slice.spec.devices.iter().flatten() {
+        any |= device_targets_node(slice, device, node)?;
+    }
+    Ok(any)
 }
 
-fn device_targets_node(slice: &ResourceSlice, device: &Device, node: Option<&str>) -> bool {
-    let Some(node) = node else { return true };
+/// `NodeMatches` on the slice's node selection, or on the device's with `perDeviceNodeSelection`.
+fn device_targets_node(
+    slice: &ResourceSlice,
+    device: &Device,
+    node: Option<&Node>,
+) -> Result<bool, String> {
+    let Some(node) = node else { return Ok(true) };
     let spec = &slice.spec;
-    if spec.node_name.as_deref() == Some(node) || spec.all_nodes == Some(true) {
-        return true;
-    }
-    spec.per_device_node_selection == Some(true)
-        && (device.node_name.as_deref() == Some(node) || device.all_nodes == Some(true))
+    let slice_name = slice.metadata.name.as_deref().unwrap_or("(unnamed)");
+    let result = if spec.per_device_node_selection == Some(true) {
+        node.matches(
+            device.node_name.as_deref(),
+            device.all_nodes,
+            device.node_selector.as_ref(),
+        )
+        .map_err(|e| {
+            format!(
+                "invalid: ResourceSlice {slice_name} device {}: node selector: {e}",
+                device.name
+            )
+        })
+    } else {
+        node.matches(
+            spec.node_name.as_deref(),
+            spec.all_nodes,
+            spec.node_selector.as_ref(),
+        )
+        .map_err(|e| format!("invalid: ResourceSlice {slice_name}: node selector: {e}"))
+    };
+    result
 }
 
 fn consumption(
@@ -345,18 +383,17 @@ pub enum AllocationError {
     InvalidConstraint { index: usize, reason: String },
     #[error("request {request}: DeviceClass {class} does not exist")]
     UnknownDeviceClass { request: String, class: String },
-    #[error("{origin}: unsupported selector {expression:?}: {reason}")]
-    UnsupportedSelector {
-        origin: String,
-        expression: String,
-        reason: String,
-    },
-    #[error("{origin}: selector {expression:?} on device {device}: CEL runtime error: {reason}")]
+    /// A selector that failed to compile or to evaluate on a device. As in the scheduler, this aborts
+    /// allocation instead of counting as "no match"; the text follows the scheduler's
+    /// (`class <name>: selector #<i> on device <driver/pool/device>: CEL runtime error: …`).
+    #[error("{origin}: selector #{index}{}: CEL {error}", on_device(.device.as_deref()))]
     Selector {
-        origin: String,
+        origin: SelectorOrigin,
+        index: usize,
         expression: String,
-        device: Box<Candidate>,
-        reason: String,
+        /// None for a compile error.
+        device: Option<Box<Candidate>>,
+        error: CelError,
     },
     #[error("request {request}: not enough devices: {matched} match the selectors, {free} of them usable, {wanted} wanted{notes}")]
     NotEnoughDevices {
@@ -388,6 +425,29 @@ pub enum AllocationError {
     Unsatisfiable { reason: String },
     #[error("allocation search stopped after {limit} steps without a result")]
     StepLimit { limit: u64 },
+}
+
+/// Where a selector comes from: the DeviceClass or the request (`req` or `req/sub`) of the claim.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize)]
+#[serde(tag = "kind", content = "name", rename_all = "camelCase")]
+pub enum SelectorOrigin {
+    Class(String),
+    Request(String),
+}
+
+impl fmt::Display for SelectorOrigin {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SelectorOrigin::Class(name) => write!(f, "class {name}"),
+            SelectorOrigin::Request(name) => write!(f, "request {name}"),
+        }
+    }
+}
+
+fn on_device(device: Option<&Candidate>) -> String {
+    device
+        .map(|d| format!(" on device {d}"))
+        .unwrap_or_default()
 }
 
 /// Allocates `claim` from `pools` like the scheduler, with the default step limit.
@@ -520,8 +580,8 @@ struct Alternative {
     /// The request's name, which constraints may name instead of `label`.
     base: String,
     class: String,
-    class_selectors: Vec<(String, Selector)>,
-    selectors: Vec<(String, Selector)>,
+    class_selectors: Vec<CompiledSelector>,
+    selectors: Vec<CompiledSelector>,
     mode: Mode,
     admin: bool,
     tolerations: Vec<DeviceToleration>,
@@ -554,6 +614,43 @@ struct State {
     matches: HashMap<(usize, usize, usize), bool>,
     steps: u64,
     constraints: Vec<ConstraintState>,
+}
+
+/// A selector expression and what compiling it gave; a compile error surfaces when the selector is
+/// first evaluated, as in the scheduler.
+#[derive(Debug, Clone)]
+pub(crate) struct CompiledSelector {
+    pub(crate) expression: String,
+    pub(crate) compiled: Result<Selector, CelError>,
+}
+
+impl CompiledSelector {
+    pub(crate) fn new(expression: &str) -> CompiledSelector {
+        CompiledSelector {
+            expression: expression.to_string(),
+            compiled: Selector::compile(expression),
+        }
+    }
+}
+
+/// Evaluates `selectors` in order on `device` and stops at the first that does not say true: `Ok(None)`
+/// when all match, `Ok(Some(i))` when selector `i` said false, `Err((i, error))` on a CEL error.
+pub(crate) fn first_mismatch(
+    selectors: &[CompiledSelector],
+    device: &DeviceView,
+) -> Result<Option<usize>, (usize, CelError)> {
+    for (index, selector) in selectors.iter().enumerate() {
+        let compiled = selector
+            .compiled
+            .as_ref()
+            .map_err(|error| (index, error.clone()))?;
+        match compiled.matches(device) {
+            Ok(true) => {}
+            Ok(false) => return Ok(Some(index)),
+            Err(error) => return Err((index, error)),
+        }
+    }
+    Ok(None)
 }
 
 struct Pick {
@@ -640,22 +737,19 @@ fn prepare_alternative(
                 request: label.clone(),
                 class: spec.class.to_string(),
             })?;
-    let class_origin = format!("DeviceClass {}", spec.class);
     let class_selectors = class_expressions
         .iter()
-        .map(|expression| compile(&class_origin, expression))
-        .collect::<Result<_, _>>()?;
-    let request_origin = format!("request {label}");
+        .map(|expression| CompiledSelector::new(expression))
+        .collect();
     let selectors = spec
         .selectors
         .iter()
-        .map(|selector| match &selector.cel {
-            Some(cel) => compile(&request_origin, &cel.expression),
-            None => Err(AllocationError::UnsupportedSelector {
-                origin: request_origin.clone(),
-                expression: String::new(),
-                reason: "selector has no cel expression".into(),
-            }),
+        .enumerate()
+        .map(|(index, selector)| match &selector.cel {
+            Some(cel) => Ok(CompiledSelector::new(&cel.expression)),
+            None => Err(invalid(format!(
+                "selector #{index}: CEL expression empty (unsupported selector type?)"
+            ))),
         })
         .collect::<Result<_, _>>()?;
     let mode = match spec.mode {
@@ -686,16 +780,6 @@ fn prepare_alternative(
         tolerations: spec.tolerations.to_vec(),
         all: Vec::new(),
     })
-}
-
-fn compile(origin: &str, expression: &str) -> Result<(String, Selector), AllocationError> {
-    Selector::compile(expression)
-        .map(|selector| (expression.to_string(), selector))
-        .map_err(|reason| AllocationError::UnsupportedSelector {
-            origin: origin.to_string(),
-            expression: expression.to_string(),
-            reason: reason.to_string(),
-        })
 }
 
 /// The devices an `All` alternative must get: every device its selectors match, in every pool; an
@@ -737,28 +821,34 @@ fn selectable(
     }
     let alternative = &plan.requests[r].alternatives[a];
     let device = &plan.pools.entries[entry];
-    let class_origin = format!("DeviceClass {}", alternative.class);
-    let request_origin = format!("request {}", alternative.label);
-    let all_selectors = alternative
-        .class_selectors
-        .iter()
-        .map(|s| (&class_origin, s))
-        .chain(alternative.selectors.iter().map(|s| (&request_origin, s)));
+    let groups = [
+        (
+            SelectorOrigin::Class(alternative.class.clone()),
+            &alternative.class_selectors,
+        ),
+        (
+            SelectorOrigin::Request(alternative.label.clone()),
+            &alternative.selectors,
+        ),
+    ];
     let mut result = true;
-    for (origin, (expression, selector)) in all_selectors {
-        match selector.matches(&device.view) {
-            Ok(true) => {}
-            Ok(false) => {
+    for (origin, selectors) in groups {
+        match first_mismatch(selectors, &device.view) {
+            Ok(None) => {}
+            Ok(Some(_)) => {
                 result = false;
-                break;
+                break; // The request's selectors are not evaluated when the class says no.
             }
-            Err(reason) => {
+            Err((index, error)) => {
+                let device = matches!(error, CelError::Runtime(_))
+                    .then(|| Box::new(device.candidate.clone()));
                 return Err(AllocationError::Selector {
-                    origin: origin.clone(),
-                    expression: expression.clone(),
-                    device: Box::new(device.candidate.clone()),
-                    reason: reason.to_string(),
-                })
+                    origin,
+                    index,
+                    expression: selectors[index].expression.clone(),
+                    device,
+                    error,
+                });
             }
         }
     }
@@ -883,7 +973,7 @@ fn take(
         }
     }
     for c in consumes {
-        state.consumed[c.counter] = state.consumed[c.counter].saturating_add(c.amount);
+        state.consumed[c.counter] = state.consumed[c.counter].add(&c.amount);
     }
     state.in_claim[entry] = true;
     state.picked.push(Pick {
@@ -907,7 +997,7 @@ fn drop_last(plan: &Plan<'_>, state: &mut State) {
     if !alternative.admin {
         if let Ok(consumes) = &plan.pools.entries[pick.entry].consumes {
             for c in consumes {
-                state.consumed[c.counter] = state.consumed[c.counter].saturating_sub(c.amount);
+                state.consumed[c.counter] = state.consumed[c.counter].sub(&c.amount);
             }
         }
     }
@@ -917,12 +1007,12 @@ fn counters_fit(counters: &[CounterInfo], consumed: &[Quantity], consumes: &[Con
     // A device may name a counter twice (in two consumption entries); sum per counter first.
     let mut wanted: BTreeMap<usize, Quantity> = BTreeMap::new();
     for c in consumes {
-        let total = wanted.entry(c.counter).or_default();
-        *total = total.saturating_add(c.amount);
+        let total = wanted.entry(c.counter).or_insert_with(Quantity::zero);
+        *total = total.add(&c.amount);
     }
-    wanted.iter().all(|(counter, amount)| {
-        consumed[*counter].saturating_add(*amount) <= counters[*counter].capacity
-    })
+    wanted
+        .iter()
+        .all(|(counter, amount)| consumed[*counter].add(amount) <= counters[*counter].capacity)
 }
 
 /// The first NoSchedule / NoExecute taint that no toleration tolerates (`None` effects never block).
@@ -1183,7 +1273,7 @@ fn counter_shortage(
 ) -> Option<String> {
     consumes.iter().find_map(|c| {
         let info = &pools.counters[c.counter];
-        let left = info.capacity.saturating_sub(consumed[c.counter]);
+        let left = info.capacity.sub(&consumed[c.counter]);
         (c.amount > left).then(|| {
             format!(
                 "{} of counter {}/{}, which has {} left",

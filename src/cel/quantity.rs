@@ -94,6 +94,21 @@ impl Quantity {
         self.0
     }
 
+    /// Zero; the form the exact evaluator's Quantity (not `Copy`) also offers.
+    pub fn zero() -> Quantity {
+        Quantity::ZERO
+    }
+
+    /// `self + other`, saturating at the range's ends.
+    pub fn add(&self, other: &Quantity) -> Quantity {
+        self.saturating_add(*other)
+    }
+
+    /// `self - other`, saturating at the range's ends.
+    pub fn sub(&self, other: &Quantity) -> Quantity {
+        self.saturating_sub(*other)
+    }
+
     pub fn saturating_add(self, other: Quantity) -> Quantity {
         Quantity(self.0.saturating_add(other.0))
     }

@@ -2,6 +2,7 @@
 //! publisher and the HTTP endpoints together, and takes them down cleanly (sockets removed) on shutdown.
 
 mod monitor;
+pub mod selftest;
 
 pub use monitor::NodePolicy;
 use monitor::{Monitor, MonitorChannels};
@@ -230,6 +231,7 @@ pub async fn start(
     let (inventory_tx, inventory_rx) = watch::channel(inventory.clone());
     let (devices_tx, devices_rx) =
         watch::channel(Arc::new(node_devices(&inventory, config.mig_mode)));
+    let class_check_devices = devices_tx.subscribe();
     let (health_tx, health_rx) = watch::channel(Arc::new(Vec::<DeviceHealthReport>::new()));
     let (mig_mode_tx, mig_mode_rx) = watch::channel(config.mig_mode);
     let (policy_tx, policy_rx) = watch::channel(NodePolicy::default());
@@ -317,6 +319,15 @@ pub async fn start(
             error!(%error, "registration gRPC server failed");
         }
     }));
+
+    tasks.push(tokio::spawn(selftest::run(
+        client.clone(),
+        config.driver_name.clone(),
+        config.node_name.clone(),
+        class_check_devices,
+        metrics.clone(),
+        shutdown_rx.clone(),
+    )));
 
     let publisher = Arc::new(Publisher::new(
         client,

@@ -98,7 +98,7 @@ fn request(profile: &str) -> ResourceClaimSpec {
 /// Runs the stream of `seed` on `profile` (a built-in fake profile) with devices in `order`.
 pub fn simulate(profile: &str, order: Order, mix: &Mix, seed: u64) -> Outcome {
     let slices = slices(profile, order);
-    let pools = Pools::from_slices(&slices, Some(NODE));
+    let pools = Pools::from_slices(&slices, Some(&allocator::Node::named(NODE)));
     let classes = BTreeMap::from([(
         "mig".to_string(),
         vec![format!("device.attributes[\"{DRIVER}\"].type == \"mig\"")],

@@ -42,7 +42,7 @@ pub async fn allocate(
     let label = format!("{namespace}/{name}");
     let slices: Api<ResourceSlice> = Api::all(client.clone());
     let slices = slices.list(&ListParams::default()).await?.items;
-    let pools = Pools::from_slices(&slices, Some(node));
+    let pools = Pools::from_slices(&slices, Some(&allocator::Node::named(node)));
     let classes: Api<DeviceClass> = Api::all(client.clone());
     let classes = allocator::class_selectors(&classes.list(&ListParams::default()).await?.items);
     let in_use = allocated_devices(client).await?;
@@ -87,7 +87,7 @@ pub async fn published_devices(
 ) -> Result<Vec<Candidate>, kube::Error> {
     let slices: Api<ResourceSlice> = Api::all(client.clone());
     let items = slices.list(&ListParams::default()).await?.items;
-    let pools = Pools::from_slices(&items, Some(node));
+    let pools = Pools::from_slices(&items, Some(&allocator::Node::named(node)));
     Ok(pools
         .devices()
         .map(|(candidate, _)| candidate.clone())

@@ -6,8 +6,12 @@ use k8s_openapi::api::resource::v1::{
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde_json::{json, Value};
 
-use super::{allocate, allocate_with_step_limit, in_use, AllocationError, Candidate, Pools};
+use super::{
+    allocate, allocate_with_step_limit, in_use, AllocationError, Candidate, Node, Pools,
+    SelectorOrigin,
+};
 use crate::cel::quantity::Quantity;
+use crate::cel::CelError;
 
 const DRIVER: &str = "gpu.dra.dev";
 const NODE: &str = "node-a";
@@ -113,7 +117,7 @@ fn run(
     in_use: &BTreeSet<Candidate>,
     devices: Value,
 ) -> Result<Vec<DeviceRequestAllocationResult>, AllocationError> {
-    let pools = Pools::from_slices(slices, Some(NODE));
+    let pools = Pools::from_slices(slices, Some(&Node::named(NODE)));
     allocate(&pools, &classes(), in_use, &claim(devices))
 }
 
@@ -146,7 +150,7 @@ fn first_fit_follows_slice_names_then_device_order() {
             json!({"devices": [gpu(1, "A"), gpu(0, "A")]}),
         ),
     ];
-    let pools = Pools::from_slices(&slices, Some(NODE));
+    let pools = Pools::from_slices(&slices, Some(&Node::named(NODE)));
     let order: Vec<&str> = pools.devices().map(|(c, _)| c.device.as_str()).collect();
     assert_eq!(order, ["gpu-1", "gpu-0", "gpu-2", "gpu-3"]);
 
@@ -392,7 +396,7 @@ fn counters_keep_a_whole_gpu_and_its_partitions_apart() {
 
 #[test]
 fn remaining_counters_subtract_devices_in_use() {
-    let pools = Pools::from_slices(&partitioned(true), Some(NODE));
+    let pools = Pools::from_slices(&partitioned(true), Some(&Node::named(NODE)));
     let remaining = pools.remaining_counters(&used(&["gpu-0-mig-2g-0"]));
     let left = |counter: &str| {
         remaining[&(
@@ -748,26 +752,39 @@ fn selectors_filter_and_errors_name_expression_and_device() {
     );
 
     let unknown = r#"device.attributes["gpu.dra.dev"].cudaCores >= 1"#;
-    match selected(unknown).expect_err("unknown attribute") {
+    let error = selected(unknown).expect_err("unknown attribute");
+    match &error {
         AllocationError::Selector {
             origin,
+            index,
             expression,
             device,
-            reason,
+            error: CelError::Runtime(reason),
         } => {
-            assert_eq!(origin, "request gpu");
+            assert_eq!(*origin, SelectorOrigin::Request("gpu".into()));
+            assert_eq!(*index, 0);
             assert_eq!(expression, unknown);
-            assert_eq!(device.device, "gpu-0");
+            assert_eq!(device.as_ref().map(|d| d.device.as_str()), Some("gpu-0"));
             assert!(reason.contains("no such key: cudaCores"), "{reason}");
         }
         other => panic!("unexpected {other}"),
     }
+    assert!(
+        error.to_string().starts_with(
+            "request gpu: selector #0 on device gpu.dra.dev/node-a/gpu-0: CEL runtime error: "
+        ),
+        "{error}"
+    );
 
+    // A compile error is an error too (raised when the selector is first needed), never "no match".
     let unsupported = r#"device.attributes["gpu.dra.dev"].index in [0, 1]"#;
-    match selected(unsupported).expect_err("unsupported") {
-        AllocationError::UnsupportedSelector { expression, .. } => {
-            assert_eq!(expression, unsupported)
-        }
+    match selected(unsupported).expect_err("does not compile") {
+        AllocationError::Selector {
+            expression,
+            device: None,
+            error: CelError::Compile(_),
+            ..
+        } => assert_eq!(expression, unsupported),
         other => panic!("unexpected {other}"),
     }
 
@@ -836,7 +853,7 @@ fn incomplete_pools_and_old_generations_are_ignored() {
             json!({"devices": [gpu(6, "B")]}),
         ),
     ];
-    let pools = Pools::from_slices(&slices, Some(NODE));
+    let pools = Pools::from_slices(&slices, Some(&Node::named(NODE)));
     let devices: Vec<String> = pools.devices().map(|(c, _)| c.to_string()).collect();
     assert_eq!(devices, ["gpu.dra.dev/node-a-extra/gpu-6"]);
     assert_eq!(pools.skipped().len(), 1);
@@ -872,7 +889,7 @@ fn node_filter_keeps_the_nodes_slices() {
             json!({"nodeName": "node-b", "devices": [gpu(0, "A")]}),
         ),
     ];
-    let pools_a: Vec<String> = Pools::from_slices(&slices, Some(NODE))
+    let pools_a: Vec<String> = Pools::from_slices(&slices, Some(&Node::named(NODE)))
         .devices()
         .map(|(c, _)| c.to_string())
         .collect();
@@ -886,7 +903,7 @@ fn duplicate_device_names_invalidate_the_pool() {
         slice("node-a-1", NODE, 1, 2, json!({"devices": [gpu(0, "A")]})),
         slice("node-a-2", NODE, 1, 2, json!({"devices": [gpu(0, "A")]})),
     ];
-    let pools = Pools::from_slices(&slices, Some(NODE));
+    let pools = Pools::from_slices(&slices, Some(&Node::named(NODE)));
     assert_eq!(pools.devices().count(), 0);
     assert!(pools.skipped()[0]
         .reason
@@ -900,7 +917,7 @@ fn the_search_is_bounded() {
         .map(|i| if i % 2 == 0 { "A" } else { "B" })
         .collect();
     let slices = one_slice(gpus(&domains));
-    let pools = Pools::from_slices(&slices, Some(NODE));
+    let pools = Pools::from_slices(&slices, Some(&Node::named(NODE)));
     let spec = claim(json!({
         "requests": [exactly("gpus", "gpu", json!({"count": 3}))],
         "constraints": [{"distinctAttribute": "gpu.dra.dev/nvlinkDomain"}],

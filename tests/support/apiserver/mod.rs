@@ -142,7 +142,7 @@ impl ResourceDef {
     }
 }
 
-const RESOURCES: [ResourceDef; 5] = [
+const RESOURCES: [ResourceDef; 6] = [
     ResourceDef {
         plural: "nodes",
         kind: "Node",
@@ -176,6 +176,16 @@ const RESOURCES: [ResourceDef; 5] = [
         group: "resource.k8s.io",
         version: "v1",
         namespaced: false,
+        status_subresource: false,
+        status_on_create: false,
+    },
+    // What the plugin reports about DeviceClasses, on its Node (as kube's Recorder writes them).
+    ResourceDef {
+        plural: "events",
+        kind: "Event",
+        group: "events.k8s.io",
+        version: "v1",
+        namespaced: true,
         status_subresource: false,
         status_on_create: false,
     },

@@ -171,9 +171,40 @@ pub(super) fn validate(
         ("resourceclaims", Some(old)) => {
             immutable(&mut errors, "spec", obj.get("spec"), old.get("spec"))
         }
+        ("events", _) => validate_event(obj, &mut errors),
         _ => {}
     }
     errors.0
+}
+
+/// The rules of events.k8s.io/v1 that a reporter can get wrong (`ValidateEventCreate`).
+fn validate_event(obj: &Value, errors: &mut Errors) {
+    for field in [
+        "reportingController",
+        "reportingInstance",
+        "action",
+        "reason",
+    ] {
+        match obj.get(field).and_then(Value::as_str) {
+            None | Some("") => errors.required(field, ""),
+            Some(text) if text.len() > 128 => errors.too_long(field, 128),
+            Some(_) => {}
+        }
+    }
+    if obj.get("eventTime").is_none() {
+        errors.required("eventTime", "");
+    }
+    match obj.get("type").and_then(Value::as_str) {
+        Some("Normal" | "Warning") => {}
+        _ => errors.invalid(
+            "type",
+            obj.get("type").unwrap_or(&Value::Null),
+            "must be Normal or Warning",
+        ),
+    }
+    if obj.get("note").and_then(Value::as_str).map_or(0, str::len) > 1024 {
+        errors.too_long("note", 1024);
+    }
 }
 
 fn validate_meta(def: &ResourceDef, obj: &Value, errors: &mut Errors) {

@@ -1,0 +1,306 @@
+//! The DeviceClass self-test: at start and whenever DeviceClasses or this node's devices change, every
+//! class is evaluated against the devices the plugin publishes. A class whose selectors error here, or
+//! that is meant for this driver and matches none of its devices, is reported as an Event on the Node, a
+//! log line and the `device_class_problems` metric: otherwise it shows only as Pending pods.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{Node, ObjectReference};
+use k8s_openapi::api::resource::v1::{Device, DeviceClass};
+use kube::api::Api;
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::{reflector, watcher, WatchStreamExt};
+use kube::ResourceExt;
+use tokio::sync::watch;
+use tracing::{info, warn};
+
+use crate::cel::{DeviceView, Selector};
+use crate::devices::NodeDevices;
+use crate::observability::Metrics;
+
+/// Changes closer together than this are checked once: a `kubectl apply` of many classes is one check.
+const SETTLE: Duration = Duration::from_millis(200);
+/// The API's limit on an Event's note.
+const MAX_NOTE: usize = 1024;
+
+/// What is wrong with a class on this node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ClassProblem {
+    /// A selector failed to compile or errored on a device. In the scheduler this aborts allocation of
+    /// every claim that uses the class, whatever the other devices say.
+    SelectorError {
+        selector: usize,
+        device: Option<String>,
+        message: String,
+    },
+    /// The class names this driver but none of this node's devices passes its selectors.
+    MatchesNothing {
+        devices: usize,
+        /// The selector that refused the first device, for a hint of what is wrong.
+        first_refusal: Option<(String, usize)>,
+    },
+}
+
+impl ClassProblem {
+    /// The Event reason and the metric's `problem` label.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            ClassProblem::SelectorError { .. } => "DeviceClassSelectorError",
+            ClassProblem::MatchesNothing { .. } => "DeviceClassMatchesNothing",
+        }
+    }
+
+    fn describe(&self, class: &str, driver: &str) -> String {
+        match self {
+            ClassProblem::SelectorError {
+                selector,
+                device: Some(device),
+                message,
+            } => format!(
+                "DeviceClass {class}: selector #{selector} on device {device}: {message}; the scheduler \
+                 aborts allocation of every claim that uses this class"
+            ),
+            ClassProblem::SelectorError {
+                selector,
+                device: None,
+                message,
+            } => format!(
+                "DeviceClass {class}: selector #{selector}: {message}; the scheduler aborts allocation \
+                 of every claim that uses this class"
+            ),
+            ClassProblem::MatchesNothing {
+                devices,
+                first_refusal,
+            } => {
+                let hint = first_refusal
+                    .as_ref()
+                    .map(|(device, selector)| {
+                        format!(" (selector #{selector} refuses device {device})")
+                    })
+                    .unwrap_or_default();
+                format!(
+                    "DeviceClass {class} names driver {driver} but matches none of its {devices} \
+                     devices on this node{hint}"
+                )
+            }
+        }
+    }
+}
+
+/// A class with a problem on this node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClassFinding {
+    pub class: String,
+    pub problem: ClassProblem,
+    /// What the Event and log say.
+    pub message: String,
+}
+
+/// Evaluates every class against `devices` (this driver's devices on this node), as the scheduler would:
+/// selectors in order, the first false decides. Errors are reported for every class, because the
+/// scheduler evaluates a class on all devices of a node and an error anywhere blocks its claims. "Matches
+/// nothing" is reported only for classes meant for this driver: those whose selectors name the driver
+/// in a string literal (`device.driver == "gpu.dra.dev"`, `device.attributes["gpu.dra.dev"]`), since
+/// other drivers' classes are expected to match nothing here.
+pub fn check_classes(
+    driver: &str,
+    classes: &[DeviceClass],
+    devices: &[Device],
+) -> Vec<ClassFinding> {
+    let views: Vec<(&str, DeviceView)> = devices
+        .iter()
+        .map(|d| (d.name.as_str(), DeviceView::new(driver, d)))
+        .collect();
+    let mut findings = Vec::new();
+    for class in classes {
+        let name = class.name_any();
+        let expressions: Vec<&str> = class
+            .spec
+            .iter()
+            .flat_map(|spec| spec.selectors.iter().flatten())
+            .filter_map(|s| s.cel.as_ref().map(|c| c.expression.as_str()))
+            .collect();
+        if let Some(problem) = check_class(driver, &expressions, &views) {
+            findings.push(ClassFinding {
+                message: problem.describe(&name, driver),
+                class: name,
+                problem,
+            });
+        }
+    }
+    findings
+}
+
+fn check_class(
+    driver: &str,
+    expressions: &[&str],
+    devices: &[(&str, DeviceView)],
+) -> Option<ClassProblem> {
+    let mut selectors = Vec::new();
+    for (index, expression) in expressions.iter().enumerate() {
+        match Selector::compile(expression) {
+            Ok(selector) => selectors.push(selector),
+            Err(error) => {
+                return Some(ClassProblem::SelectorError {
+                    selector: index,
+                    device: None,
+                    message: error.to_string(),
+                })
+            }
+        }
+    }
+    let mut matched = false;
+    let mut first_refusal = None;
+    'devices: for (device, view) in devices {
+        for (index, selector) in selectors.iter().enumerate() {
+            match selector.matches(view) {
+                Ok(true) => {}
+                Ok(false) => {
+                    first_refusal.get_or_insert_with(|| (device.to_string(), index));
+                    continue 'devices;
+                }
+                Err(error) => {
+                    return Some(ClassProblem::SelectorError {
+                        selector: index,
+                        device: Some(device.to_string()),
+                        message: error.to_string(),
+                    })
+                }
+            }
+        }
+        matched = true;
+    }
+    let names_driver = expressions
+        .iter()
+        .any(|e| e.contains(&format!("\"{driver}\"")) || e.contains(&format!("'{driver}'")));
+    (!matched && names_driver && !devices.is_empty()).then_some(ClassProblem::MatchesNothing {
+        devices: devices.len(),
+        first_refusal,
+    })
+}
+
+/// Runs the self-test until shutdown: watches DeviceClasses, follows this node's devices, and reports
+/// each problem when it appears or changes (not again while it stays the same).
+pub async fn run(
+    client: kube::Client,
+    driver: String,
+    node: String,
+    mut devices: watch::Receiver<Arc<NodeDevices>>,
+    metrics: Arc<Metrics>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let recorder = Recorder::new(
+        client.clone(),
+        Reporter {
+            controller: format!("{driver}/kubelet-plugin"),
+            instance: Some(format!("{driver}/{node}")),
+        },
+    );
+    let nodes: Api<Node> = Api::all(client.clone());
+    let (store, writer) = reflector::store::<DeviceClass>();
+    let mut classes = std::pin::pin!(reflector(
+        writer,
+        watcher(Api::<DeviceClass>::all(client), watcher::Config::default())
+    )
+    .default_backoff());
+    let mut listed = false;
+    let mut reported: BTreeMap<String, ClassFinding> = BTreeMap::new();
+    loop {
+        tokio::select! {
+            biased;
+            _ = shutdown.wait_for(|stop| *stop) => break,
+            event = classes.next() => match event {
+                None => break,
+                Some(Err(error)) => {
+                    warn!(%error, "watching DeviceClasses failed; retrying");
+                    continue;
+                }
+                Some(Ok(watcher::Event::InitDone)) => listed = true,
+                Some(Ok(watcher::Event::Init | watcher::Event::InitApply(_))) => continue,
+                Some(Ok(_)) => {}
+            },
+            changed = devices.changed() => if changed.is_err() { break },
+        }
+        if !listed {
+            continue;
+        }
+        // Let a burst of changes settle, then check the state as it is now.
+        tokio::time::sleep(SETTLE).await;
+        let current: Vec<Device> = devices.borrow_and_update().devices().cloned().collect();
+        let classes_now: Vec<DeviceClass> = store.state().iter().map(|c| (**c).clone()).collect();
+        let findings = check_classes(&driver, &classes_now, &current);
+        metrics.set_device_class_problems(
+            &findings
+                .iter()
+                .map(|f| (f.class.clone(), f.problem.reason()))
+                .collect::<Vec<_>>(),
+        );
+        let mut now: BTreeMap<String, ClassFinding> = BTreeMap::new();
+        for finding in findings {
+            if reported.get(&finding.class) != Some(&finding) {
+                match finding.problem {
+                    ClassProblem::SelectorError { .. } => {
+                        warn!(class = %finding.class, reason = finding.problem.reason(), "{}", finding.message)
+                    }
+                    ClassProblem::MatchesNothing { .. } => {
+                        info!(class = %finding.class, reason = finding.problem.reason(), "{}", finding.message)
+                    }
+                }
+                publish(&recorder, &nodes, &node, &finding).await;
+            }
+            now.insert(finding.class.clone(), finding);
+        }
+        for class in reported.keys().filter(|c| !now.contains_key(*c)) {
+            info!(class = %class, "DeviceClass no longer has a problem on this node");
+        }
+        reported = now;
+    }
+}
+
+async fn publish(recorder: &Recorder, nodes: &Api<Node>, node: &str, finding: &ClassFinding) {
+    // The Node's UID makes `kubectl describe node` show the Event; without it the Event still lists.
+    let uid = match nodes.get_opt(node).await {
+        Ok(found) => found.and_then(|n| n.metadata.uid),
+        Err(_) => None,
+    };
+    let reference = ObjectReference {
+        api_version: Some("v1".to_string()),
+        kind: Some("Node".to_string()),
+        name: Some(node.to_string()),
+        uid,
+        ..Default::default()
+    };
+    let mut note = finding.message.clone();
+    if note.len() > MAX_NOTE {
+        let mut end = MAX_NOTE - 3;
+        while !note.is_char_boundary(end) {
+            end -= 1;
+        }
+        note.truncate(end);
+        note.push_str("...");
+    }
+    // An error blocks every claim of the class; matching nothing on one node is fine when other nodes
+    // serve the class (a MIG class on a node without MIG), so that one is Normal.
+    let type_ = match finding.problem {
+        ClassProblem::SelectorError { .. } => EventType::Warning,
+        ClassProblem::MatchesNothing { .. } => EventType::Normal,
+    };
+    let event = Event {
+        type_,
+        reason: finding.problem.reason().to_string(),
+        note: Some(note),
+        action: "CheckDeviceClass".to_string(),
+        secondary: Some(ObjectReference {
+            api_version: Some("resource.k8s.io/v1".to_string()),
+            kind: Some("DeviceClass".to_string()),
+            name: Some(finding.class.clone()),
+            ..Default::default()
+        }),
+    };
+    if let Err(error) = recorder.publish(&event, &reference).await {
+        warn!(%error, class = %finding.class, "could not record the DeviceClass problem as an Event");
+    }
+}

@@ -1,0 +1,361 @@
+//! The compile-phase checks that cel-go's type checker makes and the `cel` crate (a parser and
+//! interpreter only) does not: undeclared identifiers and functions, fields of `device`, the features
+//! the API server gates, and a best-effort check that the result can be a bool.
+
+use cel::common::ast::{operators, EntryExpr, Expr, IdedExpr, LiteralValue};
+
+use super::FeatureGates;
+
+/// Calls `f` on each direct child of `expr`.
+pub(crate) fn for_each_child<'a>(expr: &'a IdedExpr, f: &mut dyn FnMut(&'a IdedExpr)) {
+    match &expr.expr {
+        Expr::Call(call) => {
+            if let Some(target) = &call.target {
+                f(target);
+            }
+            call.args.iter().for_each(&mut *f);
+        }
+        Expr::Comprehension(c) => {
+            for e in [
+                &c.iter_range,
+                &c.accu_init,
+                &c.loop_cond,
+                &c.loop_step,
+                &c.result,
+            ] {
+                f(e);
+            }
+        }
+        Expr::Select(s) => f(&s.operand),
+        Expr::List(l) => l.elements.iter().for_each(&mut *f),
+        Expr::Map(m) => m.entries.iter().for_each(|entry| match &entry.expr {
+            EntryExpr::MapEntry(e) => {
+                f(&e.key);
+                f(&e.value);
+            }
+            EntryExpr::StructField(s) => f(&s.value),
+        }),
+        Expr::Struct(s) => s.entries.iter().for_each(|entry| match &entry.expr {
+            EntryExpr::MapEntry(e) => {
+                f(&e.key);
+                f(&e.value);
+            }
+            EntryExpr::StructField(s) => f(&s.value),
+        }),
+        Expr::Ident(_) | Expr::Literal(_) | Expr::Unspecified => {}
+    }
+}
+
+/// Functions called as `f(..)`, namespaced ones included.
+const GLOBAL_FUNCTIONS: &[&str] = &[
+    "size",
+    "int",
+    "uint",
+    "double",
+    "string",
+    "bytes",
+    "bool",
+    "type",
+    "dyn",
+    "matches",
+    "quantity",
+    "isQuantity",
+    "sign",
+    "semver",
+    "isSemver",
+    "optional.of",
+    "optional.ofNonZeroValue",
+    "optional.none",
+    "strings.quote",
+    "lists.range",
+    "sets.contains",
+    "sets.equivalent",
+    "sets.intersects",
+];
+
+/// Functions called as `x.f(..)`.
+const MEMBER_FUNCTIONS: &[&str] = &[
+    // standard
+    "size",
+    "contains",
+    "startsWith",
+    "endsWith",
+    "matches",
+    // optional
+    "hasValue",
+    "value",
+    "orValue",
+    "or",
+    // ext.Strings
+    "charAt",
+    "indexOf",
+    "lastIndexOf",
+    "lowerAscii",
+    "upperAscii",
+    "replace",
+    "split",
+    "substring",
+    "trim",
+    "join",
+    "format",
+    // ext.Lists
+    "slice",
+    "flatten",
+    "distinct",
+    "reverse",
+    "sort",
+    // Kubernetes lists and regex
+    "isSorted",
+    "sum",
+    "min",
+    "max",
+    "find",
+    "findAll",
+    "includes",
+    // quantity and semver
+    "isGreaterThan",
+    "isLessThan",
+    "compareTo",
+    "add",
+    "sub",
+    "asInteger",
+    "isInteger",
+    "asApproximateFloat",
+    "major",
+    "minor",
+    "patch",
+];
+
+/// Identifiers that name types (`type(x) == int`).
+const TYPE_NAMES: &[&str] = &[
+    "int",
+    "uint",
+    "double",
+    "bool",
+    "string",
+    "bytes",
+    "list",
+    "map",
+    "type",
+    "null_type",
+    "dyn",
+];
+
+const OPERATORS: &[&str] = &[
+    operators::CONDITIONAL,
+    operators::LOGICAL_AND,
+    operators::LOGICAL_OR,
+    operators::LOGICAL_NOT,
+    operators::SUBSTRACT,
+    operators::ADD,
+    operators::MULTIPLY,
+    operators::DIVIDE,
+    operators::MODULO,
+    operators::EQUALS,
+    operators::NOT_EQUALS,
+    operators::GREATER_EQUALS,
+    operators::LESS_EQUALS,
+    operators::GREATER,
+    operators::LESS,
+    operators::NEGATE,
+    operators::INDEX,
+    operators::OPT_INDEX,
+    operators::OPT_SELECT,
+    operators::NOT_STRICTLY_FALSE,
+    operators::IN,
+];
+
+const DEVICE_FIELDS: &[&str] = &[
+    "driver",
+    "attributes",
+    "capacity",
+    "allowMultipleAllocations",
+];
+
+/// What the checked environment offers; `None` gates mean the scheduler's (everything).
+pub(crate) struct Checker {
+    pub gates: Option<FeatureGates>,
+    scopes: Vec<String>,
+}
+
+/// Internal names made by macros start with these; source identifiers cannot.
+fn is_internal(name: &str) -> bool {
+    name.starts_with('@') || name.starts_with('#')
+}
+
+/// The dotted name `expr` spells (`a.b.c`), if it is one.
+fn qualified_name(expr: &IdedExpr) -> Option<String> {
+    match &expr.expr {
+        Expr::Ident(name) => Some(name.clone()),
+        Expr::Select(s) if !s.test => {
+            qualified_name(&s.operand).map(|p| format!("{p}.{}", s.field))
+        }
+        _ => None,
+    }
+}
+
+impl Checker {
+    pub(crate) fn new(gates: Option<FeatureGates>) -> Checker {
+        Checker {
+            gates,
+            scopes: Vec::new(),
+        }
+    }
+
+    fn in_scope(&self, name: &str) -> bool {
+        self.scopes.iter().any(|s| s == name)
+    }
+
+    fn is_device(&self, expr: &IdedExpr) -> bool {
+        matches!(&expr.expr, Expr::Ident(n) if n == "device") && !self.in_scope("device")
+    }
+
+    /// `device.attributes[d][id]` (any access form): a value of type `any` without list-type
+    /// attributes.
+    fn is_attribute_value(&self, expr: &IdedExpr) -> bool {
+        let operand = |e: &'_ IdedExpr| -> Option<IdedExpr> {
+            match &e.expr {
+                Expr::Select(s) => Some((*s.operand).clone()),
+                Expr::Call(c)
+                    if c.target.is_none()
+                        && [
+                            operators::INDEX,
+                            operators::OPT_INDEX,
+                            operators::OPT_SELECT,
+                        ]
+                        .contains(&c.func_name.as_str()) =>
+                {
+                    c.args.first().cloned()
+                }
+                _ => None,
+            }
+        };
+        let Some(domain) = operand(expr) else {
+            return false;
+        };
+        let Some(attributes) = operand(&domain) else {
+            return false;
+        };
+        matches!(&attributes.expr, Expr::Select(s) if s.field == "attributes" && self.is_device(&s.operand))
+    }
+
+    pub(crate) fn check(&mut self, expr: &IdedExpr) -> Result<(), String> {
+        match &expr.expr {
+            Expr::Ident(name) => {
+                if name == "device"
+                    || self.in_scope(name)
+                    || is_internal(name)
+                    || TYPE_NAMES.contains(&name.as_str())
+                {
+                    Ok(())
+                } else {
+                    Err(format!("undeclared reference to '{name}'"))
+                }
+            }
+            Expr::Select(s) => {
+                if self.is_device(&s.operand) {
+                    let gated = s.field == "allowMultipleAllocations"
+                        && self.gates.is_some_and(|g| !g.consumable_capacity);
+                    if !DEVICE_FIELDS.contains(&s.field.as_str()) || gated {
+                        return Err(format!("undefined field '{}'", s.field));
+                    }
+                    return Ok(());
+                }
+                self.check(&s.operand)
+            }
+            Expr::Call(call) => {
+                let name = call.func_name.as_str();
+                if let Some(target) = &call.target {
+                    let namespaced = qualified_name(target)
+                        .filter(|ns| !self.in_scope(ns.split('.').next().unwrap_or_default()))
+                        .map(|ns| format!("{ns}.{name}"));
+                    if namespaced.is_some_and(|n| GLOBAL_FUNCTIONS.contains(&n.as_str())) {
+                        return call.args.iter().try_for_each(|a| self.check(a));
+                    }
+                    let gated =
+                        name == "includes" && self.gates.is_some_and(|g| !g.list_type_attributes);
+                    if (!MEMBER_FUNCTIONS.contains(&name) && !is_internal(name)) || gated {
+                        return Err(format!("undeclared reference to '{name}'"));
+                    }
+                    self.check(target)?;
+                } else if !OPERATORS.contains(&name)
+                    && !GLOBAL_FUNCTIONS.contains(&name)
+                    && !is_internal(name)
+                {
+                    return Err(format!("undeclared reference to '{name}'"));
+                }
+                call.args.iter().try_for_each(|a| self.check(a))
+            }
+            Expr::Comprehension(c) => {
+                self.check(&c.iter_range)?;
+                if self.gates.is_some_and(|g| !g.list_type_attributes)
+                    && self.is_attribute_value(&c.iter_range)
+                {
+                    return Err("expression of type 'any' cannot be range of a comprehension (must be list, map, or dynamic)".to_owned());
+                }
+                self.check(&c.accu_init)?;
+                let depth = self.scopes.len();
+                self.scopes.push(c.accu_var.clone());
+                self.scopes.push(c.iter_var.clone());
+                if let Some(v) = &c.iter_var2 {
+                    self.scopes.push(v.clone());
+                }
+                let result = [&c.loop_cond, &c.loop_step, &c.result]
+                    .into_iter()
+                    .try_for_each(|e| self.check(e));
+                self.scopes.truncate(depth);
+                result
+            }
+            Expr::Struct(s) => Err(format!("undeclared reference to '{}'", s.type_name)),
+            Expr::List(_) | Expr::Map(_) => {
+                let mut result = Ok(());
+                for_each_child(expr, &mut |child| {
+                    if result.is_ok() {
+                        result = self.check(child);
+                    }
+                });
+                result
+            }
+            Expr::Literal(_) => Ok(()),
+            Expr::Unspecified => Err("unsupported expression".to_owned()),
+        }
+    }
+}
+
+/// The static type of the root expression where it is obviously not bool (cel-go would report it).
+pub(crate) fn non_bool_result(expr: &IdedExpr) -> Option<&'static str> {
+    match &expr.expr {
+        Expr::Literal(literal) => match literal {
+            LiteralValue::Boolean(_) => None,
+            LiteralValue::Bytes(_) => Some("bytes"),
+            LiteralValue::Double(_) => Some("double"),
+            LiteralValue::Int(_) => Some("int"),
+            LiteralValue::Null => Some("null_type"),
+            LiteralValue::String(_) => Some("string"),
+            LiteralValue::UInt(_) => Some("uint"),
+        },
+        Expr::Ident(name) if name == "device" => Some("kubernetes.DRADevice"),
+        Expr::Select(s)
+            if !s.test && matches!(&s.operand.expr, Expr::Ident(n) if n == "device") =>
+        {
+            match s.field.as_str() {
+                "driver" => Some("string"),
+                "attributes" => Some("map(string, map(string, dyn))"),
+                "capacity" => Some("map(string, map(string, kubernetes.Quantity))"),
+                _ => None,
+            }
+        }
+        Expr::Call(call) => match (call.target.is_some(), call.func_name.as_str()) {
+            (false, "quantity") => Some("kubernetes.Quantity"),
+            (false, "semver") => Some("kubernetes.Semver"),
+            (false, "size" | "int" | "sign") => Some("int"),
+            (false, "string") => Some("string"),
+            (false, "double") => Some("double"),
+            (false, "uint") => Some("uint"),
+            (true, "compareTo" | "major" | "minor" | "patch" | "asInteger" | "size") => Some("int"),
+            (true, "asApproximateFloat") => Some("double"),
+            _ => None,
+        },
+        _ => None,
+    }
+}

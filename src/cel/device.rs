@@ -1,0 +1,162 @@
+//! One device as a selector sees it: converted once, up front, into CEL values (attributes and
+//! capacities grouped by domain, versions parsed strictly), as upstream's `DeviceMatches` does, so that
+//! evaluating many selectors against it costs no further conversion.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use cel::common::types::{CelBool, CelInt, CelList, CelMap, CelMapKey, CelString};
+use cel::common::value::Val;
+use k8s_openapi::api::resource::v1::{Device, DeviceAttribute};
+
+use super::quantity::Quantity;
+use super::semver::Semver;
+use super::values::{DeviceFields, DeviceVal, DomainMap, QuantityVal, SemverVal};
+
+/// A device prepared for selector evaluation. A device that cannot be converted (a version that does
+/// not parse strictly, an attribute with no value, a capacity that is not a quantity) keeps the error,
+/// and every evaluation against it fails with it, as in the scheduler.
+#[derive(Debug, Clone)]
+pub struct DeviceView {
+    pub(crate) value: Result<DeviceVal, String>,
+}
+
+impl DeviceView {
+    /// Converts `device` of a ResourceSlice whose driver is `driver`; names without a domain get the
+    /// driver as their domain. `allowMultipleAllocations` reads as the device sets it (false if unset).
+    pub fn new(driver: &str, device: &Device) -> DeviceView {
+        Self::build(
+            driver,
+            device,
+            device.allow_multiple_allocations.unwrap_or(false),
+        )
+    }
+
+    /// Like [`DeviceView::new`], but `device.allowMultipleAllocations` always reads false, as with the
+    /// scheduler's stable allocator, which does not pass the field on.
+    pub fn new_for_stable_allocator(driver: &str, device: &Device) -> DeviceView {
+        Self::build(driver, device, false)
+    }
+
+    fn build(driver: &str, device: &Device, allow_multiple_allocations: bool) -> DeviceView {
+        let value = convert(driver, device).map(|(attributes, capacity)| {
+            DeviceVal(Arc::new(DeviceFields {
+                driver: CelString::from(driver.to_owned()),
+                allow_multiple_allocations: CelBool::from(allow_multiple_allocations),
+                attributes: DomainMap::new(attributes),
+                capacity: DomainMap::new(capacity),
+            }))
+        });
+        DeviceView { value }
+    }
+
+    /// The conversion error that every evaluation against this device reports, if any.
+    pub fn error(&self) -> Option<&str> {
+        self.value.as_ref().err().map(String::as_str)
+    }
+}
+
+type Domains = HashMap<String, HashMap<CelMapKey<'static>, Box<dyn Val>>>;
+
+/// Splits a qualified name at the first '/' into domain and id; a bare name gets `driver`.
+fn split_name<'a>(name: &'a str, driver: &'a str) -> (&'a str, &'a str) {
+    match name.split_once('/') {
+        Some((domain, id)) => (domain, id),
+        None => (driver, name),
+    }
+}
+
+fn into_map(domains: Domains) -> CelMap<'static> {
+    let outer: HashMap<CelMapKey<'static>, Box<dyn Val>> = domains
+        .into_iter()
+        .map(|(domain, ids)| {
+            let inner: Box<dyn Val> = Box::new(CelMap::from(ids));
+            (CelMapKey::from(domain), inner)
+        })
+        .collect();
+    CelMap::from(outer)
+}
+
+fn convert(driver: &str, device: &Device) -> Result<(CelMap<'static>, CelMap<'static>), String> {
+    let mut attributes = Domains::new();
+    // Sorted so that the error reported for a device with several bad attributes is stable.
+    let mut names: Vec<_> = device.attributes.iter().flatten().collect();
+    names.sort_by(|a, b| a.0.cmp(b.0));
+    for (name, attribute) in names {
+        let value =
+            attribute_value(attribute).map_err(|cause| format!("attribute {name}: {cause}"))?;
+        let (domain, id) = split_name(name, driver);
+        attributes
+            .entry(domain.to_owned())
+            .or_default()
+            .insert(CelMapKey::from(id.to_owned()), value);
+    }
+    let mut capacity = Domains::new();
+    let mut names: Vec<_> = device.capacity.iter().flatten().collect();
+    names.sort_by(|a, b| a.0.cmp(b.0));
+    for (name, cap) in names {
+        let quantity = Quantity::parse(&cap.value.0)
+            .map_err(|cause| format!("capacity {name}: parse quantity: {cause}"))?;
+        let (domain, id) = split_name(name, driver);
+        capacity.entry(domain.to_owned()).or_default().insert(
+            CelMapKey::from(id.to_owned()),
+            Box::new(QuantityVal(quantity)),
+        );
+    }
+    Ok((into_map(attributes), into_map(capacity)))
+}
+
+fn version(text: &str) -> Result<Box<dyn Val>, String> {
+    Semver::parse(text)
+        .map(|v| Box::new(SemverVal(v)) as Box<dyn Val>)
+        .map_err(|cause| format!("parse semantic version: {cause}"))
+}
+
+fn list(items: Vec<Box<dyn Val>>) -> Box<dyn Val> {
+    Box::new(CelList::from(items))
+}
+
+/// The CEL value of one attribute, checking the fields in upstream's order (lists first).
+fn attribute_value(attribute: &DeviceAttribute) -> Result<Box<dyn Val>, String> {
+    if let Some(values) = &attribute.ints {
+        return Ok(list(
+            values
+                .iter()
+                .map(|v| Box::new(CelInt::from(*v)) as Box<dyn Val>)
+                .collect(),
+        ));
+    }
+    if let Some(values) = &attribute.bools {
+        return Ok(list(
+            values
+                .iter()
+                .map(|v| Box::new(CelBool::from(*v)) as Box<dyn Val>)
+                .collect(),
+        ));
+    }
+    if let Some(values) = &attribute.strings {
+        return Ok(list(
+            values
+                .iter()
+                .map(|v| Box::new(CelString::from(v.clone())) as Box<dyn Val>)
+                .collect(),
+        ));
+    }
+    if let Some(values) = &attribute.versions {
+        let items: Result<Vec<_>, _> = values.iter().map(|v| version(v)).collect();
+        return Ok(list(items?));
+    }
+    if let Some(v) = attribute.int {
+        return Ok(Box::new(CelInt::from(v)));
+    }
+    if let Some(v) = attribute.bool {
+        return Ok(Box::new(CelBool::from(v)));
+    }
+    if let Some(v) = &attribute.string {
+        return Ok(Box::new(CelString::from(v.clone())));
+    }
+    if let Some(v) = &attribute.version {
+        return version(v);
+    }
+    Err("unsupported attribute value".to_owned())
+}

@@ -25,7 +25,9 @@ pub const MAX_RESULTS: usize = 32;
 const MAX_NOTES: usize = 8;
 
 /// A device of a published, complete pool.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(
+    Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
+)]
 pub struct Candidate {
     pub driver: String,
     pub pool: String,
@@ -618,7 +620,7 @@ struct State {
 
 /// A selector expression and what compiling it gave; a compile error surfaces when the selector is
 /// first evaluated, as in the scheduler.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub(crate) struct CompiledSelector {
     pub(crate) expression: String,
     pub(crate) compiled: Result<Selector, CelError>,

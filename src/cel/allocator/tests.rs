@@ -405,9 +405,10 @@ fn remaining_counters_subtract_devices_in_use() {
             "gpu-0-counters".to_string(),
             counter.to_string(),
         )]
+            .clone()
     };
-    assert_eq!(left("memory-slice-0"), Quantity::ZERO);
-    assert_eq!(left("memory-slice-1"), Quantity::ZERO);
+    assert_eq!(left("memory-slice-0"), Quantity::zero());
+    assert_eq!(left("memory-slice-1"), Quantity::zero());
     assert_eq!(
         left("memory-slice-2"),
         Quantity::parse("1").expect("quantity")
@@ -777,7 +778,7 @@ fn selectors_filter_and_errors_name_expression_and_device() {
     );
 
     // A compile error is an error too (raised when the selector is first needed), never "no match".
-    let unsupported = r#"device.attributes["gpu.dra.dev"].index in [0, 1]"#;
+    let unsupported = r#"device.attributes["gpu.dra.dev"].index in noSuchList"#;
     match selected(unsupported).expect_err("does not compile") {
         AllocationError::Selector {
             expression,
@@ -933,4 +934,90 @@ fn the_search_is_bounded() {
         matches!(error, AllocationError::Unsatisfiable { .. }),
         "{error}"
     );
+}
+
+#[test]
+fn node_selectors_and_per_device_selection_pick_the_nodes_devices() {
+    let zone = |z: &str| json!({"nodeSelectorTerms": [{"matchExpressions": [{"key": "zone", "operator": "In", "values": [z]}]}]});
+    let mut by_selector = json!({"nodeSelector": zone("z1"), "devices": [gpu(0, "A")]});
+    by_selector["nodeName"] = Value::Null;
+    let mut per_device = json!({"perDeviceNodeSelection": true, "devices": [
+        {"name": "mine", "nodeName": NODE}, {"name": "theirs", "nodeName": "node-b"},
+        {"name": "everyone", "allNodes": true}, {"name": "zoned", "nodeSelector": zone("z2")}]});
+    per_device["nodeName"] = Value::Null;
+    let slices = vec![
+        slice("a-selected", "zoned-pool", 1, 1, by_selector),
+        slice("b-per-device", "shared-pool", 1, 1, per_device),
+    ];
+    let devices = |labels: &[(&str, &str)]| -> Vec<String> {
+        let node = Node {
+            name: NODE.into(),
+            labels: labels
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        };
+        Pools::from_slices(&slices, Some(&node))
+            .devices()
+            .map(|(c, _)| format!("{}/{}", c.pool, c.device))
+            .collect()
+    };
+    assert_eq!(devices(&[]), ["shared-pool/mine", "shared-pool/everyone"]);
+    assert_eq!(
+        devices(&[("zone", "z1")]),
+        [
+            "shared-pool/mine",
+            "shared-pool/everyone",
+            "zoned-pool/gpu-0"
+        ]
+    );
+    assert_eq!(
+        devices(&[("zone", "z2")]),
+        [
+            "shared-pool/mine",
+            "shared-pool/everyone",
+            "shared-pool/zoned"
+        ]
+    );
+}
+
+#[test]
+fn class_selectors_run_first_and_their_errors_name_the_class() {
+    let slices = one_slice(gpus(&["A"]));
+    let mut classes = classes();
+    classes.insert(
+        "typo".into(),
+        vec![r#"device.attributes["gpu.dra.dev"].cudaCores >= 1"#.into()],
+    );
+    let pools = Pools::from_slices(&slices, Some(&Node::named(NODE)));
+    // No count: ExactCount of one device.
+    let spec = claim(json!({"requests": [exactly("gpu", "typo", json!({
+        "selectors": [{"cel": {"expression": "device.driver == \"other\""}}]}))]}));
+    let error = allocate(&pools, &classes, &BTreeSet::new(), &spec).expect_err("class error");
+    assert!(
+        error.to_string().starts_with(
+            "class typo: selector #0 on device gpu.dra.dev/node-a/gpu-0: CEL runtime error:"
+        ),
+        "{error}"
+    );
+    let spec = claim(json!({"requests": [exactly("gpu", "gpu", json!({}))]}));
+    let results = allocate(&pools, &classes, &BTreeSet::new(), &spec).expect("one GPU");
+    assert_eq!(picks(&results), [("gpu".to_string(), "gpu-0".to_string())]);
+}
+
+#[test]
+fn match_attribute_finds_qualified_and_driver_domain_names() {
+    // One device publishes the attribute with its driver's domain spelled out, the other without.
+    let mut qualified = gpu(0, "A");
+    qualified["attributes"] =
+        json!({"type": {"string": "gpu"}, "gpu.dra.dev/nvlinkDomain": {"string": "A"}});
+    let slices = one_slice(vec![qualified, gpu(1, "A"), gpu(2, "B")]);
+    let results = run(
+        &slices,
+        &BTreeSet::new(),
+        json!({"requests": [exactly("gpus", "gpu", json!({"count": 2}))],
+               "constraints": [{"matchAttribute": "gpu.dra.dev/nvlinkDomain"}]}),
+    )
+    .expect("both A devices");
+    assert_eq!(devices_of(&results), ["gpu-0", "gpu-1"]);
 }

@@ -1,0 +1,304 @@
+//! `gpu-dra selectors check` and `gpu-dra selectors allocate` as a user runs them: the DeviceClasses of
+//! deploy/base, claims from tests/fixtures/selectors, and the slices `gpu-dra devices` prints for a fake
+//! DGX H100 (generated per test, so the fixtures follow the planner).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+const CLASSES: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/deploy/base/deviceclasses.yaml"
+);
+
+fn fixture(name: &str) -> String {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/selectors")
+        .join(name)
+        .display()
+        .to_string()
+}
+
+fn gpu_dra(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_gpu-dra"))
+        .args(args)
+        .env_remove("NODE_NAME")
+        .env_remove("GPU_BACKEND")
+        .env_remove("FAKE_GPU_PROFILE")
+        .env_remove("MIG_MODE")
+        .output()
+        .expect("gpu-dra runs")
+}
+
+/// The slices of node-a, a fake DGX H100 with dynamic MIG, in a temp dir that lives as long as the guard.
+fn node_slices() -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let output = gpu_dra(&[
+        "devices",
+        "-o",
+        "json",
+        "--backend",
+        "fake",
+        "--fake-profile",
+        "dgx-h100",
+        "--mig-mode",
+        "dynamic",
+        "--node-name",
+        "node-a",
+    ]);
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let path = dir.path().join("slices.json");
+    std::fs::write(&path, &output.stdout).expect("write slices");
+    (dir, path)
+}
+
+fn code(output: &Output) -> i32 {
+    output.status.code().expect("exit code")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).to_string()
+}
+
+fn allocate(claim: &str, slices: &Path, more: &[&str]) -> Output {
+    let mut args = vec![
+        "selectors",
+        "allocate",
+        "--claim",
+        claim,
+        "--class",
+        CLASSES,
+        "--slices",
+        slices.to_str().expect("utf-8 path"),
+        "-o",
+        "json",
+    ];
+    args.extend_from_slice(more);
+    gpu_dra(&args)
+}
+
+#[test]
+fn a_claim_that_fits_gets_two_gpus_of_one_nvlink_domain() {
+    let (_dir, slices) = node_slices();
+    let output = allocate(&fixture("claim-two-gpus.yaml"), &slices, &[]);
+    assert_eq!(code(&output), 0, "{}", text(&output.stderr));
+    let json: Value = serde_json::from_slice(&output.stdout).expect("JSON");
+    assert_eq!(json["allocated"], true);
+    let results = json["results"].as_array().expect("results");
+    assert_eq!(results.len(), 2);
+    for (result, device) in results.iter().zip(["gpu-0", "gpu-1"]) {
+        assert_eq!(result["request"], "gpus");
+        assert_eq!(result["driver"], "gpu.dra.dev");
+        assert_eq!(result["pool"], "node-a");
+        assert_eq!(result["device"], device);
+        assert!(
+            result.get("adminAccess").is_none(),
+            "only set when requested"
+        );
+    }
+
+    // The same for people.
+    let output = gpu_dra(&[
+        "selectors",
+        "allocate",
+        "--claim",
+        &fixture("claim-two-gpus.yaml"),
+        "--class",
+        CLASSES,
+        "--slices",
+        slices.to_str().expect("path"),
+        "--node",
+        "node-a",
+    ]);
+    assert_eq!(code(&output), 0);
+    let stdout = text(&output.stdout);
+    assert!(stdout.contains("allocated on node node-a"), "{stdout}");
+    assert!(
+        stdout.contains("gpus: gpu.dra.dev/node-a/gpu-1"),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn claims_that_do_not_fit_say_why_and_exit_1() {
+    let (_dir, slices) = node_slices();
+    let reason = |output: &Output| {
+        assert_eq!(code(output), 1, "{}", text(&output.stderr));
+        let json: Value = serde_json::from_slice(&output.stdout).expect("JSON");
+        assert_eq!(json["allocated"], false);
+        json["reason"].as_str().expect("reason").to_string()
+    };
+
+    let too_many = reason(&allocate(&fixture("claim-nine-gpus.yaml"), &slices, &[]));
+    assert!(
+        too_many.contains("not enough devices") && too_many.contains("9 wanted"),
+        "{too_many}"
+    );
+
+    // Whole GPUs in use take every GPU's counters, so no full-size MIG device fits.
+    let fits = allocate(&fixture("claim-mig-7g.yaml"), &slices, &[]);
+    assert_eq!(code(&fits), 0, "{}", text(&fits.stderr));
+    let in_use = fixture("in-use-all-gpus.json");
+    let counters = reason(&allocate(
+        &fixture("claim-mig-7g.yaml"),
+        &slices,
+        &["--in-use", &in_use],
+    ));
+    assert!(
+        counters.contains("of counter") && counters.contains("left"),
+        "{counters}"
+    );
+
+    // Another node sees none of node-a's devices.
+    let elsewhere = reason(&allocate(
+        &fixture("claim-two-gpus.yaml"),
+        &slices,
+        &["--node", "node-b"],
+    ));
+    assert!(elsewhere.contains("0 match"), "{elsewhere}");
+}
+
+#[test]
+fn a_cel_runtime_error_aborts_with_exit_2() {
+    let (_dir, slices) = node_slices();
+    let output = allocate(&fixture("claim-runtime-error.yaml"), &slices, &[]);
+    assert_eq!(code(&output), 2);
+    assert!(output.stdout.is_empty());
+    let stderr = text(&output.stderr);
+    assert!(
+        stderr.contains("claim ml/typo: request gpu: selector #0 on device gpu.dra.dev/node-a/gpu-0: CEL runtime error:"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("cudaCores"), "{stderr}");
+}
+
+#[test]
+fn malformed_input_exits_2_naming_the_file() {
+    let (_dir, slices) = node_slices();
+    let broken = fixture("broken.yaml");
+    let output = allocate(&broken, &slices, &[]);
+    assert_eq!(code(&output), 2);
+    let stderr = text(&output.stderr);
+    assert!(
+        stderr.contains(&broken) && stderr.contains("document 1"),
+        "{stderr}"
+    );
+
+    // Slices in place of classes: the wrong kind.
+    let output = gpu_dra(&[
+        "selectors",
+        "allocate",
+        "--claim",
+        &fixture("claim-two-gpus.yaml"),
+        "--class",
+        slices.to_str().expect("path"),
+        "--slices",
+        slices.to_str().expect("path"),
+    ]);
+    assert_eq!(code(&output), 2);
+    assert!(text(&output.stderr).contains("kind ResourceSlice, expected DeviceClass"));
+}
+
+#[test]
+fn check_reports_matches_and_exit_codes() {
+    let (_dir, slices) = node_slices();
+    let slices = slices.to_str().expect("path");
+    // deploy/base's classes and a claim that fits: exit 0.
+    let output = gpu_dra(&[
+        "selectors",
+        "check",
+        "--class",
+        CLASSES,
+        "--claim",
+        &fixture("claim-two-gpus.yaml"),
+        "--slices",
+        slices,
+    ]);
+    assert_eq!(code(&output), 0, "{}", text(&output.stderr));
+    let table = text(&output.stdout);
+    assert!(table.contains("class gpu.dra.dev: 8 of "), "{table}");
+    assert!(
+        table.contains("claim ml/train request gpus (class gpu.dra.dev): 8 of"),
+        "{table}"
+    );
+    assert!(
+        table.contains("no match (class gpu.dra.dev selector #0"),
+        "{table}"
+    );
+
+    // A class that matches nothing: exit 1.
+    let output = gpu_dra(&[
+        "selectors",
+        "check",
+        "--class",
+        &fixture("class-vgpu.yaml"),
+        "--slices",
+        slices,
+        "-o",
+        "json",
+    ]);
+    assert_eq!(code(&output), 1);
+    let json: Value = serde_json::from_slice(&output.stdout).expect("JSON");
+    assert_eq!(json["exitCode"], 1);
+    assert_eq!(json["subjects"][0]["class"], "vgpu.gpu.dra.dev");
+    assert_eq!(json["subjects"][0]["matching"], 0);
+
+    // A runtime error: blocking, exit 2, with the error in the report.
+    let output = gpu_dra(&[
+        "selectors",
+        "check",
+        "--class",
+        CLASSES,
+        "--claim",
+        &fixture("claim-runtime-error.yaml"),
+        "--slices",
+        slices,
+        "-o",
+        "json",
+    ]);
+    assert_eq!(code(&output), 2);
+    let json: Value = serde_json::from_slice(&output.stdout).expect("JSON");
+    let request = json["subjects"]
+        .as_array()
+        .expect("subjects")
+        .iter()
+        .find(|s| s["request"] == "gpu")
+        .expect("the claim's request");
+    assert_eq!(
+        request["errors"].as_array().expect("errors").len(),
+        8,
+        "one per GPU"
+    );
+    assert_eq!(request["errors"][0]["blocking"], true);
+    assert_eq!(request["errors"][0]["device"], "gpu.dra.dev/node-a/gpu-0");
+}
+
+#[test]
+fn check_without_slices_uses_the_nodes_devices() {
+    let output = gpu_dra(&[
+        "selectors",
+        "check",
+        "--class",
+        CLASSES,
+        "--backend",
+        "fake",
+        "--fake-profile",
+        "dgx-h100",
+    ]);
+    assert_eq!(
+        code(&output),
+        1,
+        "static MIG mode without MIG devices: the MIG class matches nothing"
+    );
+    let table = text(&output.stdout);
+    assert!(
+        table.contains("class gpu.dra.dev: 8 of 8 devices match"),
+        "{table}"
+    );
+    assert!(table.contains("class mig.gpu.dra.dev: 0 of 8"), "{table}");
+}

@@ -304,3 +304,131 @@ async fn publish(recorder: &Recorder, nodes: &Api<Node>, node: &str, finding: &C
         warn!(%error, class = %finding.class, "could not record the DeviceClass problem as an Event");
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::api::resource::v1::{
+        CELDeviceSelector, Device, DeviceAttribute, DeviceClass, DeviceClassSpec, DeviceSelector,
+    };
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+
+    use super::{check_classes, ClassProblem};
+
+    const DRIVER: &str = "gpu.dra.dev";
+
+    fn class(name: &str, expressions: &[&str]) -> DeviceClass {
+        DeviceClass {
+            metadata: ObjectMeta {
+                name: Some(name.to_string()),
+                ..Default::default()
+            },
+            spec: Some(DeviceClassSpec {
+                selectors: Some(
+                    expressions
+                        .iter()
+                        .map(|e| DeviceSelector {
+                            cel: Some(CELDeviceSelector {
+                                expression: e.to_string(),
+                            }),
+                        })
+                        .collect(),
+                ),
+                ..Default::default()
+            }),
+        }
+    }
+
+    fn gpu(name: &str, kind: &str) -> Device {
+        Device {
+            name: name.to_string(),
+            attributes: Some(
+                [(
+                    "type".to_string(),
+                    DeviceAttribute {
+                        string: Some(kind.to_string()),
+                        ..Default::default()
+                    },
+                )]
+                .into(),
+            ),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_class_that_matches_a_device_is_fine() {
+        let classes = [class(
+            "gpus",
+            &[
+                r#"device.driver == "gpu.dra.dev""#,
+                r#"device.attributes["gpu.dra.dev"].type == "gpu""#,
+            ],
+        )];
+        let devices = [gpu("gpu-0", "mig"), gpu("gpu-1", "gpu")];
+        assert_eq!(check_classes(DRIVER, &classes, &devices), vec![]);
+    }
+
+    #[test]
+    fn matching_nothing_names_the_first_refusal_and_counts_only_for_this_drivers_classes() {
+        let classes = [
+            class(
+                "migs",
+                &[
+                    r#"device.driver == 'gpu.dra.dev'"#,
+                    r#"device.attributes["gpu.dra.dev"].type == "mig""#,
+                ],
+            ),
+            class("other", &[r#"device.driver == "other.example.com""#]),
+        ];
+        let devices = [gpu("gpu-0", "gpu"), gpu("gpu-1", "gpu")];
+        let findings = check_classes(DRIVER, &classes, &devices);
+        assert_eq!(findings.len(), 1, "{findings:?}");
+        assert_eq!(findings[0].class, "migs");
+        assert_eq!(
+            findings[0].problem,
+            ClassProblem::MatchesNothing {
+                devices: 2,
+                first_refusal: Some(("gpu-0".to_string(), 1)),
+            }
+        );
+        assert!(findings[0]
+            .message
+            .contains("(selector #1 refuses device gpu-0)"));
+        // A node without devices has nothing to match: no finding, however the class reads.
+        assert_eq!(check_classes(DRIVER, &classes[..1], &[]), vec![]);
+    }
+
+    #[test]
+    fn errors_are_reported_for_every_class_with_selector_and_device() {
+        let classes = [
+            class(
+                "unknown-attribute",
+                &[r#"device.attributes["other.example.com"].model == "x""#],
+            ),
+            class("syntax", &[r#"device.driver =="#]),
+        ];
+        let findings = check_classes(DRIVER, &classes, &[gpu("gpu-0", "gpu")]);
+        assert_eq!(findings.len(), 2, "{findings:?}");
+        match &findings[0].problem {
+            ClassProblem::SelectorError {
+                selector: 0,
+                device: Some(device),
+                message,
+            } => {
+                assert_eq!(device, "gpu-0");
+                assert!(message.starts_with("runtime error:"), "{message}");
+                assert!(message.contains("no such key: model"), "{message}");
+            }
+            other => panic!("{other:?}"),
+        }
+        match &findings[1].problem {
+            ClassProblem::SelectorError {
+                selector: 0,
+                device: None,
+                message,
+            } => assert!(message.starts_with("compile error:"), "{message}"),
+            other => panic!("{other:?}"),
+        }
+        assert!(findings[1].message.contains("aborts allocation"));
+    }
+}

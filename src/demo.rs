@@ -140,7 +140,7 @@ pub async fn run(out: &mut impl Write) -> Result<()> {
         out,
         5,
         &format!(
-            "Created ResourceClaim {NAMESPACE}/{CLAIM} (uid {uid}); first-fit allocation gave request {:?} device {}/{}",
+            "Created ResourceClaim {NAMESPACE}/{CLAIM} (uid {uid}); the allocator behind `gpu-dra selectors allocate`\n    (the scheduler's rules: class selectors in CEL, counters, taints) gave request {:?} device {}/{}",
             result.request, result.pool, result.device
         ),
     )?;

@@ -334,7 +334,8 @@ impl CheckReport {
                 subject.devices
             );
             if !subject.matches.is_empty() {
-                let _ = writeln!(out, "  match: {}", subject.matches.join(", "));
+                let names: Vec<&str> = subject.matches.iter().map(String::as_str).collect();
+                let _ = writeln!(out, "  match: {}", shorten(&names));
             }
             let mut by_selector: Vec<(&SelectorRef, Vec<&str>)> = Vec::new();
             for miss in &subject.no_match {
@@ -350,11 +351,18 @@ impl CheckReport {
                     selector.origin,
                     selector.index,
                     selector.expression,
-                    devices.join(", ")
+                    shorten(&devices)
                 );
             }
-            for error in &subject.errors {
+            for error in subject.errors.iter().take(TABLE_LIST) {
                 let _ = writeln!(out, "  BLOCKING error: {}", error.message);
+            }
+            if subject.errors.len() > TABLE_LIST {
+                let _ = writeln!(
+                    out,
+                    "  ... and {} more BLOCKING errors (-o json lists them all)",
+                    subject.errors.len() - TABLE_LIST
+                );
             }
             if subject.errors.is_empty() && subject.matching == 0 {
                 let _ = writeln!(out, "  NOTHING MATCHES");
@@ -377,6 +385,25 @@ impl CheckReport {
     pub fn exit_code(&self) -> i32 {
         self.exit_code
     }
+}
+
+/// Devices or errors a table lists before it counts the rest: a node has hundreds of MIG devices.
+const TABLE_LIST: usize = 8;
+
+fn shorten(devices: &[&str]) -> String {
+    let mut text = devices
+        .iter()
+        .take(TABLE_LIST)
+        .copied()
+        .collect::<Vec<_>>()
+        .join(", ");
+    if devices.len() > TABLE_LIST {
+        text.push_str(&format!(
+            " ... and {} more (-o json lists them all)",
+            devices.len() - TABLE_LIST
+        ));
+    }
+    text
 }
 
 #[cfg(test)]

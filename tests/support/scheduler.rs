@@ -1,7 +1,8 @@
-//! The scheduler's allocation step through the API: reads the slices, DeviceClasses and claims, lets
-//! the pure [`allocator`](super::allocator) decide, and records the allocation (status.allocation and
-//! reservedFor) the way the real scheduler does.
+//! The scheduler's allocation step through the API: reads the slices, DeviceClasses, claims and the
+//! Node, lets [`simulate`] decide (the function behind `gpu-dra selectors allocate`), and records the
+//! allocation (status.allocation and reservedFor) the way the real scheduler does.
 
+use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::core::v1::{NodeSelector, NodeSelectorRequirement, NodeSelectorTerm};
 use k8s_openapi::api::resource::v1::{
     AllocationResult, DeviceAllocationResult, DeviceClass, ResourceClaim,
@@ -12,6 +13,8 @@ use thiserror::Error;
 
 pub use super::allocator::Candidate;
 use super::allocator::{self, Pools};
+use crate::cel::input::NamedClaim;
+use crate::cel::selectors::simulate::{simulate, Decision, Simulation, SimulationError};
 
 #[derive(Debug, Error)]
 pub enum AllocationError {
@@ -19,11 +22,17 @@ pub enum AllocationError {
     Api(#[from] kube::Error),
     #[error("ResourceClaim {claim} has no spec")]
     NoSpec { claim: String },
-    #[error("ResourceClaim {claim} cannot be allocated on node {node}: {source}")]
+    #[error("ResourceClaim {claim} cannot be allocated on node {node}: {reason}")]
     Unallocatable {
         claim: String,
         node: String,
-        source: allocator::AllocationError,
+        reason: String,
+    },
+    /// A CEL error or an invalid claim: the scheduler aborts allocation.
+    #[error("ResourceClaim {claim}: {source}")]
+    Aborted {
+        claim: String,
+        source: SimulationError,
     },
 }
 
@@ -42,20 +51,45 @@ pub async fn allocate(
     let label = format!("{namespace}/{name}");
     let slices: Api<ResourceSlice> = Api::all(client.clone());
     let slices = slices.list(&ListParams::default()).await?.items;
-    let pools = Pools::from_slices(&slices, Some(&allocator::Node::named(node)));
     let classes: Api<DeviceClass> = Api::all(client.clone());
-    let classes = allocator::class_selectors(&classes.list(&ListParams::default()).await?.items);
+    let classes = classes.list(&ListParams::default()).await?.items;
+    let nodes: Api<Node> = Api::all(client.clone());
+    let node_labels = nodes
+        .get_opt(node)
+        .await?
+        .and_then(|n| n.metadata.labels)
+        .unwrap_or_default();
     let in_use = allocated_devices(client).await?;
     let spec = claim.spec.clone().ok_or_else(|| AllocationError::NoSpec {
         claim: label.clone(),
     })?;
-    let results = allocator::allocate(&pools, &classes, &in_use, &spec).map_err(|source| {
-        AllocationError::Unallocatable {
-            claim: label.clone(),
-            node: node.to_string(),
-            source,
+    let simulation = Simulation {
+        claim: NamedClaim {
+            name: label.clone(),
+            spec,
+        },
+        classes,
+        slices,
+        node: Some(node.to_string()),
+        node_labels,
+        in_use,
+    };
+    let results = match simulate(&simulation) {
+        Ok(Decision::Allocated { results, .. }) => results,
+        Ok(Decision::Unallocatable { node, reason }) => {
+            return Err(AllocationError::Unallocatable {
+                claim: label,
+                node,
+                reason,
+            })
         }
-    })?;
+        Err(source) => {
+            return Err(AllocationError::Aborted {
+                claim: label,
+                source,
+            })
+        }
+    };
 
     claim.status = Some(ResourceClaimStatus {
         allocation: Some(AllocationResult {

@@ -101,10 +101,13 @@ async fn run(title: &str, cdi_root: Option<&std::path::Path>) {
         burst.as_secs_f64()
     );
     match rss {
-        Some((rss, peak)) => println!(
-            "plugin resident memory after the burst: {:.1} MiB (peak {:.1} MiB)",
-            rss as f64 / 1024.0,
-            peak as f64 / 1024.0
+        Some(rss) => println!(
+            "plugin resident memory after the burst: {:.1} MiB (peak {:.1} MiB; \
+             {:.1} MiB heap and stacks, {:.1} MiB mapped code and files)",
+            mib(rss.total),
+            mib(rss.peak),
+            mib(rss.anonymous),
+            mib(rss.file)
         ),
         None => println!("plugin resident memory: unavailable (no /proc)"),
     }
@@ -150,8 +153,17 @@ fn insert_claim(node: &Harness, name: &str, gpu: usize) -> ClaimRef {
     ClaimRef::new("default", name, uid)
 }
 
-/// (VmRSS, VmHWM) in KiB.
-fn resident_kib(pid: u32) -> Option<(u64, u64)> {
+/// Resident memory in KiB, from /proc/PID/status.
+struct Resident {
+    total: u64,
+    peak: u64,
+    /// Heap and stacks: what the plugin allocates.
+    anonymous: u64,
+    /// Mapped files, mostly the plugin's own machine code; it grows with the binary.
+    file: u64,
+}
+
+fn resident_kib(pid: u32) -> Option<Resident> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     let field = |name: &str| {
         status
@@ -162,7 +174,16 @@ fn resident_kib(pid: u32) -> Option<(u64, u64)> {
             .parse()
             .ok()
     };
-    Some((field("VmRSS:")?, field("VmHWM:")?))
+    Some(Resident {
+        total: field("VmRSS:")?,
+        peak: field("VmHWM:")?,
+        anonymous: field("RssAnon:")?,
+        file: field("RssFile:")?,
+    })
+}
+
+fn mib(kib: u64) -> f64 {
+    kib as f64 / 1024.0
 }
 
 fn ms(d: Duration) -> f64 {

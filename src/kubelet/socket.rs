@@ -4,8 +4,12 @@
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::Path;
 
+use futures::{Stream, TryStreamExt};
 use thiserror::Error;
-use tokio::net::UnixListener;
+use tokio::net::{UnixListener, UnixStream};
+use tokio_stream::wrappers::UnixListenerStream;
+
+use super::authority::LenientAuthority;
 
 #[derive(Debug, Error)]
 pub enum SocketError {
@@ -63,6 +67,14 @@ pub fn bind_private_socket(path: &Path) -> Result<UnixListener, SocketError> {
         }
     })?;
     Ok(listener)
+}
+
+/// The connections accepted on `listener`, each behind [`LenientAuthority`]: the kubelet's registration
+/// client sends the socket path as `:authority`, which tonic's HTTP/2 server would otherwise refuse.
+pub fn lenient_incoming(
+    listener: UnixListener,
+) -> impl Stream<Item = std::io::Result<LenientAuthority<UnixStream>>> {
+    UnixListenerStream::new(listener).map_ok(LenientAuthority::new)
 }
 
 /// Removes the socket file at `path` if it is one (used at shutdown).

@@ -16,7 +16,6 @@ use std::time::Duration;
 use thiserror::Error;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
-use tokio_stream::wrappers::UnixListenerStream;
 use tracing::{error, info, warn};
 
 use crate::cdi::CdiRegistry;
@@ -295,7 +294,7 @@ pub async fn start(
         .add_service(HealthV1alpha1Server::new(health.clone()))
         .add_service(HealthV1Server::new(health))
         .serve_with_incoming_shutdown(
-            UnixListenerStream::new(dra_listener),
+            kubelet::lenient_incoming(dra_listener),
             stopped(shutdown_rx.clone()),
         );
     tasks.push(tokio::spawn(async move {
@@ -311,7 +310,7 @@ pub async fn start(
     let registration_server = tonic::transport::Server::builder()
         .add_service(RegistrationServer::new(registration))
         .serve_with_incoming_shutdown(
-            UnixListenerStream::new(registration_listener),
+            kubelet::lenient_incoming(registration_listener),
             stopped(shutdown_rx.clone()),
         );
     tasks.push(tokio::spawn(async move {

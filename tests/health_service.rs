@@ -104,7 +104,7 @@ impl Plugin {
         let reg_server = tokio::spawn(async move {
             let served = Server::builder()
                 .add_service(RegistrationServer::new(StaticRegistration { info }))
-                .serve_with_incoming(UnixListenerStream::new(reg))
+                .serve_with_incoming(gpu_dra::kubelet::lenient_incoming(reg))
                 .await;
             if let Err(error) = served {
                 eprintln!("registration server failed: {error}");

@@ -6,13 +6,17 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use futures::TryStreamExt;
+use gpu_dra::kubelet::authority::{lenient_policy, AuthorityPolicy};
+use gpu_dra::kubelet::{lenient_incoming, LenientAuthority};
 use gpu_dra::proto::pluginregistration::registration_server::{Registration, RegistrationServer};
 use gpu_dra::proto::pluginregistration::{
     InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse,
 };
 use gpu_dra::proto::{dra_v1, dra_v1beta1};
+use gpu_dra::support::grpc_dial::encode_authority;
 use gpu_dra::support::kubelet::{
-    ClaimRef, DraService, KubeletDouble, KubeletError, PreparedDevice,
+    ClaimRef, Dial, DraService, KubeletDouble, KubeletError, PreparedDevice,
 };
 use tokio::net::UnixListener;
 use tokio_stream::wrappers::UnixListenerStream;
@@ -42,6 +46,7 @@ enum Behaviour {
 #[derive(Default)]
 struct Seen {
     statuses: Vec<RegistrationStatus>,
+    get_infos: usize,
     /// "v1 prepare", "v1beta1 unprepare", ... in call order.
     calls: Vec<String>,
 }
@@ -50,6 +55,8 @@ struct Seen {
 struct FakePlugin {
     info: PluginInfo,
     behaviour: Behaviour,
+    /// How long each of the first GetInfo calls takes before it answers.
+    get_info_delays: Vec<Duration>,
     seen: Arc<Mutex<Seen>>,
 }
 
@@ -168,6 +175,14 @@ fn v1beta1_to_v1(claims: Vec<dra_v1beta1::Claim>) -> Vec<dra_v1::Claim> {
 #[tonic::async_trait]
 impl Registration for FakePlugin {
     async fn get_info(&self, _: Request<InfoRequest>) -> Result<Response<PluginInfo>, Status> {
+        let call = {
+            let mut seen = self.seen.lock().unwrap();
+            seen.get_infos += 1;
+            seen.get_infos
+        };
+        if let Some(delay) = self.get_info_delays.get(call - 1) {
+            tokio::time::sleep(*delay).await;
+        }
         Ok(Response::new(self.info.clone()))
     }
 
@@ -300,6 +315,7 @@ fn plugin(info: PluginInfo, behaviour: Behaviour) -> FakePlugin {
     FakePlugin {
         info,
         behaviour,
+        get_info_delays: Vec::new(),
         seen: Arc::default(),
     }
 }
@@ -315,8 +331,10 @@ fn serve(node: &Node, plugin: &FakePlugin) {
     serve_registration(&registration_socket(node), plugin);
 }
 
+/// The fake plugin's sockets accept any `:authority`, as the driver's do; see `strict_*` below for what
+/// tonic does without that.
 fn serve_dra(socket: &Path, plugin: &FakePlugin) {
-    let incoming = UnixListenerStream::new(UnixListener::bind(socket).unwrap());
+    let incoming = lenient_incoming(UnixListener::bind(socket).unwrap());
     let router = tonic::transport::Server::builder()
         .add_service(dra_v1::dra_plugin_server::DraPluginServer::new(
             plugin.clone(),
@@ -328,7 +346,7 @@ fn serve_dra(socket: &Path, plugin: &FakePlugin) {
 }
 
 fn serve_registration(socket: &Path, plugin: &FakePlugin) {
-    let incoming = UnixListenerStream::new(UnixListener::bind(socket).unwrap());
+    let incoming = lenient_incoming(UnixListener::bind(socket).unwrap());
     let router =
         tonic::transport::Server::builder().add_service(RegistrationServer::new(plugin.clone()));
     tokio::spawn(router.serve_with_incoming(incoming));
@@ -474,7 +492,7 @@ async fn empty_endpoint_means_the_registration_socket() {
     info.endpoint = String::new();
     let plugin = plugin(info, Behaviour::Answer);
     // One server for everything, on the registration socket.
-    let incoming = UnixListenerStream::new(UnixListener::bind(registration_socket(&node)).unwrap());
+    let incoming = lenient_incoming(UnixListener::bind(registration_socket(&node)).unwrap());
     let router = tonic::transport::Server::builder()
         .add_service(RegistrationServer::new(plugin.clone()))
         .add_service(dra_v1::dra_plugin_server::DraPluginServer::new(
@@ -517,34 +535,56 @@ async fn assert_rejected(edit: impl FnOnce(&mut PluginInfo), reason_part: &str) 
 async fn wrong_plugin_type_is_rejected() {
     assert_rejected(
         |info| info.r#type = "DevicePlugin".to_string(),
-        "DevicePlugin",
+        "RegisterPlugin error -- no handler registered for plugin type: DevicePlugin at socket ",
     )
     .await;
 }
 
 #[tokio::test]
-async fn wrong_driver_name_is_rejected() {
-    assert_rejected(
-        |info| info.name = "other.example.com".to_string(),
-        "other.example.com",
-    )
-    .await;
+async fn the_plugin_name_is_taken_as_advertised() {
+    // Nothing ties the name in GetInfo to the socket's file name: the kubelet registers what it is told.
+    let node = node();
+    let mut info = info(&node, &["v1.DRAPlugin"]);
+    info.name = "other.example.com".to_string();
+    let plugin = plugin(info, Behaviour::Answer);
+    serve(&node, &plugin);
+    let kubelet = KubeletDouble::register(&node.registry_dir, DRIVER, SHORT_WAIT)
+        .await
+        .unwrap();
+    assert_eq!(kubelet.plugin_info().name, "other.example.com");
+    assert!(plugin.statuses()[0].plugin_registered);
 }
 
 #[tokio::test]
-async fn relative_endpoint_is_rejected() {
-    assert_rejected(
-        |info| info.endpoint = "plugins/dra.sock".to_string(),
-        "absolute",
-    )
-    .await;
+async fn a_relative_endpoint_registers_and_then_fails_to_connect() {
+    // The kubelet does not check the endpoint; `unix:` + a relative path resolves against its own working
+    // directory, where no such socket exists.
+    let node = node();
+    let mut info = info(&node, &["v1.DRAPlugin"]);
+    info.endpoint = "no-such-dir/dra.sock".to_string();
+    let plugin = plugin(info, Behaviour::Answer);
+    serve(&node, &plugin);
+    let kubelet = KubeletDouble::register(&node.registry_dir, DRIVER, SHORT_WAIT)
+        .await
+        .unwrap();
+    let error = kubelet.prepare(&claims(1)).await.unwrap_err();
+    assert!(
+        matches!(&error, KubeletError::Status(s) if s.code() == tonic::Code::Unavailable),
+        "{error:?}"
+    );
 }
 
 #[tokio::test]
 async fn empty_supported_versions_are_rejected() {
     assert_rejected(
         |info| info.supported_versions.clear(),
-        "empty list of supported gRPC services",
+        "RegisterPlugin error -- plugin validation failed with err: invalid supported gRPC versions of DRA \
+         driver plugin gpu.example.com at endpoint ",
+    )
+    .await;
+    assert_rejected(
+        |info| info.supported_versions.clear(),
+        ": empty list of supported gRPC services (aka supported versions)",
     )
     .await;
 }
@@ -558,7 +598,8 @@ async fn only_unknown_services_are_rejected() {
                 "v2.DRAPlugin".to_string(),
             ]
         },
-        "v2.DRAPlugin",
+        "none of services supported by the plugin ([\"v1alpha1.DRAResourceHealth\" \"v2.DRAPlugin\"]) are \
+         supported by the kubelet ([\"v1.DRAPlugin\" \"v1beta1.DRAPlugin\"])",
     )
     .await;
 }
@@ -750,4 +791,196 @@ async fn sixteen_concurrent_prepares_share_one_kubelet() {
         );
     }
     assert_eq!(plugin.calls().len(), 16);
+}
+
+// ---- How the kubelet names the sockets it dials (`:authority`) ----
+
+type Authorities = Arc<Mutex<Vec<String>>>;
+
+/// Accepts like the driver does, and records every `:authority` the server was sent.
+fn recording_incoming(
+    socket: &Path,
+    seen: Authorities,
+    lenient: bool,
+) -> impl futures::Stream<Item = std::io::Result<LenientAuthority<tokio::net::UnixStream>>> {
+    let repair = lenient_policy();
+    let policy: AuthorityPolicy = Arc::new(move |authority: &[u8]| {
+        seen.lock()
+            .unwrap()
+            .push(String::from_utf8_lossy(authority).into_owned());
+        if lenient {
+            repair(authority)
+        } else {
+            None
+        }
+    });
+    UnixListenerStream::new(UnixListener::bind(socket).unwrap())
+        .map_ok(move |stream| LenientAuthority::with_policy(stream, policy.clone()))
+}
+
+/// Serves the fake plugin on both sockets, recording authorities; `lenient_dra: false` leaves the DRA socket
+/// as strict as plain tonic.
+fn serve_recording(
+    node: &Node,
+    plugin: &FakePlugin,
+    lenient_dra: bool,
+) -> (Authorities, Authorities) {
+    let registration = Authorities::default();
+    let dra = Authorities::default();
+    let router = tonic::transport::Server::builder()
+        .add_service(dra_v1::dra_plugin_server::DraPluginServer::new(
+            plugin.clone(),
+        ))
+        .add_service(dra_v1beta1::dra_plugin_server::DraPluginServer::new(
+            plugin.clone(),
+        ));
+    tokio::spawn(router.serve_with_incoming(recording_incoming(
+        &node.dra_socket,
+        dra.clone(),
+        lenient_dra,
+    )));
+    let router =
+        tonic::transport::Server::builder().add_service(RegistrationServer::new(plugin.clone()));
+    let socket = registration_socket(node);
+    tokio::spawn(router.serve_with_incoming(recording_incoming(
+        &socket,
+        registration.clone(),
+        true,
+    )));
+    (registration, dra)
+}
+
+#[test]
+fn the_authority_is_encoded_as_grpc_go_encodes_it() {
+    assert_eq!(
+        encode_authority("/var/lib/kubelet/plugins_registry/gpu.dra.dev-reg.sock"),
+        "%2Fvar%2Flib%2Fkubelet%2Fplugins_registry%2Fgpu.dra.dev-reg.sock"
+    );
+    assert_eq!(
+        encode_authority("/a b/c%d:[x]@y!~"),
+        "%2Fa%20b%2Fc%25d:[x]@y!~"
+    );
+}
+
+#[tokio::test]
+async fn registration_is_dialled_by_raw_path_and_dra_by_unix_scheme() {
+    let node = node();
+    let plugin = plugin(info(&node, &["v1.DRAPlugin"]), Behaviour::Answer);
+    let (registration, dra) = serve_recording(&node, &plugin, true);
+
+    let kubelet = KubeletDouble::register(&node.registry_dir, DRIVER, SHORT_WAIT)
+        .await
+        .unwrap();
+    kubelet.prepare(&claims(1)).await.unwrap();
+
+    let encoded_path = encode_authority(&registration_socket(&node).display().to_string());
+    assert!(encoded_path.starts_with("%2F"), "{encoded_path}");
+    // GetInfo and NotifyRegistrationStatus.
+    assert_eq!(*registration.lock().unwrap(), vec![encoded_path; 2]);
+    assert_eq!(*dra.lock().unwrap(), vec!["localhost".to_string()]);
+}
+
+#[tokio::test]
+async fn a_strict_http2_server_refuses_the_kubelets_registration() {
+    // What the real kubelet saw from gpu-dra before the repair: tonic alone resets the stream.
+    let node = node();
+    let plugin = plugin(info(&node, &["v1.DRAPlugin"]), Behaviour::Answer);
+    serve_dra(&node.dra_socket, &plugin);
+    let incoming = UnixListenerStream::new(UnixListener::bind(registration_socket(&node)).unwrap());
+    let router =
+        tonic::transport::Server::builder().add_service(RegistrationServer::new(plugin.clone()));
+    tokio::spawn(router.serve_with_incoming(incoming));
+
+    let error = KubeletDouble::register(&node.registry_dir, DRIVER, Duration::from_millis(1200))
+        .await
+        .unwrap_err();
+    let KubeletError::GetInfo(status) = &error else {
+        panic!("expected GetInfo to fail, got {error:?}");
+    };
+    assert_eq!(status.code(), tonic::Code::Internal, "{status:?}");
+    assert!(
+        format!("{status:?}")
+            .to_lowercase()
+            .contains("protocol error"),
+        "{status:?}"
+    );
+    // h2 reset every stream before tonic saw a request, so GetInfo never ran.
+    assert_eq!(plugin.seen.lock().unwrap().get_infos, 0);
+    assert!(plugin.statuses().is_empty());
+}
+
+#[tokio::test]
+async fn the_dra_socket_dialled_by_raw_path_needs_the_repair() {
+    let node = node();
+    let plugin = plugin(info(&node, &["v1.DRAPlugin"]), Behaviour::Answer);
+    let (_, dra) = serve_recording(&node, &plugin, false);
+    let kubelet = KubeletDouble::register(&node.registry_dir, DRIVER, SHORT_WAIT)
+        .await
+        .unwrap();
+    // `localhost` is fine for plain tonic; the raw path is not.
+    kubelet.prepare(&claims(1)).await.unwrap();
+    let error = kubelet
+        .redial(Dial::RawPath)
+        .prepare(&claims(1))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&error, KubeletError::Status(s) if s.code() == tonic::Code::Internal),
+        "{error:?}"
+    );
+    let encoded_path = encode_authority(&node.dra_socket.display().to_string());
+    assert_eq!(
+        *dra.lock().unwrap(),
+        vec!["localhost".to_string(), encoded_path]
+    );
+
+    // With the repair in front, the same dial works.
+    let repaired = self::node();
+    let plugin = self::plugin(info(&repaired, &["v1.DRAPlugin"]), Behaviour::Answer);
+    let (_, dra) = serve_recording(&repaired, &plugin, true);
+    let kubelet = KubeletDouble::register(&repaired.registry_dir, DRIVER, SHORT_WAIT)
+        .await
+        .unwrap()
+        .redial(Dial::RawPath);
+    kubelet.prepare(&claims(2)).await.unwrap();
+    kubelet.unprepare(&claims(2)).await.unwrap();
+    assert_eq!(dra.lock().unwrap().len(), 2);
+}
+
+#[tokio::test]
+async fn get_info_has_one_second_and_a_failed_registration_is_retried() {
+    let node = node();
+    let mut slow = plugin(info(&node, &["v1.DRAPlugin"]), Behaviour::Answer);
+    // The first GetInfo misses the kubelet's 1 s deadline; the retry 500 ms later is answered.
+    slow.get_info_delays = vec![Duration::from_millis(1500)];
+    serve(&node, &slow);
+    let started = std::time::Instant::now();
+    let kubelet = KubeletDouble::register(&node.registry_dir, DRIVER, SHORT_WAIT)
+        .await
+        .unwrap();
+    assert!(
+        started.elapsed() >= Duration::from_millis(1500),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(kubelet.service(), DraService::V1);
+    assert_eq!(slow.seen.lock().unwrap().get_infos, 2);
+    let statuses = slow.statuses();
+    assert_eq!(statuses.len(), 1);
+    assert!(statuses[0].plugin_registered);
+
+    // A plugin that is always too slow fails with the deadline once the caller's time is up.
+    let other = self::node();
+    let mut stuck = plugin(info(&other, &["v1.DRAPlugin"]), Behaviour::Answer);
+    stuck.get_info_delays = vec![Duration::from_secs(3); 10];
+    serve(&other, &stuck);
+    let error = KubeletDouble::register(&other.registry_dir, DRIVER, Duration::from_secs(2))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&error, KubeletError::GetInfo(s) if s.code() == tonic::Code::DeadlineExceeded),
+        "{error:?}"
+    );
+    assert_eq!(stuck.seen.lock().unwrap().get_infos, 2);
+    assert!(stuck.statuses().is_empty());
 }

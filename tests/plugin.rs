@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use gpu_dra::support::apiserver::{FaultSpec, Verb};
 use gpu_dra::support::harness::{Harness, DRIVER, NODE};
-use gpu_dra::support::kubelet::{ClaimRef, DraService, KubeletDouble};
+use gpu_dra::support::kubelet::{
+    ClaimRef, Dial, DraService, HealthApi, HealthStatus, KubeletDouble,
+};
 
 fn ok_devices(
     answer: &std::collections::HashMap<
@@ -843,5 +845,69 @@ async fn different_claims_run_in_parallel_and_one_claims_calls_one_at_a_time() {
         .filter(|r| r.verb == Verb::Get && r.name.as_deref() == Some("shared"))
         .count();
     assert_eq!(reads, 1);
+    plugin.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kubelet_dialling_by_raw_path_reaches_every_service() {
+    // The double dials the registration socket as the kubelet does, by its raw path, so `:authority`
+    // is the percent-encoded path; here the DRA socket is dialled the same way (older kubelets did).
+    let node = Harness::new("l40s-4").await;
+    let plugin = node.start_plugin().await;
+    let kubelet = node.kubelet().await.redial(Dial::RawPath);
+    node.wait_for_slices().await;
+    let claim = node.allocated_claim("raw-path", 1).await;
+    let answer = kubelet.prepare(std::slice::from_ref(&claim)).await.unwrap();
+    assert_eq!(ok_devices(&answer, &claim).len(), 1);
+    let mut health = kubelet
+        .watch_health_with(HealthApi::V1alpha1)
+        .await
+        .unwrap();
+    let devices = tokio::time::timeout(Duration::from_secs(10), health.next())
+        .await
+        .expect("a health report in time")
+        .unwrap()
+        .expect("the stream is open");
+    assert_eq!(devices.len(), 4);
+    let answer = kubelet
+        .unprepare(std::slice::from_ref(&claim))
+        .await
+        .unwrap();
+    assert_eq!(answer.get(&claim.uid), Some(&Ok(())));
+    assert!(node.cdi_files().is_empty());
+    plugin.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_kubelets_health_loop_follows_a_plugin_restart() {
+    let node = Harness::new("l40s-4").await;
+    let plugin = node.start_plugin().await;
+    let kubelet = node.kubelet().await;
+    let mut monitor = kubelet.monitor_health(HealthApi::V1alpha1, Duration::from_millis(300));
+    let wait = Duration::from_secs(10);
+    let all_healthy = |cache: &gpu_dra::support::kubelet::HealthCache| {
+        cache.devices.len() == 4 && cache.devices.values().all(|h| *h == HealthStatus::Healthy)
+    };
+    monitor
+        .wait_for(wait, all_healthy)
+        .await
+        .expect("four healthy GPUs");
+
+    // The stream ends with the plugin, and the kubelet forgets what it was told.
+    plugin.shutdown().await;
+    monitor
+        .wait_for(wait, |cache| cache.devices.is_empty())
+        .await
+        .expect("the cache is cleared when the stream ends");
+
+    // It keeps trying, and the restarted plugin's stream fills the cache again.
+    let plugin = node.start_plugin().await;
+    let cache = monitor
+        .wait_for(wait, |cache| {
+            cache.streams_opened >= 2 && all_healthy(cache)
+        })
+        .await
+        .expect("the stream is opened again");
+    assert!(cache.streams_opened >= 2);
     plugin.shutdown().await;
 }

@@ -8,11 +8,11 @@ use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use hyper_util::rt::TokioIo;
-use tokio::net::UnixStream;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Request, Response, Status};
 
+pub use super::grpc_dial::Dial;
+use super::grpc_dial::{unix_connector, UNIX_TARGET_URI};
 use crate::proto::pluginregistration::registration_client::RegistrationClient;
 use crate::proto::pluginregistration::{InfoRequest, RegistrationStatus};
 use crate::proto::{dra_v1, dra_v1beta1, DRA_PLUGIN_TYPE, DRA_V1BETA1_SERVICE, DRA_V1_SERVICE};
@@ -31,8 +31,10 @@ const GET_INFO_TIMEOUT: Duration = Duration::from_secs(1);
 const NOTIFY_TIMEOUT: Duration = Duration::from_secs(5);
 /// The kubelet learns of new sockets through fsnotify; polling this often keeps registration about as prompt.
 const POLL_INTERVAL: Duration = Duration::from_millis(20);
-/// gRPC needs an http URI even though every connection goes through our Unix-socket connector.
-const PLACEHOLDER_URI: &str = "http://[::]:50051";
+/// The kubelet retries a failed registration with exponential backoff (`exponentialbackoff`: 500 ms,
+/// doubling, at most 2 min 2 s).
+const RETRY_INITIAL: Duration = Duration::from_millis(500);
+const RETRY_MAX: Duration = Duration::from_secs(122);
 
 /// Why the kubelet double could not register a plugin or complete a call.
 #[derive(Debug, thiserror::Error)]
@@ -147,7 +149,10 @@ impl std::fmt::Debug for KubeletDouble {
 
 impl KubeletDouble {
     /// Waits up to `timeout` for `<registry_dir>/<driver>-reg.sock` and registers the plugin behind it, choosing
-    /// among the services a 1.34 – 1.37 kubelet supports.
+    /// among the services a 1.34 – 1.37 kubelet supports. Like the kubelet's reconciler, an attempt that fails
+    /// before a verdict (dial, GetInfo, notify) is retried with the kubelet's exponential backoff until `timeout`
+    /// has passed; then the last error is returned. A rejection is returned at once: the kubelet would only repeat
+    /// it.
     pub async fn register(
         registry_dir: &Path,
         driver: &str,
@@ -170,8 +175,29 @@ impl KubeletDouble {
         timeout: Duration,
         supported: &[&str],
     ) -> Result<Self, KubeletError> {
+        let deadline = tokio::time::Instant::now() + timeout;
         let socket = wait_for_registration_socket(registry_dir, driver, timeout).await?;
-        let channel = dial_registration_socket(&socket).await?;
+        let mut backoff = RETRY_INITIAL;
+        loop {
+            let error = match Self::register_once(&socket, supported).await {
+                Ok(kubelet) => return Ok(kubelet),
+                Err(error @ KubeletError::Rejected(_)) => return Err(error),
+                Err(error) => error,
+            };
+            if tokio::time::Instant::now() + backoff >= deadline {
+                return Err(error);
+            }
+            tracing::debug!(%error, ?backoff, "RegisterPlugin failed; retrying like the kubelet");
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(RETRY_MAX);
+        }
+    }
+
+    /// One RegisterPlugin operation of the kubelet's plugin manager on `socket`
+    /// (`operation_generator.go`): dial by raw path, GetInfo within 1 s, validate, connect to the DRA
+    /// socket, NotifyRegistrationStatus; the registration connection is closed at the end.
+    pub async fn register_once(socket: &Path, supported: &[&str]) -> Result<Self, KubeletError> {
+        let channel = dial_registration_socket(socket).await?;
         let mut registration = RegistrationClient::new(channel);
 
         let info = with_deadline(
@@ -182,14 +208,15 @@ impl KubeletDouble {
         .await
         .map_err(KubeletError::GetInfo)?;
 
-        let (service, endpoint) = match validate(&info, driver, &socket, supported) {
+        let (service, endpoint) = match validate(&info, socket, supported) {
             Ok(chosen) => chosen,
             Err(reason) => {
                 let status = RegistrationStatus {
                     plugin_registered: false,
                     error: reason.clone(),
                 };
-                // The kubelet only logs a failed notification; the rejection is what matters to the caller.
+                // A failed notification changes the kubelet's log line, not the outcome: the plugin is not
+                // registered either way.
                 if let Err(status) = with_deadline(
                     NOTIFY_TIMEOUT,
                     |r| registration.notify_registration_status(r),
@@ -203,18 +230,9 @@ impl KubeletDouble {
             }
         };
 
-        // Like the kubelet's grpc.NewClient + Connect(): the connection is made in the background, so a DRA
-        // socket that is not up yet fails the first calls, not the registration.
-        let channel = Endpoint::from_static(PLACEHOLDER_URI)
-            .connect_with_connector_lazy(unix_connector(&endpoint));
-        let client = match service {
-            DraService::V1 => DraClient::V1(dra_v1::dra_plugin_client::DraPluginClient::new(
-                channel.clone(),
-            )),
-            DraService::V1beta1 => DraClient::V1beta1(
-                dra_v1beta1::dra_plugin_client::DraPluginClient::new(channel.clone()),
-            ),
-        };
+        // Like the kubelet's grpc.NewClient("unix:" + endpoint) + Connect(): the connection is made in the
+        // background, so a DRA socket that is not up yet fails the first calls, not the registration.
+        let (channel, client) = dra_client(&endpoint, service, Dial::UnixScheme);
 
         let registered = RegistrationStatus {
             plugin_registered: true,
@@ -227,7 +245,7 @@ impl KubeletDouble {
         )
         .await
         .map_err(KubeletError::Notify)?;
-        tracing::debug!(driver, endpoint = %endpoint.display(), ?service, "DRA plugin registered");
+        tracing::debug!(driver = %info.name, endpoint = %endpoint.display(), ?service, "DRA plugin registered");
 
         Ok(Self {
             info,
@@ -236,6 +254,19 @@ impl KubeletDouble {
             client,
             call_timeout: CALL_TIMEOUT,
         })
+    }
+
+    /// The same registered plugin reached over a new connection that names the DRA socket as `dial` says:
+    /// `Dial::RawPath` is how older kubelets (and other grpc-go clients) dial it.
+    pub fn redial(&self, dial: Dial) -> Self {
+        let (channel, client) = dra_client(&self.endpoint, self.service(), dial);
+        Self {
+            info: self.info.clone(),
+            endpoint: self.endpoint.clone(),
+            channel,
+            client,
+            call_timeout: self.call_timeout,
+        }
     }
 
     /// Replaces the 45 s per-call deadline, so a test can see a slow plugin hit DeadlineExceeded quickly.
@@ -422,12 +453,12 @@ fn registration_socket_present(registry_dir: &Path, wanted: &str) -> bool {
 /// Dials like the kubelet's blocking dial: retries until it connects or the 10 s dial timeout ends, because the
 /// socket file can exist a moment before the plugin accepts on it.
 async fn dial_registration_socket(socket: &Path) -> Result<Channel, KubeletError> {
-    let endpoint = Endpoint::from_static(PLACEHOLDER_URI);
+    let endpoint = Endpoint::from_static(UNIX_TARGET_URI);
     let deadline = tokio::time::Instant::now() + DIAL_TIMEOUT;
     loop {
         let attempt = tokio::time::timeout_at(
             deadline,
-            endpoint.connect_with_connector(unix_connector(socket)),
+            endpoint.connect_with_connector(unix_connector(socket, Dial::RawPath)),
         )
         .await;
         let reason = match attempt {
@@ -445,42 +476,36 @@ async fn dial_registration_socket(socket: &Path) -> Result<Channel, KubeletError
     }
 }
 
-/// A tower connector that reaches `path` over a Unix socket, which is what the kubelet's `unix:<path>` target means.
-fn unix_connector(
-    path: &Path,
-) -> impl tower::Service<
-    tonic::transport::Uri,
-    Response = TokioIo<UnixStream>,
-    Error = std::io::Error,
-    Future = impl Future<Output = Result<TokioIo<UnixStream>, std::io::Error>> + Send,
-> + Clone
-       + Send
-       + 'static {
-    let path = path.to_path_buf();
-    tower::service_fn(move |_: tonic::transport::Uri| {
-        let path = path.clone();
-        async move { Ok::<_, std::io::Error>(TokioIo::new(UnixStream::connect(path).await?)) }
-    })
+/// A lazily connecting client for the DRA service `service` on `endpoint`.
+fn dra_client(endpoint: &Path, service: DraService, dial: Dial) -> (Channel, DraClient) {
+    let channel = Endpoint::from_static(UNIX_TARGET_URI)
+        .connect_with_connector_lazy(unix_connector(endpoint, dial));
+    let client = match service {
+        DraService::V1 => DraClient::V1(dra_v1::dra_plugin_client::DraPluginClient::new(
+            channel.clone(),
+        )),
+        DraService::V1beta1 => DraClient::V1beta1(
+            dra_v1beta1::dra_plugin_client::DraPluginClient::new(channel.clone()),
+        ),
+    };
+    (channel, client)
 }
 
-/// The kubelet's checks on a `GetInfo` answer; returns the chosen service and the DRA socket, or the reason it
-/// sends back in `NotifyRegistrationStatus`.
+/// The kubelet's checks on a `GetInfo` answer (`GenerateRegisterPluginFunc` and the DRA handler's
+/// `ValidatePlugin`); returns the chosen service and the DRA socket, or the reason it sends back in
+/// `NotifyRegistrationStatus`, worded as the kubelet words it. The kubelet takes the plugin's name as it
+/// comes (nothing ties it to the socket's file name) and does not check the endpoint: a relative one
+/// registers and then fails to connect.
 fn validate(
     info: &PluginInfo,
-    driver: &str,
     registration_socket: &Path,
     supported: &[&str],
 ) -> Result<(DraService, PathBuf), String> {
     if info.r#type != DRA_PLUGIN_TYPE {
         return Err(format!(
-            "plugin type {:?} is not handled by this kubelet (expected {DRA_PLUGIN_TYPE:?})",
-            info.r#type
-        ));
-    }
-    if info.name != driver {
-        return Err(format!(
-            "plugin validation failed: plugin name {:?} does not match driver {driver:?}",
-            info.name
+            "RegisterPlugin error -- no handler registered for plugin type: {} at socket {}",
+            info.r#type,
+            registration_socket.display()
         ));
     }
     let endpoint = if info.endpoint.is_empty() {
@@ -488,17 +513,17 @@ fn validate(
     } else {
         PathBuf::from(&info.endpoint)
     };
-    if !endpoint.is_absolute() {
-        return Err(format!(
-            "plugin validation failed: endpoint {:?} is not an absolute socket path",
-            info.endpoint
-        ));
-    }
-    if info.supported_versions.is_empty() {
-        return Err(format!(
-            "plugin validation failed: invalid supported gRPC versions of DRA driver plugin {driver} at endpoint \
-             {}: empty list of supported gRPC services (aka supported versions)",
+    let invalid = |why: String| {
+        format!(
+            "RegisterPlugin error -- plugin validation failed with err: invalid supported gRPC versions of DRA \
+             driver plugin {} at endpoint {}: {why}",
+            info.name,
             endpoint.display()
+        )
+    };
+    if info.supported_versions.is_empty() {
+        return Err(invalid(
+            "empty list of supported gRPC services (aka supported versions)".to_string(),
         ));
     }
     // The plugin's order decides, not the kubelet's: the first entry the kubelet supports wins.
@@ -509,13 +534,21 @@ fn validate(
         .find_map(|entry| DraService::from_registration(entry));
     match service {
         Some(service) => Ok((service, endpoint)),
-        None => Err(format!(
-            "plugin validation failed: invalid supported gRPC versions of DRA driver plugin {driver} at endpoint \
-             {}: none of the advertised services {:?} is supported by this kubelet ({supported:?})",
-            endpoint.display(),
-            info.supported_versions
-        )),
+        None => Err(invalid(format!(
+            "none of services supported by the plugin ({}) are supported by the kubelet ({})",
+            go_quoted_list(&info.supported_versions),
+            go_quoted_list(supported)
+        ))),
     }
+}
+
+/// A string list as Go's `%q` prints it: `["a" "b"]`.
+fn go_quoted_list<S: AsRef<str>>(items: &[S]) -> String {
+    let quoted: Vec<String> = items
+        .iter()
+        .map(|item| format!("{:?}", item.as_ref()))
+        .collect();
+    format!("[{}]", quoted.join(" "))
 }
 
 /// Makes one unary call with the kubelet's deadline: the deadline travels to the plugin as `grpc-timeout`, and is
@@ -844,4 +877,108 @@ fn check_device_health(
         last_updated,
         timeout_seconds,
     })
+}
+
+/// How long a 1.34 kubelet waits after a health stream ended (or failed to open) before it opens the next
+/// one (`wait.UntilWithContext(..., 5*time.Second)`, measured from the end of the previous attempt).
+pub const HEALTH_STREAM_REOPEN: Duration = Duration::from_secs(5);
+/// The kubelet's `DefaultHealthTimeout`, used when a device reports no `health_check_timeout_seconds`.
+pub const DEFAULT_HEALTH_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The kubelet's health cache for one plugin, as `HandleWatchResourcesStream` keeps it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct HealthCache {
+    /// By `(pool, device)`. The kubelet stamps each entry with the time it received it.
+    pub devices: std::collections::BTreeMap<(String, String), HealthStatus>,
+    /// How many streams were opened so far.
+    pub streams_opened: u32,
+}
+
+/// A background loop that keeps a health stream open the way the kubelet does: it opens the stream, applies
+/// each response to the cache, clears the driver's entries when the stream ends or fails, and opens a new one
+/// `reopen_after` later. Dropping it stops the loop.
+pub struct HealthMonitor {
+    cache: tokio::sync::watch::Receiver<HealthCache>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for HealthMonitor {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl HealthMonitor {
+    pub fn snapshot(&self) -> HealthCache {
+        self.cache.borrow().clone()
+    }
+
+    /// Waits up to `timeout` for a cache state that satisfies `condition`.
+    pub async fn wait_for(
+        &mut self,
+        timeout: Duration,
+        condition: impl Fn(&HealthCache) -> bool,
+    ) -> Result<HealthCache, HealthCache> {
+        let met = match tokio::time::timeout(timeout, self.cache.wait_for(|c| condition(c))).await {
+            Ok(Ok(cache)) => Some(cache.clone()),
+            _ => None,
+        };
+        met.ok_or_else(|| self.snapshot())
+    }
+}
+
+impl KubeletDouble {
+    /// Starts the kubelet's health-stream loop over `api` (1.34 – 1.36 use v1alpha1 for every plugin).
+    pub fn monitor_health(&self, api: HealthApi, reopen_after: Duration) -> HealthMonitor {
+        let (cache_tx, cache_rx) = tokio::sync::watch::channel(HealthCache::default());
+        let kubelet = self.clone();
+        let task = tokio::spawn(async move {
+            let mut received: HashMap<
+                (String, String),
+                (HealthStatus, Duration, tokio::time::Instant),
+            > = HashMap::new();
+            loop {
+                if let Ok(mut watch) = kubelet.watch_health_with(api).await {
+                    cache_tx.send_modify(|cache| cache.streams_opened += 1);
+                    // Any error ends the stream, as a receive error does in the kubelet.
+                    while let Ok(Some(devices)) = watch.next().await {
+                        let now = tokio::time::Instant::now();
+                        let reported: HashSet<(String, String)> = devices
+                            .iter()
+                            .map(|d| (d.pool.clone(), d.device.clone()))
+                            .collect();
+                        for device in devices {
+                            let timeout = match device.timeout_seconds {
+                                seconds if seconds > 0 => Duration::from_secs(seconds as u64),
+                                _ => DEFAULT_HEALTH_TIMEOUT,
+                            };
+                            received.insert(
+                                (device.pool, device.device),
+                                (device.health, timeout, now),
+                            );
+                        }
+                        // Devices missing from a report go Unknown once their timeout has passed.
+                        for (key, (health, timeout, at)) in received.iter_mut() {
+                            if !reported.contains(key) && now.duration_since(*at) > *timeout {
+                                *health = HealthStatus::Unknown;
+                                *at = now;
+                            }
+                        }
+                        let devices = received
+                            .iter()
+                            .map(|(key, (health, _, _))| (key.clone(), *health))
+                            .collect();
+                        cache_tx.send_modify(|cache| cache.devices = devices);
+                    }
+                    received.clear();
+                    cache_tx.send_modify(|cache| cache.devices.clear());
+                }
+                tokio::time::sleep(reopen_after).await;
+            }
+        });
+        HealthMonitor {
+            cache: cache_rx,
+            task,
+        }
+    }
 }

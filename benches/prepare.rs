@@ -55,6 +55,7 @@ async fn run(title: &str, cdi_root: Option<&std::path::Path>) {
 
     // Single claim, one caller: latency of a prepare + unprepare round trip.
     let claim = insert_claim(&node, "single", 0);
+    let single_cpu_before = cpu_time(plugin.id());
     let mut latencies = Vec::with_capacity(SINGLE_ROUNDS);
     for _ in 0..SINGLE_ROUNDS {
         let started = Instant::now();
@@ -62,11 +63,13 @@ async fn run(title: &str, cdi_root: Option<&std::path::Path>) {
         latencies.push(started.elapsed());
     }
     latencies.sort();
+    let single_cpu = cpu_since(plugin.id(), single_cpu_before);
 
     // Burst: 1000 claims from 16 concurrent callers, each caller on its own GPU.
     let claims: Vec<ClaimRef> = (0..BURST_CLAIMS)
         .map(|i| insert_claim(&node, &format!("burst-{i}"), i % GPUS))
         .collect();
+    let burst_cpu_before = cpu_time(plugin.id());
     let started = Instant::now();
     let callers: Vec<_> = (0..CALLERS)
         .map(|caller| {
@@ -88,18 +91,32 @@ async fn run(title: &str, cdi_root: Option<&std::path::Path>) {
         caller.await.expect("caller finished");
     }
     let burst = started.elapsed();
+    let burst_cpu = cpu_since(plugin.id(), burst_cpu_before);
     let rss = resident_kib(plugin.id());
 
     let p = |q: f64| latencies[((latencies.len() as f64 * q) as usize).min(latencies.len() - 1)];
     println!("== {title}");
     println!("prepare+unprepare round trip, single claim ({SINGLE_ROUNDS} rounds):");
     println!("  p50 {:.2} ms, p99 {:.2} ms", ms(p(0.50)), ms(p(0.99)));
+    if let Some(cpu) = single_cpu {
+        println!(
+            "  plugin CPU time {:.2} ms per round trip",
+            ms(cpu) / SINGLE_ROUNDS as f64
+        );
+    }
     println!("burst of {BURST_CLAIMS} claims from {CALLERS} concurrent callers:");
     println!(
         "  {:.0} claims/s ({:.2} s in all)",
         BURST_CLAIMS as f64 / burst.as_secs_f64(),
         burst.as_secs_f64()
     );
+    if let Some(cpu) = burst_cpu {
+        println!(
+            "  plugin CPU time {:.2} ms per claim ({:.0}% of one core)",
+            ms(cpu) / BURST_CLAIMS as f64,
+            100.0 * cpu.as_secs_f64() / burst.as_secs_f64()
+        );
+    }
     match rss {
         Some(rss) => println!(
             "plugin resident memory after the burst: {:.1} MiB (peak {:.1} MiB; \
@@ -180,6 +197,21 @@ fn resident_kib(pid: u32) -> Option<Resident> {
         anonymous: field("RssAnon:")?,
         file: field("RssFile:")?,
     })
+}
+
+/// User plus system CPU time of a process, from /proc/PID/stat (fields 14 and 15, in clock ticks).
+fn cpu_time(pid: u32) -> Option<Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) may hold spaces; the fields after it start past its closing parenthesis.
+    let after_name = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = after_name.split_whitespace().collect();
+    let ticks: u64 = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+    let per_second = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK).ok()??;
+    Some(Duration::from_secs_f64(ticks as f64 / per_second as f64))
+}
+
+fn cpu_since(pid: u32, before: Option<Duration>) -> Option<Duration> {
+    Some(cpu_time(pid)?.saturating_sub(before?))
 }
 
 fn mib(kib: u64) -> f64 {

@@ -82,6 +82,15 @@ pub async fn run(out: &mut impl Write) -> Result<()> {
         3,
         "The kubelet double found the registration socket and registered the plugin",
     )?;
+    say(
+        out,
+        &format!(
+            "dialled by its raw path, as the kubelet does: HTTP/2 :authority {}",
+            crate::support::grpc_dial::encode_authority(
+                &config.registration_socket().to_string_lossy()
+            )
+        ),
+    )?;
     let info = kubelet.plugin_info();
     say(
         out,

@@ -202,6 +202,7 @@ fn demo_walks_through_every_step() {
     for expected in [
         "[1] Started a Kubernetes API server double",
         "[3] The kubelet double found the registration socket and registered the plugin",
+        "dialled by its raw path, as the kubelet does: HTTP/2 :authority %2F",
         "[4] The plugin published 9 ResourceSlice(s) with 208 devices and 8 counter sets",
         "gpu-0-mig-1g10gb-6",
         "[8] ResourceClaim default/small-mig asked for a 1g.10gb MIG device",

@@ -146,6 +146,29 @@ impl AsyncWrite for GrpcGoStream {
         Poll::Ready(Ok(buf.len()))
     }
 
+    /// Without a rewriter, writes go out as the client batched them (one writev for a request's HEADERS
+    /// and DATA, as grpc-go's buffered writer does); a stream that cannot take them so would wake the
+    /// server once per frame and make the plugin look slower than it is.
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        if this.rewriter.is_none() {
+            return Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
+        }
+        let first = bufs
+            .iter()
+            .find(|b| !b.is_empty())
+            .map_or(&[][..], |b| &**b);
+        Pin::new(this).poll_write(cx, first)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.rewriter.is_none() && self.inner.is_write_vectored()
+    }
+
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
         ready!(this.poll_drain(cx))?;

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Compares this checkout's plugin with an earlier commit's on the prepare benchmark, fairly: the earlier
+# commit's own benchmark client drives both plugin binaries, one run each in turn, ROUNDS times, and the
+# medians are printed. Interleaving matters on a shared machine, where speed drifts over minutes.
+# usage: benches/compare-plugins.sh BASE_COMMIT [ROUNDS]      (ROUNDS default 5; run from the project root)
+# The base is built in a git worktree under ${TMPDIR:-/tmp} with this checkout's target directory, so only
+# the gpu-dra crate is compiled twice. Needs a base whose kubelet double this checkout's plugin accepts
+# (every commit does: the plugin accepts any :authority).
+set -euo pipefail
+BASE=${1:?usage: benches/compare-plugins.sh BASE_COMMIT [ROUNDS]}
+ROUNDS=${2:-5}
+ROOT=$(git rev-parse --show-toplevel)
+TARGET=${CARGO_TARGET_DIR:-$ROOT/target}
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu-dra-compare.XXXXXX")
+cleanup() { git -C "$ROOT" worktree remove --force "$WORK/base" >/dev/null 2>&1 || true; rm -rf "$WORK"; }
+trap cleanup EXIT
+
+build() { # dir, name: builds the prepare benchmark there and keeps its plugin binary and client as name
+  local exe
+  exe=$(cd "$1" && CARGO_TARGET_DIR=$TARGET cargo bench --bench prepare --no-run 2>&1 |
+    sed -n 's/.*Executable benches\/prepare.rs (\(.*\))/\1/p')
+  [ -n "$exe" ] || { echo "compare-plugins.sh: building the benchmark in $1 failed" >&2; exit 1; }
+  case $exe in /*) ;; *) exe=$1/$exe ;; esac
+  cp "$TARGET/release/gpu-dra" "$WORK/gpu-dra-$2"
+  cp "$exe" "$WORK/client-$2"
+}
+
+git -C "$ROOT" worktree add --detach "$WORK/base" "$BASE" >/dev/null
+echo "building $(git -C "$ROOT" rev-parse --short HEAD) and $BASE ..." >&2
+build "$ROOT" head
+build "$WORK/base" base
+
+# The client runs the plugin at target/release/gpu-dra; each run puts the plugin under test there.
+for round in $(seq "$ROUNDS"); do
+  for plugin in base head; do
+    cp "$WORK/gpu-dra-$plugin" "$TARGET/release/gpu-dra"
+    echo "##### $plugin round $round"
+    "$WORK/client-base"
+  done
+done > "$WORK/runs.log" 2>&1
+cp "$WORK/gpu-dra-head" "$TARGET/release/gpu-dra"
+
+python3 - "$WORK/runs.log" "$BASE" <<'EOF'
+import re, statistics, sys
+text, base = open(sys.argv[1]).read(), sys.argv[2]
+runs = re.split(r"##### (\w+) round \d+\n", text)[1:]
+rows = {}
+for plugin, body in zip(runs[::2], runs[1::2]):
+    for section in re.split(r"\n== ", "\n" + body)[1:]:
+        layout = section.splitlines()[0]
+        if "adapter" in layout:
+            continue
+        num = lambda pattern: float(re.search(pattern, section).group(1))
+        rows.setdefault(layout, {}).setdefault(plugin, []).append(
+            (num(r"p50 ([\d.]+) ms"), num(r"p99 ([\d.]+) ms"), num(r"(\d+) claims/s"),
+             num(r"burst: ([\d.]+) MiB")))
+for layout, plugins in rows.items():
+    print(f"== {layout}: medians of {len(plugins['head'])} interleaved runs, {base}'s client")
+    for plugin in ("base", "head"):
+        p50, p99, rate, rss = (statistics.median(c) for c in zip(*plugins[plugin]))
+        print(f"  {plugin:4} plugin: p50 {p50:.2f} ms, p99 {p99:.2f} ms, burst {rate:.0f} claims/s, resident {rss:.1f} MiB")
+EOF

@@ -405,10 +405,6 @@ impl<S> LenientAuthority<S> {
             scratch: vec![0u8; 16 * 1024].into_boxed_slice(),
         }
     }
-
-    pub fn get_ref(&self) -> &S {
-        &self.inner
-    }
 }
 
 impl<S: AsyncRead + Unpin> AsyncRead for LenientAuthority<S> {

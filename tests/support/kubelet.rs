@@ -661,5 +661,5 @@ fn error_chain(error: &dyn std::error::Error) -> String {
 mod health;
 pub use health::{
     DeviceHealth, HealthApi, HealthCache, HealthMonitor, HealthStatus, HealthWatch,
-    DEFAULT_HEALTH_TIMEOUT, HEALTH_STREAM_REOPEN, MAX_HEALTH_MESSAGE_CHARS,
+    DEFAULT_HEALTH_TIMEOUT, MAX_HEALTH_MESSAGE_CHARS,
 };

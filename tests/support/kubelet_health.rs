@@ -116,49 +116,34 @@ impl HealthWatch {
     /// cache and reopens it after 5 s). Entries the kubelet could not use are errors here, where the kubelet would
     /// log and skip them (or, for long messages, truncate), so a test sees the plugin's mistake.
     pub async fn next(&mut self) -> Result<Option<Vec<DeviceHealth>>, KubeletError> {
+        // v1alpha1 and v1 have the same messages in different packages; one body serves both.
+        macro_rules! receive {
+            ($stream:expr) => {
+                match $stream.message().await {
+                    Ok(Some(response)) => response
+                        .devices
+                        .into_iter()
+                        .map(|d| {
+                            let id = d.device.unwrap_or_default();
+                            check_device_health(
+                                id.pool_name,
+                                id.device_name,
+                                health_status(d.health),
+                                d.health,
+                                d.message,
+                                d.last_updated_time,
+                                d.health_check_timeout_seconds,
+                            )
+                        })
+                        .collect::<Result<Vec<_>, _>>()?,
+                    Ok(None) => return Ok(None),
+                    Err(status) => return Err(KubeletError::HealthStream(status)),
+                }
+            };
+        }
         let devices = match &mut self.stream {
-            HealthStream::V1alpha1(stream) => match stream.message().await {
-                Ok(Some(response)) => response
-                    .devices
-                    .into_iter()
-                    .map(|d| {
-                        let id = d.device.unwrap_or_default();
-                        let health = health_status(d.health);
-                        check_device_health(
-                            id.pool_name,
-                            id.device_name,
-                            health,
-                            d.health,
-                            d.message,
-                            d.last_updated_time,
-                            d.health_check_timeout_seconds,
-                        )
-                    })
-                    .collect::<Result<Vec<_>, _>>()?,
-                Ok(None) => return Ok(None),
-                Err(status) => return Err(KubeletError::HealthStream(status)),
-            },
-            HealthStream::V1(stream) => match stream.message().await {
-                Ok(Some(response)) => response
-                    .devices
-                    .into_iter()
-                    .map(|d| {
-                        let id = d.device.unwrap_or_default();
-                        let health = health_status(d.health);
-                        check_device_health(
-                            id.pool_name,
-                            id.device_name,
-                            health,
-                            d.health,
-                            d.message,
-                            d.last_updated_time,
-                            d.health_check_timeout_seconds,
-                        )
-                    })
-                    .collect::<Result<Vec<_>, _>>()?,
-                Ok(None) => return Ok(None),
-                Err(status) => return Err(KubeletError::HealthStream(status)),
-            },
+            HealthStream::V1alpha1(stream) => receive!(stream),
+            HealthStream::V1(stream) => receive!(stream),
         };
         Ok(Some(devices))
     }
@@ -226,9 +211,6 @@ fn check_device_health(
     })
 }
 
-/// How long a 1.34 kubelet waits after a health stream ended (or failed to open) before it opens the next
-/// one (`wait.UntilWithContext(..., 5*time.Second)`, measured from the end of the previous attempt).
-pub const HEALTH_STREAM_REOPEN: Duration = Duration::from_secs(5);
 /// The kubelet's `DefaultHealthTimeout`, used when a device reports no `health_check_timeout_seconds`.
 pub const DEFAULT_HEALTH_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -275,7 +257,9 @@ impl HealthMonitor {
 }
 
 impl KubeletDouble {
-    /// Starts the kubelet's health-stream loop over `api` (1.34 – 1.36 use v1alpha1 for every plugin).
+    /// Starts the kubelet's health-stream loop over `api` (1.34 – 1.36 use v1alpha1 for every plugin). The
+    /// kubelet waits 5 s (`wait.UntilWithContext`, from the end of the previous attempt) where this waits
+    /// `reopen_after`, so tests need not.
     pub fn monitor_health(&self, api: HealthApi, reopen_after: Duration) -> HealthMonitor {
         let (cache_tx, cache_rx) = tokio::sync::watch::channel(HealthCache::default());
         let kubelet = self.clone();

@@ -2,6 +2,7 @@
 //! publisher and the HTTP endpoints together, and takes them down cleanly (sockets removed) on shutdown.
 
 mod monitor;
+pub mod node_events;
 pub mod selftest;
 
 pub use monitor::NodePolicy;

@@ -8,23 +8,22 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{Node, ObjectReference};
+use k8s_openapi::api::core::v1::ObjectReference;
 use k8s_openapi::api::resource::v1::{Device, DeviceClass};
 use kube::api::Api;
-use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::events::EventType;
 use kube::runtime::{reflector, watcher, WatchStreamExt};
 use kube::ResourceExt;
 use tokio::sync::watch;
 use tracing::{info, warn};
 
+use super::node_events::NodeEvents;
 use crate::cel::{DeviceView, Selector};
 use crate::devices::NodeDevices;
 use crate::observability::Metrics;
 
 /// Changes closer together than this are checked once: a `kubectl apply` of many classes is one check.
 const SETTLE: Duration = Duration::from_millis(200);
-/// The API's limit on an Event's note.
-const MAX_NOTE: usize = 1024;
 
 /// What is wrong with a class on this node.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -192,14 +191,7 @@ pub async fn run(
     metrics: Arc<Metrics>,
     mut shutdown: watch::Receiver<bool>,
 ) {
-    let recorder = Recorder::new(
-        client.clone(),
-        Reporter {
-            controller: format!("{driver}/kubelet-plugin"),
-            instance: Some(format!("{driver}/{node}")),
-        },
-    );
-    let nodes: Api<Node> = Api::all(client.clone());
+    let events = NodeEvents::new(client.clone(), &driver, &node);
     let (store, writer) = reflector::store::<DeviceClass>();
     let mut classes = std::pin::pin!(reflector(
         writer,
@@ -249,7 +241,7 @@ pub async fn run(
                         info!(class = %finding.class, reason = finding.problem.reason(), "{}", finding.message)
                     }
                 }
-                publish(&recorder, &nodes, &node, &finding).await;
+                publish(&events, &finding).await;
             }
             now.insert(finding.class.clone(), finding);
         }
@@ -260,49 +252,28 @@ pub async fn run(
     }
 }
 
-async fn publish(recorder: &Recorder, nodes: &Api<Node>, node: &str, finding: &ClassFinding) {
-    // The Node's UID makes `kubectl describe node` show the Event; without it the Event still lists.
-    let uid = match nodes.get_opt(node).await {
-        Ok(found) => found.and_then(|n| n.metadata.uid),
-        Err(_) => None,
-    };
-    let reference = ObjectReference {
-        api_version: Some("v1".to_string()),
-        kind: Some("Node".to_string()),
-        name: Some(node.to_string()),
-        uid,
-        ..Default::default()
-    };
-    let mut note = finding.message.clone();
-    if note.len() > MAX_NOTE {
-        let mut end = MAX_NOTE - 3;
-        while !note.is_char_boundary(end) {
-            end -= 1;
-        }
-        note.truncate(end);
-        note.push_str("...");
-    }
+async fn publish(events: &NodeEvents, finding: &ClassFinding) {
     // An error blocks every claim of the class; matching nothing on one node is fine when other nodes
     // serve the class (a MIG class on a node without MIG), so that one is Normal.
     let type_ = match finding.problem {
         ClassProblem::SelectorError { .. } => EventType::Warning,
         ClassProblem::MatchesNothing { .. } => EventType::Normal,
     };
-    let event = Event {
-        type_,
-        reason: finding.problem.reason().to_string(),
-        note: Some(note),
-        action: "CheckDeviceClass".to_string(),
-        secondary: Some(ObjectReference {
-            api_version: Some("resource.k8s.io/v1".to_string()),
-            kind: Some("DeviceClass".to_string()),
-            name: Some(finding.class.clone()),
-            ..Default::default()
-        }),
+    let class = ObjectReference {
+        api_version: Some("resource.k8s.io/v1".to_string()),
+        kind: Some("DeviceClass".to_string()),
+        name: Some(finding.class.clone()),
+        ..Default::default()
     };
-    if let Err(error) = recorder.publish(&event, &reference).await {
-        warn!(%error, class = %finding.class, "could not record the DeviceClass problem as an Event");
-    }
+    events
+        .publish(
+            type_,
+            finding.problem.reason(),
+            "CheckDeviceClass",
+            &finding.message,
+            Some(class),
+        )
+        .await;
 }
 
 #[cfg(test)]

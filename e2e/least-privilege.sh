@@ -1,0 +1,194 @@
+#!/usr/bin/env bash
+# Tries the plugin's RBAC and admission policies against a real API server, with the plugin's own token
+# bound to a pod on node-1, as a compromised plugin would use it. No kubelet is needed: a control plane
+# from ../shared/realk8s/up.sh (or any cluster where you may create Nodes) is enough.
+#
+#   KUBECONFIG=/tmp/k8s/admin.kubeconfig e2e/least-privilege.sh [OVERLAY_DIR]
+#
+# OVERLAY_DIR (default deploy/overlays/nvml) is applied first; an overlay that renames the namespace or
+# the service account works too: the script finds the plugin's account through its DaemonSet. Each case
+# prints `ok` or `FAIL` with the server's answer; the exit status is the number of failures.
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+OVERLAY="${1:-$ROOT/deploy/overlays/nvml}"
+DRIVER=gpu.dra.dev
+CLAIM_NS=default
+failures=0
+
+kubectl apply --validate=false -f "$ROOT/crd/" >/dev/null || exit 1
+kubectl apply --validate=false -k "$OVERLAY" >/dev/null || exit 1
+
+# The plugin's namespace and account, as the overlay named them.
+read -r NS SA < <(kubectl kustomize "$OVERLAY" | kubectl create --dry-run=client -o json -f - |
+  jq -r 'select(.kind == "DaemonSet" and .metadata.labels["app.kubernetes.io/component"] == "kubelet-plugin")
+         | "\(.metadata.namespace) \(.spec.template.spec.serviceAccountName)"')
+[ -n "$NS" ] && [ -n "$SA" ] || { echo "no DaemonSet labelled kubelet-plugin in $OVERLAY" >&2; exit 1; }
+echo "plugin account: system:serviceaccount:$NS:$SA"
+
+for node in node-1 node-2; do
+  kubectl get node "$node" >/dev/null 2>&1 ||
+    kubectl create -f - >/dev/null <<EOF
+{"apiVersion": "v1", "kind": "Node", "metadata": {"name": "$node"}}
+EOF
+done
+
+# A pod of the plugin's account on node-1; it never runs, it only anchors the token.
+# No kubelet confirms the deletion, hence --force.
+kubectl -n "$NS" delete pod least-privilege-probe --ignore-not-found --force --grace-period=0 >/dev/null 2>&1
+kubectl create -f - >/dev/null <<EOF
+{"apiVersion": "v1", "kind": "Pod",
+ "metadata": {"name": "least-privilege-probe", "namespace": "$NS"},
+ "spec": {"nodeName": "node-1", "serviceAccountName": "$SA",
+          "containers": [{"name": "c", "image": "gpu-dra:dev"}]}}
+EOF
+POD_UID=$(kubectl -n "$NS" get pod least-privilege-probe -o jsonpath='{.metadata.uid}')
+TOKEN=$(kubectl -n "$NS" create token "$SA" --bound-object-kind Pod \
+  --bound-object-name least-privilege-probe --bound-object-uid "$POD_UID")
+[ -n "$TOKEN" ] || { echo "no token for $NS/$SA" >&2; exit 1; }
+plugin() { kubectl --token "$TOKEN" "$@"; }
+# kubectl patch and label GET the object first, which the plugin may not always do; the plugin itself
+# replaces whole objects. edit KIND NAME NAMESPACE JQ [kubectl replace flags]: the object as it is stored,
+# changed by the jq filter JQ, written back with the plugin's token.
+edit() {
+  local kind=$1 name=$2 ns=$3 filter=$4
+  shift 4
+  kubectl ${ns:+-n "$ns"} get "$kind" "$name" -o json | jq "$filter" | plugin replace "$@" -f -
+}
+# raw_patch PATH JSON: a JSON merge patch sent as is, without kubectl's GET before it.
+SERVER=$(kubectl config view --minify -o jsonpath='{.clusters[0].cluster.server}')
+CA=$(mktemp)
+trap 'rm -f "$CA"' EXIT
+kubectl config view --minify --raw -o jsonpath='{.clusters[0].cluster.certificate-authority-data}' | base64 -d >"$CA"
+raw_patch() {
+  local out code
+  out=$(curl -sS --cacert "$CA" -H "Authorization: Bearer $TOKEN" -H 'Content-Type: application/merge-patch+json' \
+    -X PATCH --data "$2" -w '\n%{http_code}' "$SERVER$1")
+  code=$(tail -n1 <<<"$out")
+  sed '$d' <<<"$out" | jq -r '.message // .metadata.name' 2>/dev/null
+  [ "${code:0:1}" = 2 ]
+}
+echo "token bound to node: $(plugin auth whoami -o jsonpath='{.status.userInfo.extra.authentication\.kubernetes\.io/node-name[0]}')"
+
+# expect allow|deny WHAT COMMAND...: runs COMMAND as given and checks the server's verdict.
+expect() {
+  local want=$1 what=$2 out rc
+  shift 2
+  out=$("$@" 2>&1)
+  rc=$?
+  if { [ "$want" = allow ] && [ $rc -eq 0 ]; } || { [ "$want" = deny ] && [ $rc -ne 0 ] && grep -qiE 'denied|forbidden' <<<"$out"; }; then
+    printf 'ok    %-5s %s\n' "$want" "$what"
+  else
+    printf 'FAIL  %-5s %s\n' "$want" "$what"
+    failures=$((failures + 1))
+  fi
+  printf '        %s\n' "$(tr '\n' ' ' <<<"$out" | cut -c1-300)"
+}
+
+slice() { # name driver nodeName pool
+  cat <<EOF
+{"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": {"name": "$1"},
+ "spec": {"driver": "$2", "nodeName": "$3", "pool": {"name": "$4", "generation": 1, "resourceSliceCount": 1},
+          "devices": [{"name": "gpu-0"}]}}
+EOF
+}
+
+echo "== ResourceSlices"
+kubectl delete resourceslices lp-own lp-other-driver lp-other-node lp-other-pool lp-node-2 --ignore-not-found >/dev/null
+expect allow "create a slice of node-1, pool node-1" plugin create -f <(slice lp-own $DRIVER node-1 node-1)
+expect allow "update that slice" edit resourceslice lp-own "" '.spec.devices += [{"name": "gpu-1"}]'
+expect deny "create a slice of another driver" plugin create -f <(slice lp-other-driver other.example.com node-1 node-1)
+expect deny "create a slice of node-2" plugin create -f <(slice lp-other-node $DRIVER node-2 node-2)
+expect deny "create a slice of node-1 in pool node-2" plugin create -f <(slice lp-other-pool $DRIVER node-1 node-2)
+expect allow "create a slice of node-1 as a server-side dry run" plugin create --dry-run=server -f <(slice lp-dry $DRIVER node-1 node-1)
+expect deny "create a slice of node-2 as a server-side dry run" plugin create --dry-run=server -f <(slice lp-dry $DRIVER node-2 node-2)
+expect allow "list its node's slices" plugin get resourceslices --field-selector "spec.driver=$DRIVER,spec.nodeName=node-1"
+expect deny "get one slice (RBAC: the publisher lists)" plugin get resourceslice lp-own
+kubectl create -f <(slice lp-node-2 $DRIVER node-2 node-2) >/dev/null
+expect deny "update node-2's slice" edit resourceslice lp-node-2 "" '.spec.devices += [{"name": "gpu-1"}]'
+expect deny "delete node-2's slice" plugin delete resourceslice lp-node-2
+expect allow "delete its own slice" plugin delete resourceslice lp-own
+
+echo "== ResourceClaims"
+remove_claim() {
+  kubectl -n $CLAIM_NS patch resourceclaim "$1" --type=merge -p '{"metadata": {"finalizers": null}}' >/dev/null 2>&1
+  kubectl -n $CLAIM_NS delete resourceclaim "$1" --ignore-not-found >/dev/null
+}
+# claim NAME NODE: a claim allocated on NODE and reserved for a pod there, written as the scheduler would
+# (the resourceclaim controller deallocates a claim that no existing pod uses, so the pod must exist).
+claim() {
+  remove_claim "$1"
+  kubectl -n $CLAIM_NS delete pod "$1" --ignore-not-found --force --grace-period=0 >/dev/null 2>&1
+  kubectl -n $CLAIM_NS create -f - >/dev/null <<EOF
+{"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "$1"},
+ "spec": {"nodeName": "$2", "resourceClaims": [{"name": "gpu", "resourceClaimName": "$1"}],
+          "containers": [{"name": "c", "image": "workload", "resources": {"claims": [{"name": "gpu"}]}}]}}
+EOF
+  local pod_uid
+  pod_uid=$(kubectl -n $CLAIM_NS get pod "$1" -o jsonpath='{.metadata.uid}')
+  kubectl -n $CLAIM_NS create -f - >/dev/null <<EOF
+{"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+ "metadata": {"name": "$1", "finalizers": ["resource.kubernetes.io/delete-protection"]},
+ "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.dra.dev"}},
+                                   {"name": "nic", "exactly": {"deviceClassName": "gpu.dra.dev"}}]}}}
+EOF
+  kubectl -n $CLAIM_NS patch resourceclaim "$1" --subresource=status --type=merge -p "{\"status\": {
+    \"allocation\": {
+      \"devices\": {\"results\": [
+        {\"request\": \"gpu\", \"driver\": \"$DRIVER\", \"pool\": \"$2\", \"device\": \"gpu-0\"},
+        {\"request\": \"nic\", \"driver\": \"other.example.com\", \"pool\": \"$2\", \"device\": \"nic-0\"}]},
+      \"nodeSelector\": {\"nodeSelectorTerms\": [{\"matchFields\": [
+        {\"key\": \"metadata.name\", \"operator\": \"In\", \"values\": [\"$2\"]}]}]}},
+    \"reservedFor\": [{\"resource\": \"pods\", \"name\": \"$1\", \"uid\": \"$pod_uid\"}],
+    \"devices\": [{\"driver\": \"other.example.com\", \"pool\": \"$2\", \"device\": \"nic-0\"}]}}" >/dev/null
+}
+own_status() { # pool
+  echo "[{\"driver\": \"other.example.com\", \"pool\": \"$1\", \"device\": \"nic-0\"},
+         {\"driver\": \"$DRIVER\", \"pool\": \"$1\", \"device\": \"gpu-0\", \"data\": {\"uuid\": \"MIG-1\"}}]"
+}
+claim lp-here node-1
+claim lp-there node-2
+
+expect allow "report its device's status in a claim on node-1" edit resourceclaim lp-here $CLAIM_NS \
+  ".status.devices = $(own_status node-1 | tr -d '\n')" --subresource=status
+expect deny "replace status.devices of a claim on node-2" edit resourceclaim lp-there $CLAIM_NS \
+  ".status.devices = $(own_status node-2 | tr -d '\n')" --subresource=status
+# The server itself refuses an allocation removed under a reservation; without one, only the policy does.
+expect deny "remove a claim's allocation and reservation" edit resourceclaim lp-here $CLAIM_NS \
+  'del(.status.allocation) | del(.status.reservedFor)' --subresource=status
+expect deny "remove node-2's claim's allocation and reservation" edit resourceclaim lp-there $CLAIM_NS \
+  'del(.status.allocation) | del(.status.reservedFor)' --subresource=status
+expect deny "clear a claim's reservedFor" edit resourceclaim lp-here $CLAIM_NS \
+  'del(.status.reservedFor)' --subresource=status
+expect deny "change another driver's status.devices entry" edit resourceclaim lp-here $CLAIM_NS \
+  '.status.devices[0].data = {"x": 1}' --subresource=status
+# The status subresource drops metadata changes before admission, so the policy need not look at them.
+edit resourceclaim lp-here $CLAIM_NS 'del(.metadata.finalizers)' --subresource=status >/dev/null 2>&1
+expect allow "the status subresource keeps the finalizer a status update leaves out" \
+  bash -c "kubectl -n $CLAIM_NS get resourceclaim lp-here -o jsonpath='{.metadata.finalizers}' | grep -q delete-protection"
+expect deny "update a claim (RBAC)" edit resourceclaim lp-here $CLAIM_NS '.metadata.labels.owned = "yes"'
+expect deny "delete a claim (RBAC)" plugin -n $CLAIM_NS delete resourceclaim lp-there
+
+echo "== the rest of the grants"
+expect allow "get its Node" plugin get node node-1
+expect deny "update its Node (RBAC)" edit node node-1 "" '.metadata.labels.owned = "yes"'
+expect allow "record an Event (events.k8s.io)" plugin -n default create -f - <<EOF
+{"apiVersion": "events.k8s.io/v1", "kind": "Event", "metadata": {"name": "least-privilege-probe"},
+ "eventTime": "2026-01-01T00:00:00.000000Z", "reportingController": "$DRIVER/kubelet-plugin",
+ "reportingInstance": "$DRIVER/node-1", "action": "Probe", "reason": "Probe", "type": "Normal",
+ "regarding": {"apiVersion": "v1", "kind": "Node", "name": "node-1"}, "note": "least-privilege.sh"}
+EOF
+expect allow "patch that Event (a series, as kube's Recorder does)" raw_patch \
+  /apis/events.k8s.io/v1/namespaces/default/events/least-privilege-probe \
+  '{"series": {"count": 2, "lastObservedTime": "2026-01-01T00:00:01.000000Z"}}'
+expect deny "read Secrets (RBAC)" plugin -n "$NS" get secrets
+
+kubectl delete resourceslices lp-node-2 --ignore-not-found >/dev/null
+for c in lp-here lp-there; do
+  remove_claim $c
+  kubectl -n $CLAIM_NS delete pod $c --ignore-not-found --force --grace-period=0 >/dev/null 2>&1
+done
+kubectl -n default delete events.v1.events.k8s.io least-privilege-probe --ignore-not-found >/dev/null
+kubectl -n "$NS" delete pod least-privilege-probe --force --grace-period=0 >/dev/null 2>&1
+echo "failures: $failures"
+exit "$failures"

@@ -79,7 +79,7 @@ fn calls_in(origin: &str, text: &str) -> Result<Vec<Call>, String> {
     let code = plugin_code(text);
     // Names bound to an `Api<Kind>`: struct fields, parameters and typed `let`s, and untyped `let`s.
     let mut bindings: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
-    let typed = Regex::new(r"\b(\w+)\s*:\s*Api\s*<\s*(\w+)\s*>").unwrap();
+    let typed = Regex::new(r"\b(\w+)\s*:\s*&?\s*(?:mut\s+)?Api\s*<\s*(\w+)\s*>").unwrap();
     let untyped = Regex::new(r"\blet\s+(?:mut\s+)?(\w+)\s*=\s*Api\s*::\s*<\s*(\w+)\s*>").unwrap();
     for c in typed
         .captures_iter(&code)
@@ -479,6 +479,9 @@ fn the_call_scanner_finds_every_form_of_call() {
             let recorder = Recorder::new(client, reporter);
             map.get(&key); self.delete(x);
         }
+        async fn g(claims: &Api<ResourceClaim>) {
+            claims.get("c").await;
+        }
         #[cfg(test)]
         mod tests { fn t() { api.delete("x") } }
     "#;
@@ -498,6 +501,7 @@ fn the_call_scanner_finds_every_form_of_call() {
         "update ResourceClaim/status",
         "patch GpuNodePolicy/status",
         "get DeviceClass",
+        "get ResourceClaim",
         "list Node",
         "watch Node",
         "list ResourceSlice",

@@ -593,3 +593,59 @@ async fn a_corrupt_fault_file_is_set_aside_and_the_plugin_starts_without_it() {
     assert!(text.contains("\"faults\":[]"), "{text}");
     plugin.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupt_checkpoint_with_the_api_server_hanging_leaves_everything_in_place() {
+    let mut node = Harness::with_version("dgx-h100", ServerVersion::V1_35).await;
+    node.config.mig_mode = MigMode::Dynamic;
+    node.config.startup_api_timeout = Duration::from_millis(300);
+    let plugin = node.start_plugin().await;
+    let kubelet = node.kubelet().await;
+    node.wait_for_slices_where(|s| s.len() == 9).await;
+    let claim = node
+        .allocated_claim_with("mig", mig_request("1g.10gb"))
+        .await
+        .unwrap();
+    kubelet.prepare(std::slice::from_ref(&claim)).await.unwrap()[&claim.uid]
+        .clone()
+        .unwrap();
+    plugin.shutdown().await;
+    let made = mig_devices(&node);
+    let specs = node.cdi_files();
+    std::fs::write(checkpoint_path(&node), b"{\"version\":1,\"chec").unwrap();
+
+    node.api.set_latency(Duration::from_secs(3));
+    let started = Instant::now();
+    let plugin = node.start_plugin().await;
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(plugin.recovery.kept.is_empty());
+    assert_eq!(plugin.recovery.left_in_place, vec![claim.uid.clone()]);
+    assert_eq!(node.cdi_files(), specs);
+    assert_eq!(mig_devices(&node), made);
+    assert_eq!(files_starting(&node, "checkpoint.json.corrupt-").len(), 1);
+    node.api.clear_faults();
+    let events = node
+        .api
+        .wait_for(
+            "events",
+            |events| events.iter().any(|e| e["reason"] == "CheckpointSetAside"),
+            WAIT,
+        )
+        .await
+        .expect("a CheckpointSetAside Event once the server answers");
+    let note = events
+        .iter()
+        .find(|e| e["reason"] == "CheckpointSetAside")
+        .and_then(|e| e["note"].as_str())
+        .unwrap_or_default()
+        .to_string();
+    assert!(
+        note.contains(&claim.uid) && note.contains("not deleted"),
+        "{note}"
+    );
+    plugin.shutdown().await;
+}

@@ -540,7 +540,8 @@ async fn faults_and_their_taints_outlive_a_plugin_restart_until_the_gpu_recovers
         assert_eq!(
             device_taints(slice, "gpu-0"),
             Some(1),
-            "published without the taint after the restart: {slice:?}"
+            "published without the taint after the restart (resourceVersion {:?})",
+            slice.metadata.resource_version
         );
         assert_eq!(device_taints(slice, "gpu-1"), Some(0));
     }

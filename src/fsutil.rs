@@ -65,3 +65,29 @@ fn unique_suffix() -> u64 {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     COUNTER.fetch_add(1, Ordering::Relaxed)
 }
+
+/// Moves a state file this build cannot use out of the way, as `<path>.<label>-<UTC time>` (e.g.
+/// `checkpoint.json.corrupt-20261203T172746Z`; no colons, so the name is safe in every tool), with a
+/// counter when that name is taken. A directory at `path` is moved the same way. Returns the new path.
+pub fn set_aside(path: &Path, label: &str) -> io::Result<std::path::PathBuf> {
+    let stamp = k8s_openapi::jiff::Timestamp::now().strftime("%Y%m%dT%H%M%SZ");
+    let base = format!("{}.{label}-{stamp}", path.display());
+    for attempt in 0..100u32 {
+        let candidate = match attempt {
+            0 => std::path::PathBuf::from(&base),
+            n => std::path::PathBuf::from(format!("{base}-{n}")),
+        };
+        if fs::symlink_metadata(&candidate).is_ok() {
+            continue;
+        }
+        fs::rename(path, &candidate)?;
+        if let Some(dir) = path.parent() {
+            sync_dir(dir)?;
+        }
+        return Ok(candidate);
+    }
+    Err(io::Error::new(
+        io::ErrorKind::AlreadyExists,
+        format!("{base} and 99 numbered names after it exist already"),
+    ))
+}

@@ -249,6 +249,10 @@ struct PluginArgs {
     /// Seconds between checks of the backend for changed GPUs.
     #[arg(long, env = "RESCAN_SECONDS", default_value_t = 5)]
     rescan_seconds: u64,
+    /// Seconds start-up waits for the API server (the GpuNodePolicy in force, a checkpoint rebuild)
+    /// before it goes on without the answer (then --mig-mode applies until the policy is read).
+    #[arg(long, env = "STARTUP_API_TIMEOUT_SECONDS", default_value_t = 5)]
+    startup_api_timeout_seconds: u64,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -360,6 +364,7 @@ fn run_plugin(args: PluginArgs) -> Result<()> {
         http_addr,
         rescan_interval: Duration::from_secs(args.rescan_seconds.max(1)),
         mig_mode: args.backend.mig_mode,
+        startup_api_timeout: Duration::from_secs(args.startup_api_timeout_seconds.max(1)),
     };
     let kubeconfig = args.kubeconfig;
     runtime()?.block_on(async move {

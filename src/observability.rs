@@ -38,6 +38,12 @@ struct FaultLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SetAsideLabels {
+    file: &'static str,
+    reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ClassProblemLabels {
     class: String,
     problem: &'static str,
@@ -55,6 +61,7 @@ pub struct Metrics {
     device_healthy: Family<DeviceLabels, Gauge>,
     faults: Family<FaultLabels, Counter>,
     device_class_problems: Family<ClassProblemLabels, Gauge>,
+    state_files_set_aside: Family<SetAsideLabels, Counter>,
 }
 
 impl Metrics {
@@ -70,6 +77,13 @@ impl Metrics {
         let device_healthy = Family::<DeviceLabels, Gauge>::default();
         let faults = Family::<FaultLabels, Counter>::default();
         let device_class_problems = Family::<ClassProblemLabels, Gauge>::default();
+        let state_files_set_aside = Family::<SetAsideLabels, Counter>::default();
+        registry.register(
+            "state_files_set_aside",
+            "State files of the plugin that could not be used and were set aside as <file>.corrupt-<time>, \
+             by file (checkpoint, faults) and reason (corrupt, unreadable, too_new)",
+            state_files_set_aside.clone(),
+        );
         registry.register(
             "device_class_problems",
             "1 for each DeviceClass whose selectors error on this node's devices (DeviceClassSelectorError) or \
@@ -127,6 +141,7 @@ impl Metrics {
             device_healthy,
             faults,
             device_class_problems,
+            state_files_set_aside,
         })
     }
 
@@ -160,6 +175,13 @@ impl Metrics {
             .get_or_create(&FaultLabels {
                 kind: kind.to_string(),
             })
+            .inc();
+    }
+
+    /// A state file (`checkpoint`, `faults`) was set aside for `reason`.
+    pub fn state_file_set_aside(&self, file: &'static str, reason: &'static str) {
+        self.state_files_set_aside
+            .get_or_create(&SetAsideLabels { file, reason })
             .inc();
     }
 

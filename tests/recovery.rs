@@ -122,7 +122,18 @@ async fn a_corrupt_checkpoint_is_kept_aside_and_the_plugin_starts_clean() {
     )
     .unwrap();
     let plugin = node.start_plugin().await;
-    assert!(node.config.plugin_dir().join("checkpoint.corrupt").exists());
+    let aside = plugin
+        .recovery
+        .checkpoint_set_aside
+        .clone()
+        .expect("set aside");
+    let moved = aside.moved_to.expect("moved");
+    assert!(moved
+        .file_name()
+        .unwrap()
+        .to_string_lossy()
+        .starts_with("checkpoint.json.corrupt-"));
+    assert!(moved.exists());
     assert!(checkpoint(&node).load().unwrap().unwrap().claims.is_empty());
     plugin.shutdown().await;
 }

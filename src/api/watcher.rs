@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use futures::{stream, StreamExt};
 use k8s_openapi::api::core::v1::Node;
-use kube::api::{Api, Patch, PatchParams};
+use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::runtime::{reflector, watcher, WatchStreamExt};
 use kube::ResourceExt;
 use serde_json::json;
@@ -92,6 +92,33 @@ pub struct PolicyWatcher {
 }
 
 impl PolicyWatcher {
+    /// The policy in force on `node_name` now, read once (a GET of the Node, a LIST of the policies)
+    /// and selected as [`PolicyWatcher::run`] would, without writing any status: what the plugin
+    /// needs before its first publish, while the watcher is not running yet. A Node that does not
+    /// exist has no policy. The caller bounds the time.
+    pub async fn policy_in_force(
+        client: kube::Client,
+        node_name: &str,
+    ) -> Result<Option<EffectivePolicy>, kube::Error> {
+        let Some(node) = Api::<Node>::all(client.clone()).get_opt(node_name).await? else {
+            return Ok(None);
+        };
+        let policies = Api::<GpuNodePolicy>::all(client.clone());
+        let listed: Vec<Arc<GpuNodePolicy>> = policies
+            .list(&ListParams::default())
+            .await?
+            .items
+            .into_iter()
+            .map(Arc::new)
+            .collect();
+        let mut this = PolicyWatcher {
+            policies,
+            last_valid: HashMap::new(),
+            reported: HashMap::new(),
+        };
+        Ok(this.evaluate(node.labels(), &listed).effective)
+    }
+
     /// Runs until `shutdown` becomes true (or its sender is dropped). Sends the policy in force on
     /// `node_name` (or `None`) to `out` whenever it changes, and writes the `Accepted` condition of the
     /// policies this node evaluates. API errors are logged and retried with backoff.

@@ -1,8 +1,10 @@
 //! The checkpoint: which claims this plugin prepared, so that a restart knows what to keep and what to
 //! roll back. Versioned JSON with a SHA-256 checksum over the `data` object as stored, so a file written
 //! by a newer version with added fields still verifies; carries the node's boot id; atomic writes.
+//! `version` is the format's major version: a compatible change (added fields, new claim states) keeps
+//! it, so the previous release reads what the next one wrote; only an incompatible change raises it.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -11,7 +13,8 @@ use thiserror::Error;
 
 use crate::fsutil::write_atomically;
 
-/// The format version this build writes; files with a higher version are refused rather than misread.
+/// The format (major) version this build writes; a file with a higher one is refused rather than misread
+/// (recovery sets it aside and rebuilds, see `recovery.rs`).
 pub const CHECKPOINT_VERSION: u32 = 1;
 
 #[derive(Debug, Error)]
@@ -32,6 +35,18 @@ pub enum CheckpointError {
     TooNew { path: String, found: u32 },
 }
 
+impl CheckpointError {
+    /// A short label for metrics and Events: `unreadable`, `unwritable`, `corrupt`, `too_new`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            CheckpointError::Read { .. } => "unreadable",
+            CheckpointError::Write { .. } => "unwritable",
+            CheckpointError::Corrupt { .. } => "corrupt",
+            CheckpointError::TooNew { .. } => "too_new",
+        }
+    }
+}
+
 /// Where a claim is in its life on this node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -40,6 +55,10 @@ pub enum ClaimState {
     Started,
     /// Prepare finished and was (or will be) reported to the kubelet.
     Completed,
+    /// A state a newer release added; recovery checks such a claim against the API server rather
+    /// than guess what it meant. Never written.
+    #[serde(other)]
+    Unknown,
 }
 
 /// One device prepared for a claim, as reported to the kubelet.
@@ -91,6 +110,11 @@ pub struct CheckpointData {
     pub boot_id: String,
     /// Keyed by claim UID.
     pub claims: BTreeMap<String, ClaimRecord>,
+    /// Claim UIDs whose CDI spec a rebuild (after the checkpoint was set aside) could not match to a
+    /// claim prepared here, and left in place: the orphan sweep leaves them until the kubelet
+    /// prepares or unprepares the claim.
+    #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
+    pub left_in_place: BTreeSet<String>,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -239,6 +263,23 @@ mod tests {
         let envelope = serde_json::json!({"version": 1, "checksum": checksum(&data), "data": data});
         std::fs::write(file.path(), envelope.to_string()).unwrap();
         assert_eq!(file.load().unwrap(), Some(sample()));
+    }
+
+    #[test]
+    fn claim_states_added_by_a_newer_minor_are_read_as_unknown() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = CheckpointFile::new(dir.path().join("checkpoint.json"));
+        let mut data = serde_json::to_value(sample()).unwrap();
+        data["claims"]["uid-1"]["state"] = serde_json::json!("unpreparing");
+        data["claims"]["uid-1"]["devices"][0]["futureField"] = serde_json::json!([1, 2]);
+        let envelope = serde_json::json!({"version": 1, "minor": 3, "checksum": checksum(&data), "data": data});
+        std::fs::write(file.path(), envelope.to_string()).unwrap();
+        let loaded = file.load().unwrap().unwrap();
+        assert_eq!(loaded.claims["uid-1"].state, ClaimState::Unknown);
+        assert_eq!(
+            loaded.claims["uid-1"].devices,
+            sample().claims["uid-1"].devices
+        );
     }
 
     #[test]

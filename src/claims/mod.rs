@@ -8,6 +8,7 @@ pub mod checkpoint;
 mod edits;
 mod mig;
 pub mod names;
+mod rebuild;
 mod recovery;
 
 use std::collections::{BTreeMap, HashMap};
@@ -114,6 +115,23 @@ pub struct Recovery {
     pub mig_devices_destroyed: Vec<String>,
     /// Whether the node rebooted since the checkpoint was written.
     pub rebooted: bool,
+    /// Set when the checkpoint could not be used and was set aside; `kept` then holds the claims
+    /// rebuilt from the CDI specs on disk and the API server.
+    pub checkpoint_set_aside: Option<CheckpointSetAside>,
+    /// Claim UIDs whose CDI spec could not be matched to a claim prepared here; the spec (and, in
+    /// dynamic MIG mode, every MIG device) is left in place until the kubelet prepares or unprepares it.
+    pub left_in_place: Vec<String>,
+}
+
+/// A checkpoint that could not be used: why, and where it went.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CheckpointSetAside {
+    /// `corrupt`, `unreadable` or `too_new` (see [`CheckpointError::kind`]).
+    pub kind: &'static str,
+    /// The error, for people.
+    pub reason: String,
+    /// The `<checkpoint>.corrupt-<time>` file, or `None` when it could not be moved.
+    pub moved_to: Option<std::path::PathBuf>,
 }
 
 struct State {
@@ -131,6 +149,8 @@ pub struct ClaimsConfig {
     /// How MIG devices are handled now; the admin's policy may change it while the plugin runs.
     pub mig_mode: watch::Receiver<MigMode>,
     pub driver_edits: DriverEdits,
+    /// How long start-up waits for the API server when it rebuilds a checkpoint it had to set aside.
+    pub startup_api_timeout: Duration,
 }
 
 /// The claim state machine of one plugin instance.
@@ -143,6 +163,7 @@ pub struct Preparer {
     backend: Arc<dyn GpuBackend>,
     mig_mode: watch::Receiver<MigMode>,
     driver_edits: DriverEdits,
+    startup_api_timeout: Duration,
     inventory: watch::Receiver<Arc<Inventory>>,
     metrics: Arc<Metrics>,
     state: Mutex<State>,
@@ -154,7 +175,8 @@ pub struct Preparer {
 impl Preparer {
     /// Loads the checkpoint and converges after a crash: started claims are rolled back, completed ones
     /// kept (their CDI specs re-written if the node lost them), CDI specs no claim owns removed, and in
-    /// dynamic MIG mode MIG devices no claim owns destroyed.
+    /// dynamic MIG mode MIG devices no claim owns destroyed. A checkpoint that cannot be used is set
+    /// aside and rebuilt instead, deleting nothing (see `recovery.rs`).
     pub async fn start(
         config: ClaimsConfig,
         client: kube::Client,
@@ -171,6 +193,7 @@ impl Preparer {
             backend,
             mig_mode: config.mig_mode,
             driver_edits: config.driver_edits,
+            startup_api_timeout: config.startup_api_timeout,
             inventory,
             metrics,
             state: Mutex::new(State {
@@ -180,10 +203,7 @@ impl Preparer {
             persisted: tokio::sync::Mutex::new(0),
             claim_locks: Mutex::new(HashMap::new()),
         });
-        let worker = preparer.clone();
-        let recovery = tokio::task::spawn_blocking(move || worker.recover())
-            .await
-            .map_err(|e| internal("startup", e))??;
+        let recovery = preparer.recover_at_start().await?;
         Ok((preparer, recovery))
     }
 
@@ -345,6 +365,9 @@ impl Preparer {
                     reason,
                 });
             }
+            self.release(claim);
+        } else if lock(&self.state).data.left_in_place.contains(&claim.uid) {
+            // A spec a rebuild left in place: the kubelet is done with it, so it goes now.
             self.release(claim);
         }
         // The spec is removed even for a claim we no longer know: an earlier attempt may have
@@ -513,6 +536,8 @@ impl Preparer {
                 devices: devices.to_vec(),
             },
         );
+        // A spec left in place by a rebuild is this claim's again from here on.
+        state.data.left_in_place.remove(&claim.uid);
         state.revision += 1;
         Ok(())
     }
@@ -531,6 +556,7 @@ impl Preparer {
     fn release(&self, claim: &ClaimRef) {
         let mut state = lock(&self.state);
         state.data.claims.remove(&claim.uid);
+        state.data.left_in_place.remove(&claim.uid);
         state.revision += 1;
     }
 

@@ -1,39 +1,111 @@
 //! Start-up recovery: converge the node's files and MIG devices with the checkpoint after a crash or a
-//! reboot.
+//! reboot. A checkpoint this build cannot use (corrupt, unreadable, a newer format) is set aside as
+//! `<checkpoint>.corrupt-<time>` and rebuilt from the CDI specs on disk and the claims in the API
+//! server (`rebuild.rs`); nothing is deleted on its account, so a downgrade never costs a running pod.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
+use std::sync::Arc;
 
 use tracing::{info, warn};
 
 use super::checkpoint::{self, CheckpointData, CheckpointError};
 use super::edits::write_spec_with;
-use super::{describe, lock, mig, ClaimError, ClaimRecord, ClaimState, Preparer, Recovery};
+use super::{
+    describe, internal, lock, mig, CheckpointSetAside, ClaimError, ClaimRecord, ClaimState,
+    Preparer, Recovery,
+};
 use crate::devices::MigMode;
 use crate::gpu::{Inventory, MigRequest};
 
 impl Preparer {
-    pub(super) fn recover(&self) -> Result<Recovery, ClaimError> {
-        let checkpoint_error = |source| ClaimError::Checkpoint {
-            claim: "(startup)".to_string(),
-            source,
+    /// Loads the checkpoint (or sets it aside and rebuilds it), checks claims in states this build
+    /// does not know against the API server, then converges the node with the result.
+    pub(super) async fn recover_at_start(self: &Arc<Self>) -> Result<Recovery, ClaimError> {
+        let file = self.checkpoint.clone();
+        let loaded = tokio::task::spawn_blocking(move || file.load())
+            .await
+            .map_err(|e| internal("(startup)", e))?;
+        let (mut stored, set_aside) = match loaded {
+            Ok(stored) => (stored.unwrap_or_default(), None),
+            Err(error) => (CheckpointData::default(), Some(self.set_aside(&error))),
         };
-        let boot_id = checkpoint::current_boot_id();
-        let stored = match self.checkpoint.load() {
-            Ok(stored) => stored.unwrap_or_default(),
-            Err(error @ CheckpointError::Corrupt { .. }) => {
-                // Keep the evidence, start empty: the kubelet prepares again whatever it still needs.
-                let aside = self.checkpoint.path().with_extension("corrupt");
-                warn!(%error, moved_to = %aside.display(), "checkpoint unreadable; starting with no prepared claims");
-                std::fs::rename(self.checkpoint.path(), &aside).map_err(|source| {
-                    checkpoint_error(CheckpointError::Write {
-                        path: aside.display().to_string(),
-                        source,
-                    })
-                })?;
-                CheckpointData::default()
+        // What only the API server can settle: after a set-aside every spec on disk; otherwise the
+        // claims a newer release recorded in a state this one does not know.
+        let to_verify: Vec<String> = if set_aside.is_some() {
+            let cdi = self.cdi.clone();
+            match tokio::task::spawn_blocking(move || cdi.claim_specs()).await {
+                Ok(Ok(uids)) => uids,
+                Ok(Err(error)) => {
+                    warn!(%error, "listing CDI specs to rebuild the checkpoint failed; they are left as they are");
+                    Vec::new()
+                }
+                Err(error) => return Err(internal("(startup)", error)),
             }
-            Err(error) => return Err(checkpoint_error(error)),
+        } else {
+            stored
+                .claims
+                .iter()
+                .filter(|(_, record)| record.state == ClaimState::Unknown)
+                .map(|(uid, _)| uid.clone())
+                .collect()
         };
+        stored
+            .claims
+            .retain(|_, record| record.state != ClaimState::Unknown);
+        if !to_verify.is_empty() {
+            let verified = self.verify_claims(&to_verify).await;
+            for (uid, record) in verified.kept {
+                info!(claim = %describe(&uid, &record), "prepared claim rebuilt from its CDI spec and the API server");
+                stored.claims.insert(uid, record);
+            }
+            for (uid, reason) in verified.left {
+                warn!(claim_uid = %uid, %reason, "CDI spec left in place: it cannot be matched to a claim prepared here");
+                stored.left_in_place.insert(uid);
+            }
+        }
+        let worker = self.clone();
+        let degraded = set_aside.is_some();
+        let mut recovery = tokio::task::spawn_blocking(move || worker.recover(stored, degraded))
+            .await
+            .map_err(|e| internal("(startup)", e))??;
+        recovery.checkpoint_set_aside = set_aside;
+        Ok(recovery)
+    }
+
+    /// Moves an unusable checkpoint out of the way (never deleting it) and says so.
+    fn set_aside(&self, error: &CheckpointError) -> CheckpointSetAside {
+        let moved_to = match crate::fsutil::set_aside(self.checkpoint.path(), "corrupt") {
+            Ok(path) => Some(path),
+            Err(move_error) => {
+                warn!(path = %self.checkpoint.path().display(), error = %move_error, "the unusable checkpoint cannot be moved aside; it is overwritten at the next write");
+                None
+            }
+        };
+        self.metrics
+            .state_file_set_aside("checkpoint", error.kind());
+        warn!(
+            %error,
+            moved_to = %moved_to.as_ref().map(|p| p.display().to_string()).unwrap_or_default(),
+            "checkpoint cannot be used; set aside. Rebuilding the prepared claims from the CDI specs and the API server; no CDI spec or MIG device is removed"
+        );
+        CheckpointSetAside {
+            kind: error.kind(),
+            reason: error.to_string(),
+            moved_to,
+        }
+    }
+
+    /// Converges with `stored`: started claims rolled back, completed ones kept (specs written again
+    /// where lost), orphan specs removed and, in dynamic MIG mode, MIG devices no claim owns destroyed.
+    /// `degraded` (the checkpoint was set aside) removes and destroys nothing: what the rebuild could
+    /// not match stays. Specs left in place by an earlier rebuild stay too, as do, while there are
+    /// any, all MIG devices.
+    pub(super) fn recover(
+        &self,
+        stored: CheckpointData,
+        degraded: bool,
+    ) -> Result<Recovery, ClaimError> {
+        let boot_id = checkpoint::current_boot_id();
         let mut recovery = Recovery {
             rebooted: !stored.boot_id.is_empty() && stored.boot_id != boot_id,
             ..Default::default()
@@ -41,11 +113,12 @@ impl Preparer {
         let inventory = self.inventory.borrow().clone();
         let mut data = CheckpointData {
             boot_id,
-            claims: BTreeMap::new(),
+            ..Default::default()
         };
         for (uid, record) in stored.claims {
             match record.state {
-                ClaimState::Started => {
+                // Unknown states were settled by `recover_at_start`; none reach here.
+                ClaimState::Started | ClaimState::Unknown => {
                     self.cdi
                         .remove_claim_spec(&uid)
                         .map_err(|source| ClaimError::Cdi {
@@ -94,39 +167,63 @@ impl Preparer {
             claim: "(startup)".to_string(),
             source,
         })?;
+        // Left in place while its spec exists and no kept claim took it over.
+        data.left_in_place = stored
+            .left_in_place
+            .into_iter()
+            .filter(|uid| on_disk.contains(uid) && !data.claims.contains_key(uid))
+            .collect();
+        recovery.left_in_place = data.left_in_place.iter().cloned().collect();
         for uid in on_disk {
-            if !data.claims.contains_key(&uid) {
-                self.cdi
-                    .remove_claim_spec(&uid)
-                    .map_err(|source| ClaimError::Cdi {
-                        claim: uid.clone(),
-                        source,
-                    })?;
-                recovery.orphan_specs_removed.push(uid);
+            if data.claims.contains_key(&uid) || data.left_in_place.contains(&uid) {
+                continue;
             }
+            if degraded {
+                // Every spec went through the rebuild; one that appeared since is not ours to judge.
+                continue;
+            }
+            self.cdi
+                .remove_claim_spec(&uid)
+                .map_err(|source| ClaimError::Cdi {
+                    claim: uid.clone(),
+                    source,
+                })?;
+            recovery.orphan_specs_removed.push(uid);
         }
         if *self.mig_mode.borrow() == MigMode::Dynamic {
-            let owned: BTreeSet<(String, u32)> = data
-                .claims
-                .values()
-                .flat_map(|record| &record.devices)
-                .filter_map(|device| device.mig.as_ref())
-                .map(|mig| (mig.parent_uuid.clone(), mig.gpu_instance_id))
-                .collect();
-            let current = self.backend.inventory().map_err(|e| ClaimError::Internal {
-                claim: "(startup)".to_string(),
-                reason: format!("reading the GPUs: {e}"),
-            })?;
-            recovery.mig_devices_destroyed =
-                mig::destroy_unowned(self.backend.as_ref(), &current, &owned);
+            if degraded || !data.left_in_place.is_empty() {
+                warn!(
+                    left_in_place = data.left_in_place.len(),
+                    "dynamic MIG: MIG devices no known claim owns are kept, because CDI specs of unknown claims are left in place and may use them"
+                );
+            } else {
+                let owned: BTreeSet<(String, u32)> = data
+                    .claims
+                    .values()
+                    .flat_map(|record| &record.devices)
+                    .filter_map(|device| device.mig.as_ref())
+                    .map(|mig| (mig.parent_uuid.clone(), mig.gpu_instance_id))
+                    .collect();
+                let current = self.backend.inventory().map_err(|e| ClaimError::Internal {
+                    claim: "(startup)".to_string(),
+                    reason: format!("reading the GPUs: {e}"),
+                })?;
+                recovery.mig_devices_destroyed =
+                    mig::destroy_unowned(self.backend.as_ref(), &current, &owned);
+            }
         }
-        self.checkpoint.store(&data).map_err(checkpoint_error)?;
+        // Without a checkpoint on disk prepares fail per claim until it can be written; refusing to
+        // start would only add a crash loop, and the node would publish nothing.
+        if let Err(error) = self.checkpoint.store(&data) {
+            warn!(%error, "writing the recovered checkpoint failed; prepares fail until it can be written");
+        }
         let mut state = lock(&self.state);
         state.data = data;
         info!(
             kept = recovery.kept.len(),
             rolled_back = recovery.rolled_back.len(),
             orphans_removed = recovery.orphan_specs_removed.len(),
+            left_in_place = recovery.left_in_place.len(),
             mig_devices_destroyed = recovery.mig_devices_destroyed.len(),
             rebooted = recovery.rebooted,
             "claims recovered from checkpoint"

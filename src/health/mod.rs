@@ -2,6 +2,7 @@
 //! how they clear, and (in [`taints`]) how they become DRA device taints and kubelet health reports.
 //! No I/O; the caller feeds it [`GpuEvent`]s and publishes what it computes.
 
+pub mod persist;
 pub mod policy;
 pub mod taints;
 pub mod xid;
@@ -13,6 +14,7 @@ use std::collections::BTreeMap;
 
 use crate::gpu::{GpuEvent, GpuEventKind, Inventory};
 
+pub use persist::{FaultFile, FaultFileError};
 pub use policy::{HealthPolicy, PolicyError, TaintEffect};
 pub use taints::DeviceStatus;
 pub use xid::XidClass;
@@ -160,6 +162,40 @@ impl HealthState {
             }
         }
         changed
+    }
+
+    /// A state holding `faults`, as if reported in this order (what [`HealthState::unrecovered`] gave).
+    pub fn with_faults(faults: impl IntoIterator<Item = (FaultTarget, Fault)>) -> Self {
+        let mut state = HealthState::new();
+        for (target, fault) in faults {
+            let seq = state.next_seq;
+            state.next_seq += 1;
+            let seen = state.faults.entry(target).or_default();
+            seen.retain(|s| s.fault != fault);
+            seen.push(Seen {
+                fault,
+                seq,
+                recovered: false,
+            });
+        }
+        state
+    }
+
+    /// The faults the backend has not reported recovered, oldest first: what outlives a restart of
+    /// the plugin. Recovered faults that the policy keeps (`clearOnRecovery: false`) are kept until
+    /// a restart, as they always were, and so are not in here.
+    pub fn unrecovered(&self) -> Vec<(FaultTarget, Fault)> {
+        let mut out: Vec<(u64, FaultTarget, Fault)> = self
+            .faults
+            .iter()
+            .flat_map(|(target, seen)| {
+                seen.iter()
+                    .filter(|s| !s.recovered)
+                    .map(|s| (s.seq, target.clone(), s.fault.clone()))
+            })
+            .collect();
+        out.sort();
+        out.into_iter().map(|(_, t, f)| (t, f)).collect()
     }
 
     /// Forgets the faults of MIG devices that no longer exist, so that a new MIG device that gets the

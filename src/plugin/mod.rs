@@ -4,9 +4,11 @@
 mod monitor;
 pub mod node_events;
 pub mod selftest;
+pub mod startup;
 
 pub use monitor::NodePolicy;
 use monitor::{Monitor, MonitorChannels};
+pub use startup::PolicyAtStart;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -64,7 +66,10 @@ pub struct PluginConfig {
     pub http_addr: Option<SocketAddr>,
     /// How often the backend is asked whether the GPUs changed.
     pub rescan_interval: Duration,
+    /// `--mig-mode`; a GpuNodePolicy that sets one takes precedence, from the start.
     pub mig_mode: MigMode,
+    /// How long start-up waits for the API server (the GpuNodePolicy, a checkpoint rebuild).
+    pub startup_api_timeout: Duration,
 }
 
 impl PluginConfig {
@@ -90,6 +95,7 @@ impl PluginConfig {
             http_addr: None,
             rescan_interval: Duration::from_secs(5),
             mig_mode: MigMode::Static,
+            startup_api_timeout: startup::DEFAULT_STARTUP_API_TIMEOUT,
         }
     }
 
@@ -164,6 +170,8 @@ pub struct RunningPlugin {
     pub config: PluginConfig,
     pub http_addr: Option<SocketAddr>,
     pub recovery: Recovery,
+    /// Where the MIG mode the plugin started with came from.
+    pub policy_at_start: PolicyAtStart,
     pub preparer: Arc<Preparer>,
     pub metrics: Arc<Metrics>,
     pub readiness: Arc<Readiness>,
@@ -225,16 +233,23 @@ pub async fn start(
 
     let plugin_dir = config.plugin_dir();
     create_private_dir(&plugin_dir)?;
+    // The policy's MIG mode must hold for recovery and the first publish, not only once the
+    // watcher catches up: recovery in the wrong mode destroys an admin's static MIG devices.
+    let (start_policy, policy_at_start) = startup::initial_policy(&client, &config).await;
+    let start_node_policy = start_policy
+        .as_ref()
+        .map(NodePolicy::from_effective)
+        .unwrap_or_default();
+    let mig_mode = start_node_policy.mig_mode.unwrap_or(config.mig_mode);
     let metrics = Metrics::new();
     let readiness = Arc::new(Readiness::default());
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
     let (inventory_tx, inventory_rx) = watch::channel(inventory.clone());
-    let (devices_tx, devices_rx) =
-        watch::channel(Arc::new(node_devices(&inventory, config.mig_mode)));
+    let (devices_tx, devices_rx) = watch::channel(Arc::new(node_devices(&inventory, mig_mode)));
     let class_check_devices = devices_tx.subscribe();
     let (health_tx, health_rx) = watch::channel(Arc::new(Vec::<DeviceHealthReport>::new()));
-    let (mig_mode_tx, mig_mode_rx) = watch::channel(config.mig_mode);
-    let (policy_tx, policy_rx) = watch::channel(NodePolicy::default());
+    let (mig_mode_tx, mig_mode_rx) = watch::channel(mig_mode);
+    let (policy_tx, policy_rx) = watch::channel(start_node_policy);
     let (events_tx, events_rx) = mpsc::channel(1024);
 
     let (preparer, recovery) = Preparer::start(
@@ -245,6 +260,7 @@ pub async fn start(
             checkpoint_path: claims::checkpoint_path(&plugin_dir),
             mig_mode: mig_mode_rx,
             driver_edits: driver_edits(&config, &inventory)?,
+            startup_api_timeout: config.startup_api_timeout,
         },
         client.clone(),
         backend.clone(),
@@ -252,6 +268,7 @@ pub async fn start(
         metrics.clone(),
     )
     .await?;
+    startup::report_recovery(&client, &config, &recovery);
 
     let mut tasks = Vec::new();
     let stop_events = Arc::new(AtomicBool::new(false));
@@ -263,19 +280,27 @@ pub async fn start(
         default_mig_mode: config.mig_mode,
         metrics: metrics.clone(),
     };
+    // The faults of the previous run taint the devices before the publisher first looks at them.
+    let mut fault_store = startup::FaultStore::in_dir(&plugin_dir);
+    let fault_state = fault_store.load(&inventory, &metrics);
+    let monitor_channels = MonitorChannels {
+        inventory: inventory_tx.subscribe(),
+        policy: policy_rx,
+        events: events_rx,
+        devices: devices_tx,
+        health: health_tx,
+        mig_mode: mig_mode_tx,
+    };
+    health_monitor.recompute(&fault_state, &monitor_channels);
     tasks.push(tokio::spawn(health_monitor.run(
-        MonitorChannels {
-            inventory: inventory_tx.subscribe(),
-            policy: policy_rx,
-            events: events_rx,
-            devices: devices_tx,
-            health: health_tx,
-            mig_mode: mig_mode_tx,
-        },
+        fault_state,
+        fault_store,
+        monitor_channels,
         shutdown_rx.clone(),
     )));
 
-    let (selected_tx, selected_rx) = watch::channel(None);
+    // Starts from what was read above, so the watcher's first answer is compared with it.
+    let (selected_tx, selected_rx) = watch::channel(start_policy);
     tasks.push(tokio::spawn(crate::api::PolicyWatcher::run(
         client.clone(),
         config.node_name.clone(),
@@ -371,6 +396,7 @@ pub async fn start(
         config,
         http_addr,
         recovery,
+        policy_at_start,
         preparer,
         metrics,
         readiness,

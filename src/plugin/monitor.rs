@@ -17,6 +17,8 @@ use crate::health::{Fault, HealthPolicy, HealthState, TaintEffect};
 use crate::kubelet::DeviceHealthReport;
 use crate::observability::Metrics;
 
+use super::startup::FaultStore;
+
 /// How long one wait for a backend event lasts, so the reader notices shutdown promptly.
 const EVENT_WAIT: Duration = Duration::from_millis(100);
 /// Pause after a failed wait, so a broken event source does not spin.
@@ -134,10 +136,17 @@ pub fn spawn_event_reader(
 }
 
 impl Monitor {
-    /// Runs until `shutdown` turns true or the event reader ends.
-    pub async fn run(self, mut ch: MonitorChannels, mut shutdown: watch::Receiver<bool>) {
-        let mut state = HealthState::new();
+    /// Runs until `shutdown` turns true or the event reader ends, starting from the faults the
+    /// previous run left (`state`) and saving them to `faults` whenever they change.
+    pub async fn run(
+        self,
+        mut state: HealthState,
+        mut faults: FaultStore,
+        mut ch: MonitorChannels,
+        mut shutdown: watch::Receiver<bool>,
+    ) {
         self.recompute(&state, &ch);
+        faults.save(&state);
         loop {
             tokio::select! {
                 event = ch.events.recv() => {
@@ -163,6 +172,7 @@ impl Monitor {
                 _ = shutdown.changed() => return,
             }
             self.recompute(&state, &ch);
+            faults.save(&state);
         }
     }
 
@@ -180,7 +190,7 @@ impl Monitor {
     }
 
     /// Devices with taints and health reports from the current inventory, faults and policy.
-    fn recompute(&self, state: &HealthState, ch: &MonitorChannels) {
+    pub(super) fn recompute(&self, state: &HealthState, ch: &MonitorChannels) {
         let inventory = ch.inventory.borrow().clone();
         let policy = ch.policy.borrow().clone();
         let mode = policy.mig_mode.unwrap_or(self.default_mig_mode);

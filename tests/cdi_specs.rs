@@ -579,3 +579,41 @@ fn with_the_driver_on_the_host_claim_specs_name_the_standard_paths_as_before() {
     let (_, minimum) = load_with_cdi_crate(&path).unwrap();
     assert_eq!(written_version(&path), minimum);
 }
+
+/// The DaemonSet in `deploy/` must name, as the driver root on the host, the directory it mounts at
+/// the container driver root, or every claim spec would point the runtime at the wrong files.
+#[test]
+fn the_daemonset_mounts_the_driver_root_it_names() {
+    let text = fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/base/daemonset.yaml"),
+    )
+    .unwrap();
+    let ds: serde_json::Value = serde_yaml::from_str(&text).unwrap();
+    let pod = &ds["spec"]["template"]["spec"];
+    let container = &pod["containers"][0];
+    let env = |name: &str| -> Option<String> {
+        container["env"]
+            .as_array()?
+            .iter()
+            .find(|e| e["name"] == name)?["value"]
+            .as_str()
+            .map(str::to_string)
+    };
+    let host_root = env("NVIDIA_DRIVER_ROOT").unwrap_or_else(|| "/".into());
+    let container_root = env("CONTAINER_DRIVER_ROOT").unwrap_or_else(|| host_root.clone());
+    let mount = container["volumeMounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["mountPath"] == container_root.as_str())
+        .unwrap_or_else(|| {
+            panic!("nothing is mounted at the container driver root {container_root}")
+        });
+    let volume = pod["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == mount["name"])
+        .unwrap();
+    assert_eq!(volume["hostPath"]["path"], host_root.as_str());
+}

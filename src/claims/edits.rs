@@ -287,4 +287,38 @@ mod tests {
         let spec = cdi.read_claim_spec(uid).unwrap().unwrap();
         assert!(spec.container_edits.mounts.is_empty());
     }
+
+    #[test]
+    fn device_nodes_move_under_the_dev_root_but_a_stand_in_stays() {
+        let root = tempfile::tempdir().unwrap();
+        let cdi = CdiRegistry::new(root.path(), "gpu.dra.dev");
+        let mut inventory = FakeBackend::new("node-a", "l40s-4")
+            .unwrap()
+            .inventory()
+            .unwrap();
+        let uid = "6c3e0f0a-3d4b-4a8e-9f00-1d2c3b4a5e6f";
+        let devices = vec![device(&cdi, uid, "gpu-0")];
+        let driver = DriverEdits {
+            dev_root: Some("/run/nvidia/driver".into()),
+            ..Default::default()
+        };
+        let host_paths = |inventory: &Inventory| {
+            write_spec_with(&cdi, uid, &devices, inventory, &driver).unwrap();
+            let spec = cdi.read_claim_spec(uid).unwrap().unwrap();
+            spec.devices[0]
+                .container_edits
+                .device_nodes
+                .iter()
+                .map(|n| n.host_path.clone().unwrap_or_default())
+                .collect::<Vec<_>>()
+        };
+        // The fake backend's stand-in is a host path already.
+        assert!(host_paths(&inventory).iter().all(|h| h == "/dev/null"));
+        inventory.stand_in_device_file = None;
+        let paths = host_paths(&inventory);
+        assert_eq!(paths[0], "/run/nvidia/driver/dev/nvidia0");
+        assert!(paths
+            .iter()
+            .all(|h| h.starts_with("/run/nvidia/driver/dev/")));
+    }
 }

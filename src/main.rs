@@ -150,9 +150,12 @@ struct SelectorsAllocateArgs {
 enum NvmlCommand {
     /// Print what NVML reports about the node's GPUs (read-only: changes nothing on them).
     Probe {
-        /// Where the host's root filesystem (with the NVIDIA driver) is mounted.
+        /// The NVIDIA driver's root on the host (`/`, or `/run/nvidia/driver`).
         #[arg(long, env = "NVIDIA_DRIVER_ROOT", default_value = "/")]
         driver_root: PathBuf,
+        /// Where this process sees the driver root; the driver root itself when absent.
+        #[arg(long, env = "CONTAINER_DRIVER_ROOT")]
+        container_driver_root: Option<PathBuf>,
         /// An explicit libnvidia-ml.so.1 to load.
         #[arg(long)]
         library: Option<PathBuf>,
@@ -193,9 +196,15 @@ struct BackendArgs {
     /// as real GPU state does (with --backend fake); in memory when absent.
     #[arg(long, env = "FAKE_GPU_STATE")]
     fake_state: Option<PathBuf>,
-    /// Where the host's root filesystem (with the NVIDIA driver) is mounted (with --backend nvml).
+    /// The NVIDIA driver's root on the host (with --backend nvml): `/` for a driver installed on the
+    /// host, `/run/nvidia/driver` under the GPU Operator's driver container. Host paths in claim CDI
+    /// specs (libraries, hooks, device nodes) are under it.
     #[arg(long, env = "NVIDIA_DRIVER_ROOT", default_value = "/")]
     driver_root: PathBuf,
+    /// Where this process sees the driver root, e.g. a hostPath mount of it in the plugin's pod
+    /// (with --backend nvml); the driver root itself when absent.
+    #[arg(long, env = "CONTAINER_DRIVER_ROOT")]
+    container_driver_root: Option<PathBuf>,
     /// How MIG-capable GPUs are published: none (whole GPUs), static (the MIG devices an admin made),
     /// dynamic (every profile and placement, created on demand).
     #[arg(long, env = "MIG_MODE", value_enum, default_value_t = MigMode::Static)]
@@ -206,7 +215,11 @@ impl BackendArgs {
     fn choice(&self) -> BackendChoice {
         match self.backend {
             Backend::Nvml => BackendChoice::Nvml {
-                driver_root: self.driver_root.clone(),
+                driver_root: self
+                    .container_driver_root
+                    .clone()
+                    .unwrap_or_else(|| self.driver_root.clone()),
+                host_driver_root: self.driver_root.clone(),
             },
             Backend::Fake => BackendChoice::Fake {
                 profile: self.fake_profile.clone(),
@@ -308,12 +321,13 @@ fn main() -> Result<()> {
             command:
                 NvmlCommand::Probe {
                     driver_root,
+                    container_driver_root,
                     library,
                 },
         } => {
             let report = gpu_dra::gpu::nvml::probe(gpu_dra::gpu::NvmlOptions {
                 library_path: library,
-                driver_root,
+                driver_root: container_driver_root.unwrap_or(driver_root),
             })?;
             print!("{report}");
             Ok(())

@@ -2,8 +2,10 @@
 //! device nodes, environment and mounts. gpu-dra writes one spec file per prepared claim and returns the
 //! qualified device ids to the kubelet, which hands them to containerd / CRI-O. On real GPU nodes the
 //! specs also carry the host driver's libraries and binaries (`host_driver`), unless the NVIDIA
-//! Container Toolkit's own spec (`toolkit`) already describes the GPU.
+//! Container Toolkit's own spec (`toolkit`) already describes the GPU; their host paths come from the
+//! driver root on the host (`driver_root`).
 
+mod driver_root;
 mod host_driver;
 mod ldcache;
 mod spec;
@@ -13,6 +15,7 @@ mod writer;
 use std::io;
 use std::path::PathBuf;
 
+pub use driver_root::{device_host_path, DriverRoot, DriverRootError};
 pub use host_driver::{
     CdiHook, DiscoveryOptions, DriverFile, FileKind, HookCli, HostDriver, HostDriverError,
     LibraryClass,

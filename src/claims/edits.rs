@@ -2,11 +2,18 @@
 //! the MIG device's capability files, the driver's control files) and an environment variable that
 //! names the device by UUID; on real GPUs also the host driver's libraries and binaries, unless the
 //! NVIDIA Container Toolkit's own CDI spec describes the device, which the claim then references.
+//! Host paths (mounts, hooks, device nodes) come from the driver root on the host.
 
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use tracing::{info, warn};
+
 use super::PreparedDevice;
-use crate::cdi::{CdiRegistry, ContainerEdits, DeviceNode, ToolkitSpec};
+use crate::cdi::{
+    device_host_path, CdiRegistry, ContainerEdits, DeviceNode, DiscoveryOptions, DriverRoot,
+    HostDriver, HostDriverError, ToolkitSpec,
+};
 use crate::devices::DeviceName;
 use crate::gpu::{Gpu, Inventory};
 
@@ -18,12 +25,89 @@ pub struct DriverEdits {
     pub host: Option<ContainerEdits>,
     /// The NVIDIA Container Toolkit's spec for `nvidia.com/gpu`, if the node has one.
     pub toolkit: Option<Arc<ToolkitSpec>>,
+    /// The host directory whose `dev/` holds the GPU device nodes, where that is not `/` (the GPU
+    /// Operator's driver container: `/run/nvidia/driver`); device nodes then get a `hostPath` there.
+    pub dev_root: Option<PathBuf>,
 }
 
 impl DriverEdits {
+    /// What containers get from the driver at `root` on a real GPU node: its files, found where the
+    /// plugin sees them and mounted from where the host has them; device nodes from the root's dev
+    /// root; and the Toolkit's CDI spec where the node has one (claims then reference its devices).
+    /// Neither files nor a Toolkit spec is an error: CUDA could not run in the containers.
+    pub fn discover(
+        root: &DriverRoot,
+        driver_version: &str,
+        cdi_root: &Path,
+    ) -> Result<Self, HostDriverError> {
+        // Only directories the host's runtime reads: `<root>/etc/cdi` is the host's /etc/cdi only when
+        // the driver root is the host's root. A driver container's /etc/cdi is read by no runtime, and a
+        // claim naming a device from it would fail container creation.
+        let mut dirs = Vec::new();
+        if root.is_host_root() {
+            dirs.push(root.container().join("etc/cdi"));
+        }
+        dirs.push(cdi_root.to_path_buf());
+        let search = ToolkitSpec::find(&dirs);
+        for warning in &search.warnings {
+            warn!(path = %warning.path.display(), reason = %warning.reason, "skipping a CDI spec");
+        }
+        let toolkit = search.spec.map(Arc::new);
+        if let Some(spec) = &toolkit {
+            info!(path = %spec.path().display(), "claims reference the NVIDIA Container Toolkit's CDI devices where it names them");
+        }
+        let dev_root =
+            (root.host_dev_root() != Path::new("/")).then(|| root.host_dev_root().to_path_buf());
+        let options = DiscoveryOptions {
+            host_driver_root: Some(root.host().to_path_buf()),
+            ..Default::default()
+        };
+        match HostDriver::discover_with(root.container(), driver_version, &options) {
+            Ok(host) => {
+                for warning in host.warnings() {
+                    warn!(%warning, "host driver discovery");
+                }
+                info!(
+                    files = host.files().len(),
+                    hook = host.cdi_hook().is_some(),
+                    driver_root = %root.host().display(),
+                    dev_root = %root.host_dev_root().display(),
+                    "host driver files found"
+                );
+                Ok(DriverEdits {
+                    host: Some(host.container_edits()),
+                    toolkit,
+                    dev_root,
+                })
+            }
+            Err(error) if toolkit.is_some() => {
+                warn!(%error, "host driver files not found; devices the toolkit's spec does not name get device nodes only");
+                Ok(DriverEdits {
+                    host: None,
+                    toolkit,
+                    dev_root,
+                })
+            }
+            Err(error) => Err(error),
+        }
+    }
+
+    /// Writes the CDI spec of claim `uid` for its prepared devices: our device for each (its nodes,
+    /// unless the Toolkit's device it references brings them), and the host driver's files once for the
+    /// spec when any device is not the Toolkit's.
+    pub fn write_claim_spec(
+        &self,
+        cdi: &CdiRegistry,
+        uid: &str,
+        devices: &[PreparedDevice],
+        inventory: &Inventory,
+    ) -> Result<(), crate::cdi::CdiError> {
+        write_spec_with(cdi, uid, devices, inventory, self)
+    }
+
     /// Adds the toolkit's CDI id for the device to its ids when the toolkit's spec names it (by GPU
     /// or MIG UUID), so the runtime takes the device nodes, libraries and hooks from there.
-    pub(super) fn reference_toolkit(&self, inventory: &Inventory, device: &mut PreparedDevice) {
+    pub fn reference_toolkit(&self, inventory: &Inventory, device: &mut PreparedDevice) {
         let Some(toolkit) = &self.toolkit else { return };
         let uuid = match (&device.mig, find_gpu(inventory, &device.device)) {
             (Some(mig), _) => mig.uuid.clone(),
@@ -59,6 +143,16 @@ pub(super) fn write_spec_with(
             if uses_toolkit(device) {
                 // The toolkit's device brings the nodes; ours only names the device.
                 edits.device_nodes.clear();
+            }
+            if let Some(dev_root) = &driver.dev_root {
+                // A stand-in (the fake backend's) is already a host path.
+                for node in edits
+                    .device_nodes
+                    .iter_mut()
+                    .filter(|n| n.host_path.is_none())
+                {
+                    node.host_path = device_host_path(dev_root, &node.path);
+                }
             }
             (device.device.clone(), edits)
         })
@@ -165,6 +259,7 @@ mod tests {
                 ..Default::default()
             }),
             toolkit: Some(Arc::new(toolkit)),
+            dev_root: None,
         };
         let uid = "6c3e0f0a-3d4b-4a8e-9f00-1d2c3b4a5e6f";
         let mut devices = vec![device(&cdi, uid, "gpu-0"), device(&cdi, uid, "gpu-1")];
@@ -191,5 +286,39 @@ mod tests {
         write_spec_with(&cdi, uid, &devices[..1], &inventory, &driver).unwrap();
         let spec = cdi.read_claim_spec(uid).unwrap().unwrap();
         assert!(spec.container_edits.mounts.is_empty());
+    }
+
+    #[test]
+    fn device_nodes_move_under_the_dev_root_but_a_stand_in_stays() {
+        let root = tempfile::tempdir().unwrap();
+        let cdi = CdiRegistry::new(root.path(), "gpu.dra.dev");
+        let mut inventory = FakeBackend::new("node-a", "l40s-4")
+            .unwrap()
+            .inventory()
+            .unwrap();
+        let uid = "6c3e0f0a-3d4b-4a8e-9f00-1d2c3b4a5e6f";
+        let devices = vec![device(&cdi, uid, "gpu-0")];
+        let driver = DriverEdits {
+            dev_root: Some("/run/nvidia/driver".into()),
+            ..Default::default()
+        };
+        let host_paths = |inventory: &Inventory| {
+            write_spec_with(&cdi, uid, &devices, inventory, &driver).unwrap();
+            let spec = cdi.read_claim_spec(uid).unwrap().unwrap();
+            spec.devices[0]
+                .container_edits
+                .device_nodes
+                .iter()
+                .map(|n| n.host_path.clone().unwrap_or_default())
+                .collect::<Vec<_>>()
+        };
+        // The fake backend's stand-in is a host path already.
+        assert!(host_paths(&inventory).iter().all(|h| h == "/dev/null"));
+        inventory.stand_in_device_file = None;
+        let paths = host_paths(&inventory);
+        assert_eq!(paths[0], "/run/nvidia/driver/dev/nvidia0");
+        assert!(paths
+            .iter()
+            .all(|h| h.starts_with("/run/nvidia/driver/dev/")));
     }
 }

@@ -22,7 +22,7 @@ use tokio::task::JoinHandle;
 use tracing::{error, info, warn};
 
 use crate::cdi::CdiRegistry;
-use crate::cdi::{HostDriver, ToolkitSpec};
+use crate::cdi::DriverRoot;
 use crate::claims::DriverEdits;
 use crate::claims::{self, ClaimsConfig, Preparer, Recovery};
 use crate::devices::{node_devices, MigMode};
@@ -43,8 +43,11 @@ use crate::slices::Publisher;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum BackendChoice {
     Nvml {
-        /// Where the host's root (with the NVIDIA driver's files) is mounted; `/` on a bare host.
+        /// Where this process sees the NVIDIA driver's root (a hostPath mount of it); `/` on a bare host.
         driver_root: PathBuf,
+        /// The same driver root on the host, which claim CDI specs name: `/` for a driver installed on
+        /// the host, `/run/nvidia/driver` under the GPU Operator's driver container.
+        host_driver_root: PathBuf,
     },
     /// A built-in fake profile name or a YAML profile path.
     Fake {
@@ -131,7 +134,7 @@ pub enum PluginError {
     },
     #[error(transparent)]
     Socket(#[from] kubelet::SocketError),
-    #[error("the NVIDIA driver's files for containers: {0}; mount the host's root at --driver-root, or install the NVIDIA Container Toolkit's CDI spec (nvidia-ctk cdi generate)")]
+    #[error("the NVIDIA driver's files for containers: {0}; set --driver-root to the driver's root on the host and mount it at --container-driver-root, or install the NVIDIA Container Toolkit's CDI spec (nvidia-ctk cdi generate)")]
     DriverFiles(String),
     #[error("recovering prepared claims: {0}")]
     Recovery(#[from] claims::ClaimError),
@@ -158,7 +161,7 @@ pub fn open_backend(
             profile,
             state_file.clone(),
         )?)),
-        BackendChoice::Nvml { driver_root } => Ok(Arc::new(NvmlBackend::open(NvmlOptions {
+        BackendChoice::Nvml { driver_root, .. } => Ok(Arc::new(NvmlBackend::open(NvmlOptions {
             library_path: None,
             driver_root: driver_root.clone(),
         })?)),
@@ -444,46 +447,20 @@ async fn rescan(
     }
 }
 
-/// What containers get from the host driver: nothing for fake GPUs; on real ones the driver's
-/// libraries and binaries found under the driver root, and the NVIDIA Container Toolkit's CDI spec
-/// where the node has one (claims then reference its devices). Neither on a real node is an error:
-/// CUDA could not run in the containers.
+/// What containers get from the host driver: nothing for fake GPUs; on real ones the driver's files
+/// and device nodes from the driver root, and the Toolkit's devices ([`DriverEdits::discover`]).
 fn driver_edits(config: &PluginConfig, inventory: &Inventory) -> Result<DriverEdits, PluginError> {
-    let BackendChoice::Nvml { driver_root } = &config.backend else {
+    let BackendChoice::Nvml {
+        driver_root,
+        host_driver_root,
+    } = &config.backend
+    else {
         return Ok(DriverEdits::default());
     };
-    let search = ToolkitSpec::find(&[driver_root.join("etc/cdi"), config.cdi_root.clone()]);
-    for warning in &search.warnings {
-        warn!(path = %warning.path.display(), reason = %warning.reason, "skipping a CDI spec");
-    }
-    let toolkit = search.spec.map(Arc::new);
-    if let Some(spec) = &toolkit {
-        info!(path = %spec.path().display(), "claims reference the NVIDIA Container Toolkit's CDI devices where it names them");
-    }
-    match HostDriver::discover(driver_root, &inventory.driver_version) {
-        Ok(host) => {
-            for warning in host.warnings() {
-                warn!(%warning, "host driver discovery");
-            }
-            info!(
-                files = host.files().len(),
-                hook = host.cdi_hook().is_some(),
-                "host driver files found"
-            );
-            Ok(DriverEdits {
-                host: Some(host.container_edits()),
-                toolkit,
-            })
-        }
-        Err(error) if toolkit.is_some() => {
-            warn!(%error, "host driver files not found; devices the toolkit's spec does not name get device nodes only");
-            Ok(DriverEdits {
-                host: None,
-                toolkit,
-            })
-        }
-        Err(error) => Err(PluginError::DriverFiles(error.to_string())),
-    }
+    let root = DriverRoot::new(host_driver_root, driver_root)
+        .map_err(|e| PluginError::DriverFiles(e.to_string()))?;
+    DriverEdits::discover(&root, &inventory.driver_version, &config.cdi_root)
+        .map_err(|e| PluginError::DriverFiles(e.to_string()))
 }
 
 async fn stopped(mut shutdown: watch::Receiver<bool>) {

@@ -1,0 +1,369 @@
+//! The NVIDIA driver's user-space files (CUDA / NVML libraries, tools, GSP firmware) under a driver root, and
+//! the CDI container edits that give a container what CUDA needs: read-only bind mounts from the host's
+//! driver root, plus the Container Toolkit's symlink and ldcache hooks when its hook binary is there.
+
+#[cfg(test)]
+mod fake_root;
+mod hooks;
+mod search;
+
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+
+use super::spec::{ContainerEdits, Mount};
+use hooks::{hook_cli, hook_override, library_hooks, HOOK_BINARIES};
+pub use hooks::{CdiHook, HookCli};
+pub use search::LibraryClass;
+use search::{library_dirs, Finder, BINARIES, REQUIRED};
+
+const MOUNT_OPTIONS: [&str; 4] = ["ro", "nosuid", "nodev", "bind"];
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FileKind {
+    Library(LibraryClass),
+    Binary,
+    Firmware,
+}
+
+/// One driver file to bind-mount into containers. `container_path` and `host_path` are absolute, UTF-8 and
+/// free of `..`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DriverFile {
+    pub kind: FileKind,
+    /// Where the container sees it: the search path below the driver root, e.g.
+    /// `/usr/lib/x86_64-linux-gnu/libcuda.so.550.90.07`.
+    pub container_path: PathBuf,
+    /// What the runtime bind-mounts: the file, with the driver root's own symlinks resolved, under the
+    /// host's driver root.
+    pub host_path: PathBuf,
+    /// Where the plugin found it, under the driver root it was given.
+    pub found_at: PathBuf,
+    /// For libraries: the soname link the container needs, and the bare `.so` link (pointing at the soname).
+    soname: Option<&'static str>,
+    dev_link: bool,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct DiscoveryOptions {
+    /// The driver root as the host sees it, which the runtime needs for `hostPath` and the hook's `path`.
+    /// `None` means `/`: the driver is installed on the host itself, whatever path the plugin sees it at.
+    /// With the GPU Operator's driver container it is typically `/run/nvidia/driver`.
+    pub host_driver_root: Option<PathBuf>,
+    /// An `nvidia-cdi-hook` or `nvidia-ctk` to use instead of one in the driver root. It must be a path
+    /// that is the same in the plugin and on the host (e.g. a copy in the plugin's directory under
+    /// `/var/lib/kubelet/plugins`, mounted at the same path); it is checked here and written verbatim.
+    pub cdi_hook: Option<PathBuf>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum HostDriverError {
+    #[error("driver version {0:?} is not a version like 550.90.07")]
+    InvalidVersion(String),
+    #[error("driver root {}: {reason}", root.display())]
+    InvalidRoot { root: PathBuf, reason: String },
+    #[error("driver root {}: {source}", root.display())]
+    RootUnreadable { root: PathBuf, source: io::Error },
+    /// `searched` lists the directories below the root, including those the root's ld.so.cache named.
+    #[error("{missing} not found under driver root {} (searched {searched}); {hint}", root.display())]
+    MissingLibraries {
+        root: PathBuf,
+        version: String,
+        /// The missing file names, e.g. `libcuda.so.550.90.07`.
+        missing: String,
+        searched: String,
+        hint: String,
+    },
+    #[error("CDI hook {}: {reason}", path.display())]
+    HookOverride { path: PathBuf, reason: String },
+}
+
+/// The driver files of one driver version under one driver root.
+#[derive(Clone, Debug)]
+pub struct HostDriver {
+    driver_root: PathBuf,
+    version: String,
+    files: Vec<DriverFile>,
+    hook: Option<CdiHook>,
+    warnings: Vec<String>,
+}
+
+impl HostDriver {
+    /// Discovers with the default options: the host's driver root is `/` and the hook comes from the
+    /// driver root, if it has one.
+    pub fn discover(driver_root: &Path, driver_version: &str) -> Result<Self, HostDriverError> {
+        Self::discover_with(driver_root, driver_version, &DiscoveryOptions::default())
+    }
+
+    pub fn discover_with(
+        driver_root: &Path,
+        driver_version: &str,
+        options: &DiscoveryOptions,
+    ) -> Result<Self, HostDriverError> {
+        let version_ok = driver_version.starts_with(|c: char| c.is_ascii_digit())
+            && driver_version
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '.');
+        if !version_ok {
+            return Err(HostDriverError::InvalidVersion(driver_version.into()));
+        }
+        let invalid_root = |root: &Path, reason: &str| HostDriverError::InvalidRoot {
+            root: root.into(),
+            reason: reason.into(),
+        };
+        if !driver_root.is_absolute() {
+            return Err(invalid_root(driver_root, "not an absolute path"));
+        }
+        match fs::metadata(driver_root) {
+            Ok(meta) if meta.is_dir() => {}
+            Ok(_) => return Err(invalid_root(driver_root, "not a directory")),
+            Err(source) => {
+                return Err(HostDriverError::RootUnreadable {
+                    root: driver_root.into(),
+                    source,
+                })
+            }
+        }
+        let host_root = options
+            .host_driver_root
+            .clone()
+            .unwrap_or_else(|| PathBuf::from("/"));
+        if !host_root.is_absolute() || host_root.to_str().is_none() {
+            return Err(invalid_root(
+                &host_root,
+                "the host driver root must be an absolute UTF-8 path",
+            ));
+        }
+
+        let mut finder = Finder::new(driver_root, &host_root);
+        // The cache's directories are for this ABI, so they go before the generic /usr/lib and /lib.
+        let mut dirs = library_dirs();
+        let mut at = dirs
+            .iter()
+            .position(|d| d == "/usr/lib")
+            .unwrap_or(dirs.len());
+        for dir in finder.ld_cache_dirs() {
+            if !dirs.contains(&dir) {
+                dirs.insert(at, dir);
+                at += 1;
+            }
+        }
+        let (mut files, other_versions) = finder.libraries(&dirs, driver_version);
+
+        let missing: Vec<String> = REQUIRED
+            .iter()
+            .map(|stem| format!("{stem}.so.{driver_version}"))
+            .filter(|name| !files.iter().any(|f| f.container_path.ends_with(name)))
+            .collect();
+        if !missing.is_empty() {
+            let hint = if other_versions.is_empty() {
+                "no version of them is there either: is the driver installed at this root?"
+                    .to_string()
+            } else {
+                let found: Vec<_> = other_versions.into_iter().collect();
+                format!(
+                    "found {} instead: the driver at this root is not version {driver_version}",
+                    found.join(", ")
+                )
+            };
+            return Err(HostDriverError::MissingLibraries {
+                root: driver_root.into(),
+                version: driver_version.into(),
+                missing: missing.join(" and "),
+                searched: dirs.join(", "),
+                hint,
+            });
+        }
+
+        for name in BINARIES {
+            if let Some(file) = finder.executable(name, FileKind::Binary) {
+                files.push(file);
+            }
+        }
+        files.extend(finder.firmware(driver_version));
+        let hook = match &options.cdi_hook {
+            Some(path) => Some(hook_override(path)?),
+            None => HOOK_BINARIES.iter().find_map(|name| {
+                let file = finder.executable(name, FileKind::Binary)?;
+                Some(CdiHook {
+                    host_path: file.host_path,
+                    cli: hook_cli(name),
+                })
+            }),
+        };
+        let warnings = finder.into_warnings();
+        Ok(Self {
+            driver_root: driver_root.into(),
+            version: driver_version.into(),
+            files,
+            hook,
+            warnings,
+        })
+    }
+
+    pub fn driver_root(&self) -> &Path {
+        &self.driver_root
+    }
+
+    pub fn version(&self) -> &str {
+        &self.version
+    }
+
+    /// Libraries (in the table's order), then binaries, then firmware.
+    pub fn files(&self) -> &[DriverFile] {
+        &self.files
+    }
+
+    pub fn cdi_hook(&self) -> Option<&CdiHook> {
+        self.hook.as_ref()
+    }
+
+    /// Things skipped during discovery that an operator may want to see in the log (unreadable
+    /// directories, a corrupt ld.so.cache, files that are not executables).
+    pub fn warnings(&self) -> &[String] {
+        &self.warnings
+    }
+
+    /// Read-only bind mounts of every file at its container path, plus, with a hook binary, two
+    /// `createContainer` hooks as the Container Toolkit writes them: `create-symlinks` for the sonames
+    /// (`libcuda.so.1`) and the bare `libcuda.so`, which applications open by name and only the versioned
+    /// files are mounted, and `update-ldcache` for the library directories, so the linker finds them.
+    pub fn container_edits(&self) -> ContainerEdits {
+        let path_str = |p: &Path| p.to_string_lossy().into_owned();
+        let mounts = self
+            .files
+            .iter()
+            .map(|f| Mount {
+                host_path: path_str(&f.host_path),
+                container_path: path_str(&f.container_path),
+                options: MOUNT_OPTIONS.iter().map(|o| o.to_string()).collect(),
+                mount_type: None,
+            })
+            .collect();
+        let hooks = match &self.hook {
+            Some(hook) => library_hooks(hook, &self.files),
+            None => Vec::new(),
+        };
+        ContainerEdits {
+            mounts,
+            hooks,
+            ..Default::default()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fake_root::*;
+    use super::*;
+    use crate::cdi::spec::{minimum_version, validate, Device, DeviceNode, Spec};
+    use std::collections::HashSet;
+
+    #[test]
+    fn another_version_is_an_error_naming_version_root_and_what_is_there() {
+        let root = FakeRoot::debian_driver();
+        let err = error_text(root.path(), "560.35.03");
+        let root_text = root.path().display().to_string();
+        for part in [
+            "libcuda.so.560.35.03 and libnvidia-ml.so.560.35.03 not found",
+            root_text.as_str(),
+            &native_dir(),
+            "/usr/lib64",
+            &format!("libcuda.so.{VERSION}"),
+            "not version 560.35.03",
+        ] {
+            assert!(err.contains(part), "{err:?} lacks {part:?}");
+        }
+    }
+
+    #[test]
+    fn missing_libcuda_or_an_empty_root_is_an_error() {
+        let root = FakeRoot::new();
+        root.lib(&format!("/usr/lib64/libnvidia-ml.so.{VERSION}"));
+        let err = error_text(root.path(), VERSION);
+        assert!(
+            err.starts_with(&format!(
+                "libcuda.so.{VERSION} not found under driver root {}",
+                root.path().display()
+            )),
+            "{err}"
+        );
+
+        let empty = FakeRoot::new();
+        let err = error_text(empty.path(), VERSION);
+        assert!(
+            err.contains("is the driver installed at this root?"),
+            "{err}"
+        );
+
+        let missing = empty.path().join("nope");
+        assert!(error_text(&missing, VERSION).contains("nope"));
+        assert!(error_text(empty.path(), "../550").contains("not a version"));
+        assert!(error_text(Path::new("driver-root"), VERSION).contains("not an absolute path"));
+    }
+
+    #[test]
+    fn container_paths_strip_the_root_and_host_paths_use_the_host_root() {
+        let root = FakeRoot::debian_driver();
+        let lib = format!("{}/libcuda.so.{VERSION}", native_dir());
+        let driver = discover(&root);
+        let cuda = &driver.files()[0];
+        assert_eq!(cuda.container_path, Path::new(&lib));
+        assert_eq!(cuda.host_path, Path::new(&lib));
+        assert_eq!(cuda.found_at, root.path().join(lib.trim_start_matches('/')));
+
+        let options = DiscoveryOptions {
+            host_driver_root: Some("/run/nvidia/driver".into()),
+            ..Default::default()
+        };
+        let driver = HostDriver::discover_with(root.path(), VERSION, &options)
+            .unwrap_or_else(|e| panic!("{e}"));
+        let mount = &driver.container_edits().mounts[0];
+        assert_eq!(mount.container_path, lib);
+        assert_eq!(mount.host_path, format!("/run/nvidia/driver{lib}"));
+        assert_eq!(mount.options, ["ro", "nosuid", "nodev", "bind"]);
+    }
+
+    #[test]
+    fn edits_validate_as_a_cdi_spec_at_the_minimum_version_with_unique_absolute_paths() {
+        let with_hook = FakeRoot::debian_driver();
+        with_hook.bin("/usr/bin/nvidia-cdi-hook");
+        let without_hook = FakeRoot::debian_driver();
+        for (root, hooks) in [(&with_hook, 2), (&without_hook, 0)] {
+            let edits = discover(root).container_edits();
+            assert_eq!(edits.hooks.len(), hooks);
+            let mut spec = Spec {
+                kind: "k8s.gpu.dra.dev/gpu".into(),
+                devices: vec![Device {
+                    name: "gpu-0".into(),
+                    container_edits: ContainerEdits {
+                        device_nodes: vec![DeviceNode {
+                            path: "/dev/nvidia0".into(),
+                            ..Default::default()
+                        }],
+                        ..Default::default()
+                    },
+                    ..Default::default()
+                }],
+                container_edits: edits.clone(),
+                ..Default::default()
+            };
+            spec.cdi_version = minimum_version(&spec).into();
+            assert_eq!(spec.cdi_version, "0.3.0");
+            validate(&spec).unwrap_or_else(|e| panic!("{e}"));
+
+            let mut seen = HashSet::new();
+            for mount in &edits.mounts {
+                assert!(mount.container_path.starts_with('/') && mount.host_path.starts_with('/'));
+                assert!(
+                    seen.insert(mount.container_path.clone()),
+                    "{} twice",
+                    mount.container_path
+                );
+            }
+            for hook in &edits.hooks {
+                assert!(hook.path.starts_with('/'));
+            }
+        }
+    }
+}

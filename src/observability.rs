@@ -52,6 +52,7 @@ pub struct Metrics {
     unprepare_seconds: Histogram,
     published_devices: Gauge,
     api_errors: Family<OperationLabels, Counter>,
+    api_timeouts: Family<OperationLabels, Counter>,
     device_healthy: Family<DeviceLabels, Gauge>,
     faults: Family<FaultLabels, Counter>,
     device_class_problems: Family<ClassProblemLabels, Gauge>,
@@ -67,6 +68,7 @@ impl Metrics {
         let unprepare_seconds = Histogram::new(exponential_buckets(0.0005, 2.0, 16));
         let published_devices = Gauge::default();
         let api_errors = Family::<OperationLabels, Counter>::default();
+        let api_timeouts = Family::<OperationLabels, Counter>::default();
         let device_healthy = Family::<DeviceLabels, Gauge>::default();
         let faults = Family::<FaultLabels, Counter>::default();
         let device_class_problems = Family::<ClassProblemLabels, Gauge>::default();
@@ -116,6 +118,12 @@ impl Metrics {
             "Failed requests to the Kubernetes API server, by operation",
             api_errors.clone(),
         );
+        registry.register(
+            "api_timeouts",
+            "Requests to the Kubernetes API server that got no answer in time (hung or unreachable server), \
+             by operation; each is also counted in api_errors",
+            api_timeouts.clone(),
+        );
         Arc::new(Metrics {
             registry,
             prepared,
@@ -124,6 +132,7 @@ impl Metrics {
             unprepare_seconds,
             published_devices,
             api_errors,
+            api_timeouts,
             device_healthy,
             faults,
             device_class_problems,
@@ -179,6 +188,14 @@ impl Metrics {
 
     pub fn api_error(&self, operation: &'static str) {
         self.api_errors
+            .get_or_create(&OperationLabels { operation })
+            .inc();
+    }
+
+    /// A request that got no answer in time; counted as an API error too.
+    pub fn api_timeout(&self, operation: &'static str) {
+        self.api_error(operation);
+        self.api_timeouts
             .get_or_create(&OperationLabels { operation })
             .inc();
     }

@@ -19,6 +19,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tracing::{error, info, warn};
 
+use crate::apiclient::{ApiClientError, ApiTimeouts};
 use crate::cdi::CdiRegistry;
 use crate::cdi::{HostDriver, ToolkitSpec};
 use crate::claims::DriverEdits;
@@ -65,6 +66,9 @@ pub struct PluginConfig {
     /// How often the backend is asked whether the GPUs changed.
     pub rescan_interval: Duration,
     pub mig_mode: MigMode,
+    /// Timeouts towards the API server: the client's, the watches', and the per-claim budget of a
+    /// prepare. The client built by [`kube_client`] must be made with the same values.
+    pub api: ApiTimeouts,
 }
 
 impl PluginConfig {
@@ -90,6 +94,7 @@ impl PluginConfig {
             http_addr: None,
             rescan_interval: Duration::from_secs(5),
             mig_mode: MigMode::Static,
+            api: ApiTimeouts::default(),
         }
     }
 
@@ -118,6 +123,8 @@ pub enum PluginError {
     NodeName(String),
     #[error(transparent)]
     Backend(#[from] GpuError),
+    #[error("API server timeouts: {0}")]
+    ApiTimeouts(#[from] ApiClientError),
     #[error("creating {path}: {source}")]
     Directory {
         path: String,
@@ -215,6 +222,7 @@ pub async fn start(
     if !claims::names::is_dns_subdomain(&config.node_name, 253) {
         return Err(PluginError::NodeName(config.node_name.clone()));
     }
+    config.api.check()?;
     let backend = open_backend(&config.backend, &config.node_name)?;
     let inventory = Arc::new(backend.inventory()?);
     info!(
@@ -245,6 +253,7 @@ pub async fn start(
             checkpoint_path: claims::checkpoint_path(&plugin_dir),
             mig_mode: mig_mode_rx,
             driver_edits: driver_edits(&config, &inventory)?,
+            claim_read_budget: config.api.claim_read,
         },
         client.clone(),
         backend.clone(),
@@ -276,11 +285,12 @@ pub async fn start(
     )));
 
     let (selected_tx, selected_rx) = watch::channel(None);
-    tasks.push(tokio::spawn(crate::api::PolicyWatcher::run(
+    tasks.push(tokio::spawn(crate::api::PolicyWatcher::run_with(
         client.clone(),
         config.node_name.clone(),
         selected_tx,
         shutdown_rx.clone(),
+        config.api.watcher_config(),
     )));
     tasks.push(tokio::spawn(monitor::follow_policies(
         selected_rx,
@@ -327,14 +337,18 @@ pub async fn start(
         class_check_devices,
         metrics.clone(),
         shutdown_rx.clone(),
+        config.api.watcher_config(),
     )));
 
-    let publisher = Arc::new(Publisher::new(
-        client,
-        &config.driver_name,
-        &config.node_name,
-        metrics.clone(),
-    ));
+    let publisher = Arc::new(
+        Publisher::new(
+            client,
+            &config.driver_name,
+            &config.node_name,
+            metrics.clone(),
+        )
+        .with_watcher_config(config.api.watcher_config()),
+    );
     tasks.push(tokio::spawn(publisher.run(
         devices_rx,
         readiness.clone(),
@@ -474,24 +488,11 @@ fn create_private_dir(dir: &std::path::Path) -> Result<(), PluginError> {
     std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o750)).map_err(error)
 }
 
-/// A client for `--kubeconfig`, or the in-cluster / `KUBECONFIG` configuration when none is given.
+/// A client for `--kubeconfig`, or the in-cluster / `KUBECONFIG` configuration when none is given, with
+/// the connect and read timeouts of `timeouts` (pass the plugin's [`PluginConfig::api`]).
 pub async fn kube_client(
     kubeconfig: Option<&std::path::Path>,
+    timeouts: &ApiTimeouts,
 ) -> Result<kube::Client, anyhow::Error> {
-    // rustls needs one process-wide crypto provider; choose it explicitly so that a build in which
-    // several are compiled in (the tests pull in aws-lc-rs) does not leave the choice ambiguous.
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let config = match kubeconfig {
-        Some(path) => {
-            let file = kube::config::Kubeconfig::read_from(path)
-                .map_err(|e| anyhow::anyhow!("reading kubeconfig {}: {e}", path.display()))?;
-            kube::Config::from_custom_kubeconfig(file, &kube::config::KubeConfigOptions::default())
-                .await
-                .map_err(|e| anyhow::anyhow!("kubeconfig {}: {e}", path.display()))?
-        }
-        None => kube::Config::infer().await.map_err(|e| {
-            anyhow::anyhow!("no kubeconfig given and no in-cluster configuration: {e}")
-        })?,
-    };
-    kube::Client::try_from(config).map_err(|e| anyhow::anyhow!("creating Kubernetes client: {e}"))
+    Ok(crate::apiclient::kube_client(kubeconfig, timeouts).await?)
 }

@@ -271,24 +271,62 @@ impl Readiness {
     }
 }
 
+/// What `/healthz` checks: the tasks the plugin cannot work without (the DRA and registration gRPC
+/// servers, the publisher, the health monitor). One that stops outside shutdown (it ended, panicked or
+/// was cancelled) is recorded here and `/healthz` fails from then on, so that the kubelet restarts the
+/// pod instead of keeping a plugin that looks alive but no longer serves or publishes.
+#[derive(Default)]
+pub struct Liveness {
+    stopped: Mutex<Vec<String>>,
+}
+
+impl Liveness {
+    /// Records that `task` stopped, and why (`ended`, `panicked: ...`, `was cancelled`).
+    pub fn task_stopped(&self, task: &str, why: &str) {
+        if let Ok(mut stopped) = self.stopped.lock() {
+            stopped.push(format!("{task} stopped ({why})"));
+        }
+    }
+
+    /// `Ok` while every vital task runs, else what stopped, in words.
+    pub fn check(&self) -> Result<(), Vec<String>> {
+        let stopped = self
+            .stopped
+            .lock()
+            .map(|s| s.clone())
+            .unwrap_or_else(|poisoned| poisoned.into_inner().clone());
+        if stopped.is_empty() {
+            Ok(())
+        } else {
+            Err(stopped)
+        }
+    }
+}
+
 #[derive(Clone)]
 struct HttpState {
     metrics: Arc<Metrics>,
     readiness: Arc<Readiness>,
+    liveness: Arc<Liveness>,
 }
 
-/// Serves `/healthz`, `/readyz` and `/metrics` on `addr` until `shutdown` fires; returns the bound address.
+/// Serves `/healthz` (liveness), `/readyz` and `/metrics` on `addr` until `shutdown` fires; returns the bound address.
 pub async fn serve_http(
     addr: SocketAddr,
     metrics: Arc<Metrics>,
     readiness: Arc<Readiness>,
+    liveness: Arc<Liveness>,
     mut shutdown: tokio::sync::watch::Receiver<bool>,
 ) -> std::io::Result<SocketAddr> {
     let router = Router::new()
-        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics_text))
-        .with_state(HttpState { metrics, readiness });
+        .with_state(HttpState {
+            metrics,
+            readiness,
+            liveness,
+        });
     let listener = tokio::net::TcpListener::bind(addr).await?;
     let bound = listener.local_addr()?;
     tokio::spawn(async move {
@@ -300,6 +338,16 @@ pub async fn serve_http(
         }
     });
     Ok(bound)
+}
+
+async fn healthz(State(state): State<HttpState>) -> (StatusCode, String) {
+    match state.liveness.check() {
+        Ok(()) => (StatusCode::OK, "ok\n".to_string()),
+        Err(stopped) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("unhealthy: {}\n", stopped.join("; ")),
+        ),
+    }
 }
 
 async fn readyz(State(state): State<HttpState>) -> (StatusCode, String) {

@@ -1,6 +1,7 @@
 //! The plugin against an API server that hangs, refuses or keeps erroring, and against half-open
 //! watches: a prepare answers per claim within its budget (never the kubelet's whole-call deadline),
-//! and the publisher and the watchers find their way back on their own once the server answers.
+//! the publisher and the watchers find their way back on their own once the server answers, and
+//! `/healthz` fails when a task the plugin cannot work without has stopped.
 //!
 //! The timeouts are the production ones scaled down (claim budget 2 s instead of 20 s), so that the
 //! tests stay fast; the kubelet double keeps its real 45 s deadline.
@@ -275,5 +276,66 @@ async fn the_publisher_and_the_watchers_recover_from_a_half_open_api_server() {
         )
         .await
         .expect("the DeviceClass self-test sees the new class");
+    plugin.shutdown().await;
+}
+
+async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr)
+        .await
+        .expect("connect to the HTTP endpoint");
+    stream
+        .write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes())
+        .await
+        .expect("write");
+    let mut text = String::new();
+    stream.read_to_string(&mut text).await.expect("read");
+    let code = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    (code, body)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn healthz_fails_when_a_vital_task_has_stopped() {
+    for task in [
+        "publisher",
+        "health-monitor",
+        "dra-server",
+        "registration-server",
+    ] {
+        let mut node = Harness::new("l40s-4").await;
+        node.config.http_addr = Some(([127, 0, 0, 1], 0).into());
+        let plugin = node.start_plugin().await;
+        let addr = plugin.http_addr.expect("HTTP is on");
+        let (code, body) = http_get(addr, "/healthz").await;
+        assert_eq!(
+            (code, body.as_str()),
+            (200, "ok\n"),
+            "{task}: healthy at first"
+        );
+
+        assert!(plugin.abort_vital_task(task), "{task} is a vital task");
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        let (code, body) = loop {
+            let (code, body) = http_get(addr, "/healthz").await;
+            if code != 200 || tokio::time::Instant::now() > deadline {
+                break (code, body);
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        assert_eq!(code, 503, "{task}: {body}");
+        assert!(body.contains(&format!("{task} stopped")), "{task}: {body}");
+        plugin.shutdown().await;
+    }
+    let node = Harness::new("l40s-4").await;
+    let plugin = node.start_plugin().await;
+    assert!(!plugin.abort_vital_task("no-such-task"));
     plugin.shutdown().await;
 }

@@ -4,6 +4,7 @@
 mod monitor;
 pub mod node_events;
 pub mod selftest;
+mod supervise;
 
 pub use monitor::NodePolicy;
 use monitor::{Monitor, MonitorChannels};
@@ -30,7 +31,7 @@ use crate::kubelet::health::DEFAULT_HEALTH_TIMEOUT;
 use crate::kubelet::{
     self, DeviceHealthReport, DraV1, DraV1beta1, HealthService, RegistrationService,
 };
-use crate::observability::{self, Metrics, Readiness};
+use crate::observability::{self, Liveness, Metrics, Readiness};
 use crate::proto::dra_v1::dra_plugin_server::DraPluginServer as DraV1Server;
 use crate::proto::dra_v1beta1::dra_plugin_server::DraPluginServer as DraV1beta1Server;
 use crate::proto::health_v1::dra_resource_health_server::DraResourceHealthServer as HealthV1Server;
@@ -178,11 +179,19 @@ pub struct RunningPlugin {
     pub policy: watch::Sender<NodePolicy>,
     shutdown: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
+    vital: supervise::Vital,
     stop_events: Arc<AtomicBool>,
     event_reader: Option<std::thread::JoinHandle<()>>,
 }
 
 impl RunningPlugin {
+    /// Cancels one of the vital tasks (`dra-server`, `registration-server`, `publisher`,
+    /// `health-monitor`) as if it had died, so that tests can check what `/healthz` says then.
+    /// Returns false for an unknown name.
+    pub fn abort_vital_task(&self, name: &str) -> bool {
+        self.vital.abort(name)
+    }
+
     pub async fn shutdown(mut self) {
         let _ = self.shutdown.send(true);
         self.stop_events.store(true, Ordering::Relaxed);
@@ -235,7 +244,9 @@ pub async fn start(
     create_private_dir(&plugin_dir)?;
     let metrics = Metrics::new();
     let readiness = Arc::new(Readiness::default());
+    let liveness = Arc::new(Liveness::default());
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
+    let mut vital = supervise::Vital::new(liveness.clone(), shutdown_rx.clone());
     let (inventory_tx, inventory_rx) = watch::channel(inventory.clone());
     let (devices_tx, devices_rx) =
         watch::channel(Arc::new(node_devices(&inventory, config.mig_mode)));
@@ -272,17 +283,20 @@ pub async fn start(
         default_mig_mode: config.mig_mode,
         metrics: metrics.clone(),
     };
-    tasks.push(tokio::spawn(health_monitor.run(
-        MonitorChannels {
-            inventory: inventory_tx.subscribe(),
-            policy: policy_rx,
-            events: events_rx,
-            devices: devices_tx,
-            health: health_tx,
-            mig_mode: mig_mode_tx,
-        },
-        shutdown_rx.clone(),
-    )));
+    tasks.push(vital.spawn(
+        "health-monitor",
+        health_monitor.run(
+            MonitorChannels {
+                inventory: inventory_tx.subscribe(),
+                policy: policy_rx,
+                events: events_rx,
+                devices: devices_tx,
+                health: health_tx,
+                mig_mode: mig_mode_tx,
+            },
+            shutdown_rx.clone(),
+        ),
+    ));
 
     let (selected_tx, selected_rx) = watch::channel(None);
     tasks.push(tokio::spawn(crate::api::PolicyWatcher::run_with(
@@ -308,7 +322,7 @@ pub async fn start(
             kubelet::lenient_incoming(dra_listener),
             stopped(shutdown_rx.clone()),
         );
-    tasks.push(tokio::spawn(async move {
+    tasks.push(vital.spawn("dra-server", async move {
         if let Err(error) = dra_server.await {
             error!(%error, "DRA gRPC server failed");
         }
@@ -324,7 +338,7 @@ pub async fn start(
             kubelet::lenient_incoming(registration_listener),
             stopped(shutdown_rx.clone()),
         );
-    tasks.push(tokio::spawn(async move {
+    tasks.push(vital.spawn("registration-server", async move {
         if let Err(error) = registration_server.await {
             error!(%error, "registration gRPC server failed");
         }
@@ -349,11 +363,10 @@ pub async fn start(
         )
         .with_watcher_config(config.api.watcher_config()),
     );
-    tasks.push(tokio::spawn(publisher.run(
-        devices_rx,
-        readiness.clone(),
-        shutdown_rx.clone(),
-    )));
+    tasks.push(vital.spawn(
+        "publisher",
+        publisher.run(devices_rx, readiness.clone(), shutdown_rx.clone()),
+    ));
     tasks.push(tokio::spawn(rescan(
         backend,
         config.rescan_interval,
@@ -367,6 +380,7 @@ pub async fn start(
                 addr,
                 metrics.clone(),
                 readiness.clone(),
+                liveness.clone(),
                 shutdown_rx.clone(),
             )
             .await
@@ -391,6 +405,7 @@ pub async fn start(
         policy: policy_tx,
         shutdown: shutdown_tx,
         tasks,
+        vital,
         stop_events,
         event_reader: Some(event_reader),
     })

@@ -97,6 +97,48 @@ async fn a_hung_claim_read_fails_that_claim_only_well_before_the_kubelet_deadlin
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_clients_read_timeout_on_a_hung_claim_read_is_reported_as_no_answer() {
+    let mut node = Harness::new("l40s-4").await;
+    // The client's read timeout (2 s) runs out long before the claim budget (30 s).
+    node.config.api = ApiTimeouts {
+        read: Duration::from_secs(2),
+        watch: Duration::from_secs(1),
+        claim_read: Duration::from_secs(30),
+        ..short_timeouts()
+    };
+    let kubeconfig = node.dir.path().join("kubeconfig");
+    node.api.write_kubeconfig(&kubeconfig).expect("kubeconfig");
+    let client = gpu_dra::plugin::kube_client(Some(&kubeconfig), &node.config.api)
+        .await
+        .expect("client");
+    let plugin = gpu_dra::plugin::start(node.config.clone(), client)
+        .await
+        .expect("plugin starts");
+    let kubelet = node.kubelet().await;
+    node.wait_for_slices().await;
+    let hung = node.allocated_claim("hung", 1).await;
+    node.api.hang_next(HangSpec {
+        verb: Some(Verb::Get),
+        resource: Some("resourceclaims".into()),
+        name: Some("hung".into()),
+        count: None,
+    });
+    let started = Instant::now();
+    let answer = kubelet
+        .prepare(std::slice::from_ref(&hung))
+        .await
+        .expect("the call as a whole succeeds");
+    let took = started.elapsed();
+    let error = error_of(&answer, &hung);
+    assert!(error.contains("default/hung"), "{error}");
+    assert!(error.contains("did not answer in time"), "{error}");
+    // One read timeout, not retried into the budget.
+    assert!(took < Duration::from_secs(6), "took {took:?}");
+    node.api.release_hangs();
+    plugin.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refusing_or_erroring_server_fails_the_claim_within_the_budget() {
     let mut node = Harness::new("dgx-h100").await;
     node.config.api = short_timeouts();

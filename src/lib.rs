@@ -5,6 +5,7 @@
 //! `plugin` wires them together; `demo` walks through it all with the test doubles in `support`.
 
 pub mod api;
+pub mod apiclient;
 pub mod cdi;
 pub mod cel;
 pub mod claims;

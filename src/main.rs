@@ -379,6 +379,7 @@ fn run_plugin(args: PluginArgs) -> Result<()> {
         rescan_interval: Duration::from_secs(args.rescan_seconds.max(1)),
         mig_mode: args.backend.mig_mode,
         startup_api_timeout: Duration::from_secs(args.startup_api_timeout_seconds.max(1)),
+        api: gpu_dra::apiclient::ApiTimeouts::default(),
     };
     let kubeconfig = args.kubeconfig;
     runtime()?.block_on(async move {
@@ -386,7 +387,7 @@ fn run_plugin(args: PluginArgs) -> Result<()> {
         use tokio::signal::unix::{signal, SignalKind};
         let mut term = signal(SignalKind::terminate()).context("installing SIGTERM handler")?;
         let mut int = signal(SignalKind::interrupt()).context("installing SIGINT handler")?;
-        let client = gpu_dra::plugin::kube_client(kubeconfig.as_deref()).await?;
+        let client = gpu_dra::plugin::kube_client(kubeconfig.as_deref(), &config.api).await?;
         let plugin = gpu_dra::plugin::start(config, client).await?;
         tokio::select! {
             _ = term.recv() => tracing::info!("SIGTERM received, shutting down"),

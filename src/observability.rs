@@ -58,6 +58,7 @@ pub struct Metrics {
     unprepare_seconds: Histogram,
     published_devices: Gauge,
     api_errors: Family<OperationLabels, Counter>,
+    api_timeouts: Family<OperationLabels, Counter>,
     device_healthy: Family<DeviceLabels, Gauge>,
     faults: Family<FaultLabels, Counter>,
     device_class_problems: Family<ClassProblemLabels, Gauge>,
@@ -74,6 +75,7 @@ impl Metrics {
         let unprepare_seconds = Histogram::new(exponential_buckets(0.0005, 2.0, 16));
         let published_devices = Gauge::default();
         let api_errors = Family::<OperationLabels, Counter>::default();
+        let api_timeouts = Family::<OperationLabels, Counter>::default();
         let device_healthy = Family::<DeviceLabels, Gauge>::default();
         let faults = Family::<FaultLabels, Counter>::default();
         let device_class_problems = Family::<ClassProblemLabels, Gauge>::default();
@@ -130,6 +132,12 @@ impl Metrics {
             "Failed requests to the Kubernetes API server, by operation",
             api_errors.clone(),
         );
+        registry.register(
+            "api_timeouts",
+            "Requests to the Kubernetes API server that got no answer in time (hung or unreachable server), \
+             by operation; each is also counted in api_errors",
+            api_timeouts.clone(),
+        );
         Arc::new(Metrics {
             registry,
             prepared,
@@ -138,6 +146,7 @@ impl Metrics {
             unprepare_seconds,
             published_devices,
             api_errors,
+            api_timeouts,
             device_healthy,
             faults,
             device_class_problems,
@@ -201,6 +210,14 @@ impl Metrics {
 
     pub fn api_error(&self, operation: &'static str) {
         self.api_errors
+            .get_or_create(&OperationLabels { operation })
+            .inc();
+    }
+
+    /// A request that got no answer in time; counted as an API error too.
+    pub fn api_timeout(&self, operation: &'static str) {
+        self.api_error(operation);
+        self.api_timeouts
             .get_or_create(&OperationLabels { operation })
             .inc();
     }
@@ -276,24 +293,62 @@ impl Readiness {
     }
 }
 
+/// What `/healthz` checks: the tasks the plugin cannot work without (the DRA and registration gRPC
+/// servers, the publisher, the health monitor). One that stops outside shutdown (it ended, panicked or
+/// was cancelled) is recorded here and `/healthz` fails from then on, so that the kubelet restarts the
+/// pod instead of keeping a plugin that looks alive but no longer serves or publishes.
+#[derive(Default)]
+pub struct Liveness {
+    stopped: Mutex<Vec<String>>,
+}
+
+impl Liveness {
+    /// Records that `task` stopped, and why (`ended`, `panicked: ...`, `was cancelled`).
+    pub fn task_stopped(&self, task: &str, why: &str) {
+        if let Ok(mut stopped) = self.stopped.lock() {
+            stopped.push(format!("{task} stopped ({why})"));
+        }
+    }
+
+    /// `Ok` while every vital task runs, else what stopped, in words.
+    pub fn check(&self) -> Result<(), Vec<String>> {
+        let stopped = self
+            .stopped
+            .lock()
+            .map(|s| s.clone())
+            .unwrap_or_else(|poisoned| poisoned.into_inner().clone());
+        if stopped.is_empty() {
+            Ok(())
+        } else {
+            Err(stopped)
+        }
+    }
+}
+
 #[derive(Clone)]
 struct HttpState {
     metrics: Arc<Metrics>,
     readiness: Arc<Readiness>,
+    liveness: Arc<Liveness>,
 }
 
-/// Serves `/healthz`, `/readyz` and `/metrics` on `addr` until `shutdown` fires; returns the bound address.
+/// Serves `/healthz` (liveness), `/readyz` and `/metrics` on `addr` until `shutdown` fires; returns the bound address.
 pub async fn serve_http(
     addr: SocketAddr,
     metrics: Arc<Metrics>,
     readiness: Arc<Readiness>,
+    liveness: Arc<Liveness>,
     mut shutdown: tokio::sync::watch::Receiver<bool>,
 ) -> std::io::Result<SocketAddr> {
     let router = Router::new()
-        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics_text))
-        .with_state(HttpState { metrics, readiness });
+        .with_state(HttpState {
+            metrics,
+            readiness,
+            liveness,
+        });
     let listener = tokio::net::TcpListener::bind(addr).await?;
     let bound = listener.local_addr()?;
     tokio::spawn(async move {
@@ -305,6 +360,16 @@ pub async fn serve_http(
         }
     });
     Ok(bound)
+}
+
+async fn healthz(State(state): State<HttpState>) -> (StatusCode, String) {
+    match state.liveness.check() {
+        Ok(()) => (StatusCode::OK, "ok\n".to_string()),
+        Err(stopped) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("unhealthy: {}\n", stopped.join("; ")),
+        ),
+    }
 }
 
 async fn readyz(State(state): State<HttpState>) -> (StatusCode, String) {

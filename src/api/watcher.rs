@@ -126,7 +126,19 @@ impl PolicyWatcher {
         client: kube::Client,
         node_name: String,
         out: watch::Sender<Option<EffectivePolicy>>,
+        shutdown: watch::Receiver<bool>,
+    ) {
+        Self::run_with(client, node_name, out, shutdown, watcher::Config::default()).await
+    }
+
+    /// [`PolicyWatcher::run`] with both watches (the node, the policies) started from `watch`, whose
+    /// timeout decides how soon a half-open watch is noticed.
+    pub async fn run_with(
+        client: kube::Client,
+        node_name: String,
+        out: watch::Sender<Option<EffectivePolicy>>,
         mut shutdown: watch::Receiver<bool>,
+        watch: watcher::Config,
     ) {
         let mut this = PolicyWatcher {
             policies: Api::all(client.clone()),
@@ -135,16 +147,13 @@ impl PolicyWatcher {
         };
         let (node_store, node_writer) = reflector::store::<Node>();
         let (policy_store, policy_writer) = reflector::store::<GpuNodePolicy>();
-        let node_config = watcher::Config::default().fields(&format!("metadata.name={node_name}"));
+        let node_config = watch.clone().fields(&format!("metadata.name={node_name}"));
         let nodes = reflector(node_writer, watcher(Api::<Node>::all(client), node_config))
             .default_backoff()
             .map(|event| event.map(|e| Source::Node(Change::of(&e))));
-        let policies = reflector(
-            policy_writer,
-            watcher(this.policies.clone(), watcher::Config::default()),
-        )
-        .default_backoff()
-        .map(|event| event.map(|e| Source::Policy(Change::of(&e))));
+        let policies = reflector(policy_writer, watcher(this.policies.clone(), watch))
+            .default_backoff()
+            .map(|event| event.map(|e| Source::Policy(Change::of(&e))));
         let mut events = std::pin::pin!(stream::select(nodes, policies));
 
         let (mut node_ready, mut policies_ready) = (false, false);

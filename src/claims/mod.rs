@@ -58,6 +58,8 @@ pub enum ClaimError {
     Invalid { claim: String, reason: String },
     #[error("ResourceClaim {claim}: reading it from the API server: {source}")]
     Fetch { claim: String, source: kube::Error },
+    #[error("ResourceClaim {claim}: the API server did not answer in time (within {waited:?}); the kubelet will retry")]
+    ApiTimeout { claim: String, waited: Duration },
     #[error("ResourceClaim {claim} not found in the API server")]
     NotFound { claim: String },
     #[error("ResourceClaim {claim} was replaced: the API server has UID {found}")]
@@ -151,6 +153,9 @@ pub struct ClaimsConfig {
     pub driver_edits: DriverEdits,
     /// How long start-up waits for the API server when it rebuilds a checkpoint it had to set aside.
     pub startup_api_timeout: Duration,
+    /// How long one prepare may spend reading its ResourceClaim (retries included) before that claim
+    /// gets a per-claim error; well inside the kubelet's 45 s deadline for the whole call.
+    pub claim_read_budget: Duration,
 }
 
 /// The claim state machine of one plugin instance.
@@ -164,6 +169,7 @@ pub struct Preparer {
     mig_mode: watch::Receiver<MigMode>,
     driver_edits: DriverEdits,
     startup_api_timeout: Duration,
+    claim_read_budget: Duration,
     inventory: watch::Receiver<Arc<Inventory>>,
     metrics: Arc<Metrics>,
     state: Mutex<State>,
@@ -194,6 +200,7 @@ impl Preparer {
             mig_mode: config.mig_mode,
             driver_edits: config.driver_edits,
             startup_api_timeout: config.startup_api_timeout,
+            claim_read_budget: config.claim_read_budget,
             inventory,
             metrics,
             state: Mutex::new(State {
@@ -272,7 +279,7 @@ impl Preparer {
                 return Ok(record.devices.clone());
             }
         }
-        let resource_claim = self.fetch(claim).await?;
+        let resource_claim = self.fetch_within_budget(claim).await?;
         let inventory = self.inventory.borrow().clone();
         let mut devices = self.allocated_devices(claim, &resource_claim, &inventory)?;
 
@@ -393,10 +400,27 @@ impl Preparer {
         Ok(())
     }
 
+    /// [`Preparer::fetch`] within the per-claim budget. A server that hangs, or that keeps answering
+    /// with errors kube's client retries on its own (429, 503, 504: up to minutes), must cost this claim
+    /// a per-claim error, never the whole NodePrepareResources call the kubelet's deadline.
+    async fn fetch_within_budget(&self, claim: &ClaimRef) -> Result<ResourceClaim, ClaimError> {
+        match tokio::time::timeout(self.claim_read_budget, self.fetch(claim)).await {
+            Ok(result) => result,
+            Err(_elapsed) => {
+                self.metrics.api_timeout("get_claim");
+                Err(ClaimError::ApiTimeout {
+                    claim: claim.to_string(),
+                    waited: self.claim_read_budget,
+                })
+            }
+        }
+    }
+
     /// GETs the ResourceClaim, retrying briefly on errors that may pass (server errors, throttling,
     /// transport), and checks that it is the claim the kubelet means and that it is allocated.
     async fn fetch(&self, claim: &ClaimRef) -> Result<ResourceClaim, ClaimError> {
         let api: Api<ResourceClaim> = Api::namespaced(self.client.clone(), &claim.namespace);
+        let started = Instant::now();
         let mut attempt = 1;
         let found = loop {
             match api.get(&claim.name).await {
@@ -405,6 +429,15 @@ impl Preparer {
                     return Err(ClaimError::NotFound {
                         claim: claim.to_string(),
                     })
+                }
+                Err(error) if crate::apiclient::is_timeout(&error) => {
+                    // The client's own connect or read timeout: the server is not answering, and a
+                    // retry would only run into the budget.
+                    self.metrics.api_timeout("get_claim");
+                    return Err(ClaimError::ApiTimeout {
+                        claim: claim.to_string(),
+                        waited: started.elapsed(),
+                    });
                 }
                 Err(error) => {
                     self.metrics.api_error("get_claim");

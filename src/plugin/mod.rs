@@ -5,6 +5,7 @@ mod monitor;
 pub mod node_events;
 pub mod selftest;
 pub mod startup;
+mod supervise;
 
 pub use monitor::NodePolicy;
 use monitor::{Monitor, MonitorChannels};
@@ -21,6 +22,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tracing::{error, info, warn};
 
+use crate::apiclient::{ApiClientError, ApiTimeouts};
 use crate::cdi::CdiRegistry;
 use crate::cdi::DriverRoot;
 use crate::claims::DriverEdits;
@@ -31,7 +33,7 @@ use crate::kubelet::health::DEFAULT_HEALTH_TIMEOUT;
 use crate::kubelet::{
     self, DeviceHealthReport, DraV1, DraV1beta1, HealthService, RegistrationService,
 };
-use crate::observability::{self, Metrics, Readiness};
+use crate::observability::{self, Liveness, Metrics, Readiness};
 use crate::proto::dra_v1::dra_plugin_server::DraPluginServer as DraV1Server;
 use crate::proto::dra_v1beta1::dra_plugin_server::DraPluginServer as DraV1beta1Server;
 use crate::proto::health_v1::dra_resource_health_server::DraResourceHealthServer as HealthV1Server;
@@ -73,6 +75,9 @@ pub struct PluginConfig {
     pub mig_mode: MigMode,
     /// How long start-up waits for the API server (the GpuNodePolicy, a checkpoint rebuild).
     pub startup_api_timeout: Duration,
+    /// Timeouts towards the API server: the client's, the watches', and the per-claim budget of a
+    /// prepare. The client built by [`kube_client`] must be made with the same values.
+    pub api: ApiTimeouts,
 }
 
 impl PluginConfig {
@@ -99,6 +104,7 @@ impl PluginConfig {
             rescan_interval: Duration::from_secs(5),
             mig_mode: MigMode::Static,
             startup_api_timeout: startup::DEFAULT_STARTUP_API_TIMEOUT,
+            api: ApiTimeouts::default(),
         }
     }
 
@@ -127,6 +133,8 @@ pub enum PluginError {
     NodeName(String),
     #[error(transparent)]
     Backend(#[from] GpuError),
+    #[error("API server timeouts: {0}")]
+    ApiTimeouts(#[from] ApiClientError),
     #[error("creating {path}: {source}")]
     Directory {
         path: String,
@@ -182,11 +190,19 @@ pub struct RunningPlugin {
     pub policy: watch::Sender<NodePolicy>,
     shutdown: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
+    vital: supervise::Vital,
     stop_events: Arc<AtomicBool>,
     event_reader: Option<std::thread::JoinHandle<()>>,
 }
 
 impl RunningPlugin {
+    /// Cancels one of the vital tasks (`dra-server`, `registration-server`, `publisher`,
+    /// `health-monitor`) as if it had died, so that tests can check what `/healthz` says then.
+    /// Returns false for an unknown name.
+    pub fn abort_vital_task(&self, name: &str) -> bool {
+        self.vital.abort(name)
+    }
+
     pub async fn shutdown(mut self) {
         let _ = self.shutdown.send(true);
         self.stop_events.store(true, Ordering::Relaxed);
@@ -226,6 +242,7 @@ pub async fn start(
     if !claims::names::is_dns_subdomain(&config.node_name, 253) {
         return Err(PluginError::NodeName(config.node_name.clone()));
     }
+    config.api.check()?;
     let backend = open_backend(&config.backend, &config.node_name)?;
     let inventory = Arc::new(backend.inventory()?);
     info!(
@@ -246,7 +263,9 @@ pub async fn start(
     let mig_mode = start_node_policy.mig_mode.unwrap_or(config.mig_mode);
     let metrics = Metrics::new();
     let readiness = Arc::new(Readiness::default());
+    let liveness = Arc::new(Liveness::default());
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
+    let mut vital = supervise::Vital::new(liveness.clone(), shutdown_rx.clone());
     let (inventory_tx, inventory_rx) = watch::channel(inventory.clone());
     let (devices_tx, devices_rx) = watch::channel(Arc::new(node_devices(&inventory, mig_mode)));
     let class_check_devices = devices_tx.subscribe();
@@ -264,6 +283,7 @@ pub async fn start(
             mig_mode: mig_mode_rx,
             driver_edits: driver_edits(&config, &inventory)?,
             startup_api_timeout: config.startup_api_timeout,
+            claim_read_budget: config.api.claim_read,
         },
         client.clone(),
         backend.clone(),
@@ -295,20 +315,24 @@ pub async fn start(
         mig_mode: mig_mode_tx,
     };
     health_monitor.recompute(&fault_state, &monitor_channels);
-    tasks.push(tokio::spawn(health_monitor.run(
-        fault_state,
-        fault_store,
-        monitor_channels,
-        shutdown_rx.clone(),
-    )));
+    tasks.push(vital.spawn(
+        "health-monitor",
+        health_monitor.run(
+            fault_state,
+            fault_store,
+            monitor_channels,
+            shutdown_rx.clone(),
+        ),
+    ));
 
     // Starts from what was read above, so the watcher's first answer is compared with it.
     let (selected_tx, selected_rx) = watch::channel(start_policy);
-    tasks.push(tokio::spawn(crate::api::PolicyWatcher::run(
+    tasks.push(tokio::spawn(crate::api::PolicyWatcher::run_with(
         client.clone(),
         config.node_name.clone(),
         selected_tx,
         shutdown_rx.clone(),
+        config.api.watcher_config(),
     )));
     tasks.push(tokio::spawn(monitor::follow_policies(
         selected_rx,
@@ -326,7 +350,7 @@ pub async fn start(
             kubelet::lenient_incoming(dra_listener),
             stopped(shutdown_rx.clone()),
         );
-    tasks.push(tokio::spawn(async move {
+    tasks.push(vital.spawn("dra-server", async move {
         if let Err(error) = dra_server.await {
             error!(%error, "DRA gRPC server failed");
         }
@@ -342,7 +366,7 @@ pub async fn start(
             kubelet::lenient_incoming(registration_listener),
             stopped(shutdown_rx.clone()),
         );
-    tasks.push(tokio::spawn(async move {
+    tasks.push(vital.spawn("registration-server", async move {
         if let Err(error) = registration_server.await {
             error!(%error, "registration gRPC server failed");
         }
@@ -355,19 +379,22 @@ pub async fn start(
         class_check_devices,
         metrics.clone(),
         shutdown_rx.clone(),
+        config.api.watcher_config(),
     )));
 
-    let publisher = Arc::new(Publisher::new(
-        client,
-        &config.driver_name,
-        &config.node_name,
-        metrics.clone(),
+    let publisher = Arc::new(
+        Publisher::new(
+            client,
+            &config.driver_name,
+            &config.node_name,
+            metrics.clone(),
+        )
+        .with_watcher_config(config.api.watcher_config()),
+    );
+    tasks.push(vital.spawn(
+        "publisher",
+        publisher.run(devices_rx, readiness.clone(), shutdown_rx.clone()),
     ));
-    tasks.push(tokio::spawn(publisher.run(
-        devices_rx,
-        readiness.clone(),
-        shutdown_rx.clone(),
-    )));
     tasks.push(tokio::spawn(rescan(
         backend,
         config.rescan_interval,
@@ -381,6 +408,7 @@ pub async fn start(
                 addr,
                 metrics.clone(),
                 readiness.clone(),
+                liveness.clone(),
                 shutdown_rx.clone(),
             )
             .await
@@ -406,6 +434,7 @@ pub async fn start(
         policy: policy_tx,
         shutdown: shutdown_tx,
         tasks,
+        vital,
         stop_events,
         event_reader: Some(event_reader),
     })
@@ -477,24 +506,11 @@ fn create_private_dir(dir: &std::path::Path) -> Result<(), PluginError> {
     std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o750)).map_err(error)
 }
 
-/// A client for `--kubeconfig`, or the in-cluster / `KUBECONFIG` configuration when none is given.
+/// A client for `--kubeconfig`, or the in-cluster / `KUBECONFIG` configuration when none is given, with
+/// the connect and read timeouts of `timeouts` (pass the plugin's [`PluginConfig::api`]).
 pub async fn kube_client(
     kubeconfig: Option<&std::path::Path>,
+    timeouts: &ApiTimeouts,
 ) -> Result<kube::Client, anyhow::Error> {
-    // rustls needs one process-wide crypto provider; choose it explicitly so that a build in which
-    // several are compiled in (the tests pull in aws-lc-rs) does not leave the choice ambiguous.
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let config = match kubeconfig {
-        Some(path) => {
-            let file = kube::config::Kubeconfig::read_from(path)
-                .map_err(|e| anyhow::anyhow!("reading kubeconfig {}: {e}", path.display()))?;
-            kube::Config::from_custom_kubeconfig(file, &kube::config::KubeConfigOptions::default())
-                .await
-                .map_err(|e| anyhow::anyhow!("kubeconfig {}: {e}", path.display()))?
-        }
-        None => kube::Config::infer().await.map_err(|e| {
-            anyhow::anyhow!("no kubeconfig given and no in-cluster configuration: {e}")
-        })?,
-    };
-    kube::Client::try_from(config).map_err(|e| anyhow::anyhow!("creating Kubernetes client: {e}"))
+    Ok(crate::apiclient::kube_client(kubeconfig, timeouts).await?)
 }

@@ -181,7 +181,8 @@ fn check_class(
     })
 }
 
-/// Runs the self-test until shutdown: watches DeviceClasses, follows this node's devices, and reports
+/// Runs the self-test until shutdown: watches DeviceClasses (with `watch_config`, whose timeout decides
+/// how soon a half-open watch is noticed), follows this node's devices, and reports
 /// each problem when it appears or changes (not again while it stays the same).
 pub async fn run(
     client: kube::Client,
@@ -190,12 +191,13 @@ pub async fn run(
     mut devices: watch::Receiver<Arc<NodeDevices>>,
     metrics: Arc<Metrics>,
     mut shutdown: watch::Receiver<bool>,
+    watch_config: watcher::Config,
 ) {
     let events = NodeEvents::new(client.clone(), &driver, &node);
     let (store, writer) = reflector::store::<DeviceClass>();
     let mut classes = std::pin::pin!(reflector(
         writer,
-        watcher(Api::<DeviceClass>::all(client), watcher::Config::default())
+        watcher(Api::<DeviceClass>::all(client), watch_config)
     )
     .default_backoff());
     let mut listed = false;

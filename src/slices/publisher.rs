@@ -74,6 +74,8 @@ pub struct Publisher {
     driver: String,
     node_name: String,
     metrics: Arc<Metrics>,
+    /// The slice watch's settings; its timeout decides how soon a half-open watch is noticed.
+    watch: watcher::Config,
 }
 
 impl Publisher {
@@ -85,7 +87,14 @@ impl Publisher {
             driver: driver.to_string(),
             node_name: node_name.to_string(),
             metrics,
+            watch: watcher::Config::default(),
         }
+    }
+
+    /// Watches the slices with `config` (the field selector is added to it).
+    pub fn with_watcher_config(mut self, config: watcher::Config) -> Self {
+        self.watch = config;
+        self
     }
 
     fn field_selector(&self) -> String {
@@ -228,7 +237,7 @@ impl Publisher {
         let changed = Arc::new(Notify::new());
         let watch_task = tokio::spawn(watch_slices(
             self.slices.clone(),
-            self.field_selector(),
+            self.watch.clone().fields(&self.field_selector()),
             changed.clone(),
         ));
         let mut backoff = Backoff::new();
@@ -281,8 +290,7 @@ impl Publisher {
 }
 
 /// Notifies `changed` on every change to the watched slices.
-async fn watch_slices(api: Api<ResourceSlice>, selector: String, changed: Arc<Notify>) {
-    let config = watcher::Config::default().fields(&selector);
+async fn watch_slices(api: Api<ResourceSlice>, config: watcher::Config, changed: Arc<Notify>) {
     let mut events = watcher(api, config).default_backoff().boxed();
     while let Some(event) = events.next().await {
         match event {

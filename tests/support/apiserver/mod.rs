@@ -3,7 +3,8 @@
 //! ResourceSlices, ResourceClaims and DeviceClasses, and rejects invalid ResourceSlices as the real server does.
 //!
 //! Tests drive it over HTTP like a cluster, and reach around HTTP through the hooks on [`ApiServer`] to play
-//! the kubelet or a controller (`insert`, `remove`), inject faults (`fail_next`, `set_latency`) and observe
+//! the kubelet or a controller (`insert`, `remove`), inject faults (`fail_next`, `set_latency`, `hang_next`,
+//! `freeze_watches`) and observe
 //! what the driver did (`requests`, `writes`).
 //!
 //! ```ignore
@@ -11,6 +12,7 @@
 //! let slices: kube::Api<ResourceSlice> = kube::Api::all(server.client()?);
 //! ```
 
+mod hangs;
 mod patch;
 mod rest;
 mod selectors;
@@ -26,6 +28,8 @@ use std::time::Duration;
 use serde_json::{json, Value};
 use tokio::sync::{broadcast, watch};
 use tokio::task::JoinHandle;
+
+pub use hangs::HangSpec;
 
 /// How many watch events the server keeps for watches that resume from a resourceVersion; an older
 /// resourceVersion gets `410 Gone`, as after an etcd compaction.
@@ -296,6 +300,7 @@ struct Shared {
     faults: Mutex<Faults>,
     requests: Mutex<Vec<RequestRecord>>,
     shutdown: watch::Receiver<bool>,
+    hangs: hangs::Hangs,
 }
 
 /// Locks a mutex, ignoring poisoning: a test that panicked while holding it must not hide its own
@@ -443,6 +448,7 @@ impl ApiServer {
             faults: Mutex::new(Faults::default()),
             requests: Mutex::new(Vec::new()),
             shutdown: shutdown.clone(),
+            hangs: hangs::Hangs::default(),
         });
         let clients = Clients::new(addr).map_err(std::io::Error::other)?;
         let router = rest::router(shared.clone());

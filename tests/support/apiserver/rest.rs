@@ -298,6 +298,15 @@ async fn handle(
     if !latency.is_zero() {
         tokio::time::sleep(latency).await;
     }
+    shared
+        .hangs
+        .hold_if_hung(
+            request.verb,
+            &request.resource_label(),
+            request.name.as_deref(),
+            shared.shutdown.clone(),
+        )
+        .await;
     let response = match shared.take_fault(request.verb, &request.resource_label()) {
         Some(code) => ApiError::Injected { code }.response(),
         None => serve(&shared, &request, &headers, &body),

@@ -82,6 +82,8 @@ fn bookmark(
 /// What woke a running watch up.
 enum Next {
     End,
+    /// The test froze open watches: go silent, as a half-open connection does.
+    Freeze,
     Bookmark,
     Event(Result<Arc<StoreEvent>, RecvError>),
 }
@@ -147,6 +149,7 @@ pub(super) fn respond(shared: Arc<Shared>, request: &Request) -> Result<Response
         (events, store.revision)
     };
     let mut shutdown = shared.shutdown.clone();
+    let (mut frozen, born) = shared.hangs.freeze_signal();
     let stream = async_stream::stream! {
         for item in first {
             yield item;
@@ -159,6 +162,9 @@ pub(super) fn respond(shared: Arc<Shared>, request: &Request) -> Result<Response
         let mut last_seen = start;
         loop {
             let next = tokio::select! {
+                // A freeze wins over anything ready at the same time: nothing may slip out after it.
+                biased;
+                _ = frozen.wait_for(|generation| *generation > born) => Next::Freeze,
                 _ = tokio::time::sleep_until(deadline) => Next::End,
                 _ = shutdown.wait_for(|stopped| *stopped) => Next::End,
                 _ = ticker.tick(), if options.bookmarks => Next::Bookmark,
@@ -166,6 +172,11 @@ pub(super) fn respond(shared: Arc<Shared>, request: &Request) -> Result<Response
             };
             match next {
                 Next::End | Next::Event(Err(RecvError::Closed)) => break,
+                // Neither the timeout nor the end of the stream ever reaches the client.
+                Next::Freeze => {
+                    let _ = shutdown.wait_for(|stopped| *stopped).await;
+                    break;
+                }
                 Next::Bookmark => yield bookmark(def, last_seen, false),
                 // This watch fell too far behind the live events; the client must list again.
                 Next::Event(Err(RecvError::Lagged(_))) => {

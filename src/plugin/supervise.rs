@@ -1,0 +1,99 @@
+//! Supervision of the tasks the plugin cannot work without: each runs under a guard that records in
+//! [`Liveness`] when it stops outside shutdown (it returned, panicked or was cancelled), so `/healthz`
+//! fails and the kubelet restarts the pod rather than keeping a plugin that no longer serves.
+
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+
+use futures::FutureExt;
+use tokio::sync::watch;
+use tokio::task::{AbortHandle, JoinHandle};
+use tracing::error;
+
+use crate::observability::Liveness;
+
+/// Spawns vital tasks and remembers them by name.
+pub(super) struct Vital {
+    liveness: Arc<Liveness>,
+    shutdown: watch::Receiver<bool>,
+    tasks: Vec<(&'static str, AbortHandle)>,
+}
+
+impl Vital {
+    pub(super) fn new(liveness: Arc<Liveness>, shutdown: watch::Receiver<bool>) -> Self {
+        Vital {
+            liveness,
+            shutdown,
+            tasks: Vec::new(),
+        }
+    }
+
+    /// Spawns `task` as `name`; its end outside shutdown makes the plugin unhealthy.
+    pub(super) fn spawn(
+        &mut self,
+        name: &'static str,
+        task: impl Future<Output = ()> + Send + 'static,
+    ) -> JoinHandle<()> {
+        let mut guard = StopGuard {
+            task: name,
+            why: None,
+            liveness: self.liveness.clone(),
+            shutdown: self.shutdown.clone(),
+        };
+        let handle = tokio::spawn(async move {
+            // A panic is caught here rather than by tokio, so that its message reaches /healthz.
+            let outcome = AssertUnwindSafe(task).catch_unwind().await;
+            guard.stopped_because(match outcome {
+                Ok(()) => "ended".to_string(),
+                Err(panic) => format!("panicked: {}", panic_message(panic.as_ref())),
+            });
+        });
+        self.tasks.push((name, handle.abort_handle()));
+        handle
+    }
+
+    /// Cancels the task spawned as `name`, as if it had died; false when there is none.
+    pub(super) fn abort(&self, name: &str) -> bool {
+        let found: Vec<_> = self.tasks.iter().filter(|(n, _)| *n == name).collect();
+        for (_, handle) in &found {
+            handle.abort();
+        }
+        !found.is_empty()
+    }
+}
+
+/// Lives inside a vital task; dropped when the task ends, panics or is cancelled.
+struct StopGuard {
+    task: &'static str,
+    why: Option<String>,
+    liveness: Arc<Liveness>,
+    shutdown: watch::Receiver<bool>,
+}
+
+impl StopGuard {
+    fn stopped_because(&mut self, why: String) {
+        self.why = Some(why);
+    }
+}
+
+impl Drop for StopGuard {
+    fn drop(&mut self) {
+        if *self.shutdown.borrow() {
+            return;
+        }
+        let why = self.why.as_deref().unwrap_or("was cancelled");
+        error!(task = self.task, why, "a vital plugin task stopped; /healthz fails from now on so that the kubelet restarts the pod");
+        self.liveness.task_stopped(self.task, why);
+    }
+}
+
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(text) = payload.downcast_ref::<&str>() {
+        (*text).to_string()
+    } else if let Some(text) = payload.downcast_ref::<String>() {
+        text.clone()
+    } else {
+        "no message".to_string()
+    }
+}

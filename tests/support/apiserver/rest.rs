@@ -308,6 +308,7 @@ async fn handle(
         namespace: request.namespace.clone(),
         name: request.name.clone(),
         code: response.status().as_u16(),
+        dry_run: request.dry_run(),
     });
     response
 }
@@ -444,10 +445,12 @@ fn check_identity(request: &Request, obj: &mut Value) -> Result<(), ApiError> {
 fn admit(
     shared: &Shared,
     request: &Request,
-    obj: Value,
+    mut obj: Value,
     old: Option<&Value>,
 ) -> Result<Value, ApiError> {
     let def = request.def;
+    // Before validation, as the registry strategy's PrepareForCreate/PrepareForUpdate.
+    super::gates::drop_disabled_fields(&shared.feature_gates(), def, &mut obj, old);
     let errors = validation::validate(shared.version, def, &obj, old);
     if !errors.is_empty() {
         let name = meta_str(&obj, "name").unwrap_or_default().to_string();

@@ -38,6 +38,11 @@ struct FaultLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct FeatureGateLabels {
+    feature_gate: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ClassProblemLabels {
     class: String,
     problem: &'static str,
@@ -55,6 +60,7 @@ pub struct Metrics {
     device_healthy: Family<DeviceLabels, Gauge>,
     faults: Family<FaultLabels, Counter>,
     device_class_problems: Family<ClassProblemLabels, Gauge>,
+    feature_gate_disabled: Family<FeatureGateLabels, Gauge>,
 }
 
 impl Metrics {
@@ -70,6 +76,13 @@ impl Metrics {
         let device_healthy = Family::<DeviceLabels, Gauge>::default();
         let faults = Family::<FaultLabels, Counter>::default();
         let device_class_problems = Family::<ClassProblemLabels, Gauge>::default();
+        let feature_gate_disabled = Family::<FeatureGateLabels, Gauge>::default();
+        registry.register(
+            "feature_gate_disabled",
+            "1 while the API server drops the ResourceSlice fields of this feature gate \
+             (DRAPartitionableDevices, DRADeviceTaints) and the node publishes without them, else 0",
+            feature_gate_disabled.clone(),
+        );
         registry.register(
             "device_class_problems",
             "1 for each DeviceClass whose selectors error on this node's devices (DeviceClassSelectorError) or \
@@ -127,6 +140,7 @@ impl Metrics {
             device_healthy,
             faults,
             device_class_problems,
+            feature_gate_disabled,
         })
     }
 
@@ -153,6 +167,13 @@ impl Metrics {
                 })
                 .set(1);
         }
+    }
+
+    /// Whether the API server drops the fields of `feature_gate` (it is off there).
+    pub fn set_feature_gate_disabled(&self, feature_gate: &'static str, disabled: bool) {
+        self.feature_gate_disabled
+            .get_or_create(&FeatureGateLabels { feature_gate })
+            .set(i64::from(disabled));
     }
 
     pub fn fault_seen(&self, kind: &str) {

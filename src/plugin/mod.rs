@@ -1,6 +1,7 @@
 //! `gpu-dra plugin`: wires the backend, the claim state machine, the gRPC servers, the ResourceSlice
 //! publisher and the HTTP endpoints together, and takes them down cleanly (sockets removed) on shutdown.
 
+pub mod feature_gates;
 mod monitor;
 pub mod node_events;
 pub mod selftest;
@@ -253,7 +254,21 @@ pub async fn start(
     )
     .await?;
 
+    // Made before the monitor, which computes the devices for what the publisher learns the server keeps.
+    let publisher = Arc::new(Publisher::new(
+        client.clone(),
+        &config.driver_name,
+        &config.node_name,
+        metrics.clone(),
+    ));
     let mut tasks = Vec::new();
+    tasks.push(tokio::spawn(feature_gates::report(
+        publisher.kept_fields(),
+        config.mig_mode,
+        node_events::NodeEvents::new(client.clone(), &config.driver_name, &config.node_name),
+        metrics.clone(),
+        shutdown_rx.clone(),
+    )));
     let stop_events = Arc::new(AtomicBool::new(false));
     let event_reader = monitor::spawn_event_reader(backend.clone(), events_tx, stop_events.clone())
         .map_err(PluginError::EventReader)?;
@@ -271,6 +286,7 @@ pub async fn start(
             devices: devices_tx,
             health: health_tx,
             mig_mode: mig_mode_tx,
+            kept_fields: publisher.kept_fields(),
         },
         shutdown_rx.clone(),
     )));
@@ -329,12 +345,6 @@ pub async fn start(
         shutdown_rx.clone(),
     )));
 
-    let publisher = Arc::new(Publisher::new(
-        client,
-        &config.driver_name,
-        &config.node_name,
-        metrics.clone(),
-    ));
     tasks.push(tokio::spawn(publisher.run(
         devices_rx,
         readiness.clone(),

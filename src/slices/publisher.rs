@@ -1,9 +1,11 @@
 //! The publisher: reconciles the API server's ResourceSlices of this driver on this node with the plan.
 //! Nothing changed → zero writes; stale slices are deleted before others are written; slices deleted
 //! behind its back (the kubelet wipes them when the plugin goes away) come back on the next watch event.
+//! It also learns which gated fields the server keeps (a dry-run write at start and on a version change,
+//! and every write's answer) and publishes that on a watch channel for whoever computes the devices.
 
 use std::collections::BTreeSet;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::StreamExt;
@@ -18,6 +20,7 @@ use thiserror::Error;
 use tokio::sync::{watch, Notify};
 use tracing::{debug, info, info_span, warn, Instrument};
 
+use super::kept_fields::{self, GatedField, KeptFields};
 use super::planner::{plan, ServerVersion};
 use super::quantity::parse_quantity;
 use crate::devices::NodeDevices;
@@ -32,6 +35,8 @@ const MAX_BACKOFF: Duration = Duration::from_secs(30);
 const COALESCE_WINDOW: Duration = Duration::from_secs(1);
 /// `MaxGeneratedNameLength` of the API server: longer generateName prefixes are cut by the server.
 const MAX_GENERATE_NAME_PREFIX: usize = 58;
+/// How long a sync deferred for devices recomputed to what the server keeps waits before it looks again.
+const RECOMPUTE_WAIT: Duration = Duration::from_secs(1);
 
 #[derive(Debug, Error)]
 pub enum PublishError {
@@ -59,6 +64,9 @@ pub struct SyncStats {
     pub created: usize,
     pub updated: usize,
     pub deleted: usize,
+    /// Nothing was written because the devices use fields the server drops: they are being recomputed
+    /// (see [`Publisher::kept_fields`]).
+    pub deferred: bool,
 }
 
 impl SyncStats {
@@ -74,6 +82,10 @@ pub struct Publisher {
     driver: String,
     node_name: String,
     metrics: Arc<Metrics>,
+    /// What the server keeps of the gated fields, as last learned.
+    kept: watch::Sender<KeptFields>,
+    /// The server version the last successful dry-run probe ran against.
+    probed: Mutex<Option<ServerVersion>>,
 }
 
 impl Publisher {
@@ -85,6 +97,67 @@ impl Publisher {
             driver: driver.to_string(),
             node_name: node_name.to_string(),
             metrics,
+            kept: watch::Sender::new(KeptFields::default()),
+            probed: Mutex::new(None),
+        }
+    }
+
+    /// What the server keeps of counters and taints, as the publisher learns it: the devices must be
+    /// computed accordingly (a sync defers while they use a field the server drops).
+    pub fn kept_fields(&self) -> watch::Receiver<KeptFields> {
+        self.kept.subscribe()
+    }
+
+    /// Asks the server, with a dry-run create of a slice that uses every gated field, what it would
+    /// store; once per server version (a restart starts over). A failed probe is retried at the next
+    /// sync; meanwhile each write's answer still shows what was dropped.
+    async fn probe(&self, node_uid: &str, version: ServerVersion) {
+        if *lock(&self.probed) == Some(version) {
+            return;
+        }
+        let probe = kept_fields::probe_devices(&self.driver);
+        let slices = desired_slices(&self.driver, &self.node_name, node_uid, &probe, version);
+        let params = PostParams {
+            dry_run: true,
+            ..Default::default()
+        };
+        let mut kept = KeptFields::default();
+        for slice in &slices {
+            match self.slices.create(&params, slice).await {
+                Ok(stored) => kept = kept.without(&kept_fields::dropped(slice, &stored)),
+                Err(error) => {
+                    self.metrics.api_error("dry_run_slice");
+                    warn!(%error, "a dry-run ResourceSlice write, to learn which fields the API server keeps, failed; retrying at the next sync");
+                    return;
+                }
+            }
+        }
+        *lock(&self.probed) = Some(version);
+        self.learn(kept, "a dry-run write");
+    }
+
+    /// Takes `kept` as what the server keeps, and says so when that changed.
+    fn learn(&self, kept: KeptFields, seen_in: &str) {
+        let previous = self.kept.send_replace(kept);
+        for field in GatedField::ALL {
+            if previous.keeps(field) != kept.keeps(field) {
+                info!(
+                    feature_gate = field.feature_gate(),
+                    kept = kept.keeps(field),
+                    seen_in,
+                    "the API server's handling of a gated ResourceSlice field changed"
+                );
+            }
+        }
+    }
+
+    /// After a write: whether the server stored everything that was sent. If it dropped gated fields,
+    /// they are not sent again (the devices are recomputed without them) rather than rewritten forever.
+    fn check_stored(&self, sent: &ResourceSlice, stored: &ResourceSlice) {
+        let dropped = kept_fields::dropped(sent, stored);
+        if !dropped.is_empty() {
+            let kept = self.kept.borrow().without(&dropped);
+            self.learn(kept, "a write's answer");
         }
     }
 
@@ -124,6 +197,16 @@ impl Publisher {
     pub async fn sync(&self, node: &NodeDevices) -> Result<SyncStats, PublishError> {
         let node_uid = self.node_uid().await?;
         let version = self.server_version().await?;
+        self.probe(&node_uid, version).await;
+        if !kept_fields::fits(node, *self.kept.borrow()) {
+            debug!(
+                "the devices use fields the API server drops; waiting for them to be recomputed"
+            );
+            return Ok(SyncStats {
+                deferred: true,
+                ..Default::default()
+            });
+        }
         let stored = self
             .slices
             .list(&ListParams::default().fields(&self.field_selector()))
@@ -157,10 +240,12 @@ impl Publisher {
                     slice.metadata.name = existing.metadata.name.clone();
                     slice.metadata.resource_version = existing.metadata.resource_version.clone();
                     let name = slice.metadata.name.clone().unwrap_or_default();
-                    self.slices
+                    let stored = self
+                        .slices
                         .replace(&name, &PostParams::default(), &slice)
                         .await
                         .map_err(|source| self.write_error("updating", &name, source))?;
+                    self.check_stored(&slice, &stored);
                     stats.updated += 1;
                 }
                 None => {
@@ -176,6 +261,7 @@ impl Publisher {
                         slice = created.metadata.name.as_deref(),
                         "created ResourceSlice"
                     );
+                    self.check_stored(&slice, &created);
                     stats.created += 1;
                 }
             }
@@ -245,6 +331,15 @@ impl Publisher {
             let snapshot = devices.borrow_and_update().clone();
             let span = info_span!("slice_sync", driver = %self.driver, node = %self.node_name, devices = snapshot.device_count());
             let wait = match self.sync(&snapshot).instrument(span).await {
+                Ok(stats) if stats.deferred => {
+                    // The monitor recomputes the devices for what the server keeps; sync those.
+                    tokio::select! {
+                        result = devices.changed() => if result.is_err() { break },
+                        _ = tokio::time::sleep(RECOMPUTE_WAIT) => {}
+                        _ = shutdown.changed() => break,
+                    }
+                    continue;
+                }
                 Ok(stats) => {
                     if stats.writes() > 0 {
                         last_write = Some(tokio::time::Instant::now());
@@ -493,6 +588,13 @@ fn comparable(device: &Device) -> Device {
         }
     }
     device
+}
+
+/// Locks a mutex, ignoring poisoning: the data behind it (a version) is always consistent.
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// Exponential backoff from 0.5 s up to [`MAX_BACKOFF`], with jitter so that many nodes retrying

@@ -236,3 +236,36 @@ async fn a_dry_run_answers_what_would_be_stored_and_stores_nothing() {
     }
     assert_eq!(server.writes("resourceslices"), 1);
 }
+
+#[tokio::test]
+async fn an_upgrade_changes_the_version_and_gates_and_keeps_the_objects() {
+    let (server, api) = start(FeatureGates::defaults_of(ServerVersion::V1_34)).await;
+    api.create(&PostParams::default(), &typed(gated_slice("old")))
+        .await
+        .unwrap();
+    server.upgrade(
+        ServerVersion::V1_36,
+        FeatureGates::defaults_of(ServerVersion::V1_36),
+    );
+    let version = server.client().apiserver_version().await.unwrap();
+    assert_eq!(version.minor, "36");
+    assert!(server.get("resourceslices", None, "old").is_some());
+    // 1.36 keeps what 1.34's defaults dropped; the counters go in a slice of their own from 1.35.
+    let mut new = gated_slice("new");
+    new["spec"]
+        .as_object_mut()
+        .unwrap()
+        .remove("sharedCounters");
+    api.create(&PostParams::default(), &typed(new))
+        .await
+        .unwrap();
+    assert_eq!(
+        gated_fields(&server.get("resourceslices", None, "new").unwrap()),
+        vec![
+            "consumesCounters",
+            "taints",
+            "allowMultipleAllocations",
+            "requestPolicy"
+        ]
+    );
+}

@@ -347,3 +347,46 @@ async fn counters_come_back_when_the_server_keeps_them_after_a_restart() {
     assert!(settled == 0, "{settled} slice writes in {WINDOW:?}");
     plugin.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn counters_come_back_when_the_server_is_upgraded_to_a_version_that_keeps_them() {
+    let node = node(default_1_34(), ServerVersion::V1_34, MigMode::Dynamic).await;
+    let plugin = node.start_plugin().await;
+    node.wait_for_slices_where(|s| names(&devices(s)) == whole_gpus(8))
+        .await;
+
+    // The control plane is upgraded to 1.36, where both gates are on by default. A real upgrade
+    // restarts the server and the plugin's watch re-lists; here a slice wiped behind the plugin's
+    // back is the watch event that makes it sync, read the new version and ask again.
+    node.api.upgrade(
+        ServerVersion::V1_36,
+        FeatureGates::defaults_of(ServerVersion::V1_36),
+    );
+    node.api.remove_where("resourceslices", |_| true);
+    // From 1.35 the 8 counter sets share a slice of their own.
+    let slices = node
+        .wait_for_slices_where(|s| {
+            s.iter().any(|s| {
+                s.spec
+                    .shared_counters
+                    .as_ref()
+                    .is_some_and(|c| c.len() == 8)
+            }) && s.len() == 9
+        })
+        .await;
+    assert!(devices(&slices).iter().any(|d| d.name.contains("-mig-")));
+    let enabled = events_naming(&node, "FeatureGateEnabled", "DRAPartitionableDevices").await;
+    assert_eq!(enabled.len(), 1, "{enabled:#?}");
+    let text = metrics_where(
+        &plugin,
+        "gpu_dra_feature_gate_disabled{feature_gate=\"DRAPartitionableDevices\"} 0",
+    )
+    .await;
+    assert!(
+        text.contains("gpu_dra_feature_gate_disabled{feature_gate=\"DRAPartitionableDevices\"} 0"),
+        "{text}"
+    );
+    let settled = writes_in_window(&node).await;
+    assert!(settled == 0, "{settled} slice writes in {WINDOW:?}");
+    plugin.shutdown().await;
+}

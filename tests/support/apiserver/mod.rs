@@ -295,7 +295,8 @@ struct Faults {
 
 /// What the HTTP handlers and the hooks share.
 struct Shared {
-    version: ServerVersion,
+    /// The version a test may change, as an upgrade of the control plane would.
+    version: Mutex<ServerVersion>,
     /// Which gates are off; a test may change them, as an admin restarting the server with new flags.
     gates: Mutex<FeatureGates>,
     store: Mutex<Store>,
@@ -385,6 +386,10 @@ impl Shared {
         lock(&self.faults).latency
     }
 
+    fn version(&self) -> ServerVersion {
+        *lock(&self.version)
+    }
+
     fn feature_gates(&self) -> FeatureGates {
         lock(&self.gates).clone()
     }
@@ -457,7 +462,7 @@ impl ApiServer {
         let (stop, shutdown) = watch::channel(false);
         let (events, _) = broadcast::channel(EVENT_CHANNEL_CAPACITY);
         let shared = Arc::new(Shared {
-            version,
+            version: Mutex::new(version),
             gates: Mutex::new(gates),
             store: Mutex::new(Store::default()),
             events,
@@ -649,6 +654,13 @@ impl ApiServer {
     /// `--feature-gates` would; the stored objects stay as they are.
     pub fn set_feature_gates(&self, gates: FeatureGates) {
         *lock(&self.shared.gates) = gates;
+    }
+
+    /// Upgrades (or downgrades) the server in place: `/version`, validation and the feature gates
+    /// change from the next request on; the stored objects stay, as etcd's do.
+    pub fn upgrade(&self, version: ServerVersion, gates: FeatureGates) {
+        *lock(&self.shared.version) = version;
+        self.set_feature_gates(gates);
     }
 
     /// Drops pending faults and latency.

@@ -333,7 +333,7 @@ fn serve(shared: &Arc<Shared>, request: &Request, headers: &HeaderMap, body: &[u
 }
 
 fn version_info(shared: &Shared) -> Value {
-    let minor = shared.version.minor();
+    let minor = shared.version().minor();
     json!({
         "major": "1",
         "minor": minor.to_string(),
@@ -451,7 +451,7 @@ fn admit(
     let def = request.def;
     // Before validation, as the registry strategy's PrepareForCreate/PrepareForUpdate.
     super::gates::drop_disabled_fields(&shared.feature_gates(), def, &mut obj, old);
-    let errors = validation::validate(shared.version, def, &obj, old);
+    let errors = validation::validate(shared.version(), def, &obj, old);
     if !errors.is_empty() {
         let name = meta_str(&obj, "name").unwrap_or_default().to_string();
         return Err(ApiError::Invalid { def, name, errors });

@@ -6,6 +6,7 @@ pub mod kept_fields;
 pub mod planner;
 pub mod publisher;
 mod quantity;
+mod reconcile;
 
 pub use kept_fields::{GatedField, KeptFields};
 pub use planner::{plan, PlannedSlice, ServerVersion};

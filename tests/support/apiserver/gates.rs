@@ -2,6 +2,10 @@
 //! the gate's fields in a ResourceSlice: its registry strategy drops them before validation, on create
 //! and on update, unless the object being updated already uses them. This models that for the gates the
 //! driver meets (`pkg/registry/resource/resourceslice/strategy.go`, `dropDisabledFields`).
+//!
+//! Not modelled: the gated fields of other kinds (ResourceClaim, DeviceClass), gates the driver never
+//! meets (list-type attributes, node-allocatable resources, pool status), and binding conditions also
+//! needing `DRAResourceClaimDeviceStatus` (on by default since 1.33, so taken as on).
 
 use std::collections::BTreeSet;
 

@@ -3,8 +3,9 @@
 //! ResourceSlices, ResourceClaims and DeviceClasses, and rejects invalid ResourceSlices as the real server does.
 //!
 //! Tests drive it over HTTP like a cluster, and reach around HTTP through the hooks on [`ApiServer`] to play
-//! the kubelet or a controller (`insert`, `remove`), inject faults (`fail_next`, `set_latency`) and observe
-//! what the driver did (`requests`, `writes`).
+//! the kubelet or a controller (`insert`, `remove`), inject faults (`fail_next`, `set_latency`), turn feature
+//! gates off (`start_with_gates`, `set_feature_gates`, `upgrade`; see [`gates`]) and observe what the driver
+//! did (`requests`, `writes`, `dry_runs`).
 //!
 //! ```ignore
 //! let server = ApiServer::start().await?;

@@ -44,6 +44,11 @@ struct SetAsideLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct FeatureGateLabels {
+    feature_gate: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ClassProblemLabels {
     class: String,
     problem: &'static str,
@@ -63,6 +68,7 @@ pub struct Metrics {
     faults: Family<FaultLabels, Counter>,
     device_class_problems: Family<ClassProblemLabels, Gauge>,
     state_files_set_aside: Family<SetAsideLabels, Counter>,
+    feature_gate_disabled: Family<FeatureGateLabels, Gauge>,
 }
 
 impl Metrics {
@@ -85,6 +91,13 @@ impl Metrics {
             "State files of the plugin that could not be used and were set aside as <file>.corrupt-<time>, \
              by file (checkpoint, faults) and reason (corrupt, unreadable, too_new)",
             state_files_set_aside.clone(),
+        );
+        let feature_gate_disabled = Family::<FeatureGateLabels, Gauge>::default();
+        registry.register(
+            "feature_gate_disabled",
+            "1 while the API server drops the ResourceSlice fields of this feature gate \
+             (DRAPartitionableDevices, DRADeviceTaints) and the node publishes without them, else 0",
+            feature_gate_disabled.clone(),
         );
         registry.register(
             "device_class_problems",
@@ -151,6 +164,7 @@ impl Metrics {
             faults,
             device_class_problems,
             state_files_set_aside,
+            feature_gate_disabled,
         })
     }
 
@@ -177,6 +191,13 @@ impl Metrics {
                 })
                 .set(1);
         }
+    }
+
+    /// Whether the API server drops the fields of `feature_gate` (it is off there).
+    pub fn set_feature_gate_disabled(&self, feature_gate: &'static str, disabled: bool) {
+        self.feature_gate_disabled
+            .get_or_create(&FeatureGateLabels { feature_gate })
+            .set(i64::from(disabled));
     }
 
     pub fn fault_seen(&self, kind: &str) {

@@ -1,6 +1,7 @@
 //! `gpu-dra plugin`: wires the backend, the claim state machine, the gRPC servers, the ResourceSlice
 //! publisher and the HTTP endpoints together, and takes them down cleanly (sockets removed) on shutdown.
 
+pub mod feature_gates;
 mod monitor;
 pub mod node_events;
 pub mod selftest;
@@ -293,7 +294,24 @@ pub async fn start(
     .await?;
     startup::report_recovery(&client, &config, &recovery);
 
+    // Made before the monitor, which computes the devices for what the publisher learns the server keeps.
+    let publisher = Arc::new(
+        Publisher::new(
+            client.clone(),
+            &config.driver_name,
+            &config.node_name,
+            metrics.clone(),
+        )
+        .with_watcher_config(config.api.watcher_config()),
+    );
     let mut tasks = Vec::new();
+    tasks.push(tokio::spawn(feature_gates::report(
+        publisher.kept_fields(),
+        mig_mode,
+        node_events::NodeEvents::new(client.clone(), &config.driver_name, &config.node_name),
+        metrics.clone(),
+        shutdown_rx.clone(),
+    )));
     let stop_events = Arc::new(AtomicBool::new(false));
     let event_reader = monitor::spawn_event_reader(backend.clone(), events_tx, stop_events.clone())
         .map_err(PluginError::EventReader)?;
@@ -313,6 +331,7 @@ pub async fn start(
         devices: devices_tx,
         health: health_tx,
         mig_mode: mig_mode_tx,
+        kept_fields: publisher.kept_fields(),
     };
     health_monitor.recompute(&fault_state, &monitor_channels);
     tasks.push(vital.spawn(
@@ -382,15 +401,6 @@ pub async fn start(
         config.api.watcher_config(),
     )));
 
-    let publisher = Arc::new(
-        Publisher::new(
-            client,
-            &config.driver_name,
-            &config.node_name,
-            metrics.clone(),
-        )
-        .with_watcher_config(config.api.watcher_config()),
-    );
     tasks.push(vital.spawn(
         "publisher",
         publisher.run(devices_rx, readiness.clone(), shutdown_rx.clone()),

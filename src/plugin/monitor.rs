@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::{mpsc, watch};
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::api::{self, EffectivePolicy};
 use crate::devices::{node_devices, MigMode, NodeDevices};
@@ -16,6 +16,7 @@ use crate::gpu::{GpuBackend, GpuEvent, Inventory};
 use crate::health::{Fault, HealthPolicy, HealthState, TaintEffect};
 use crate::kubelet::DeviceHealthReport;
 use crate::observability::Metrics;
+use crate::slices::kept_fields::{effective_mig_mode, withhold_faulty, KeptFields};
 
 use super::startup::FaultStore;
 
@@ -97,6 +98,9 @@ pub struct MonitorChannels {
     pub devices: watch::Sender<Arc<NodeDevices>>,
     pub health: watch::Sender<Arc<Vec<DeviceHealthReport>>>,
     pub mig_mode: watch::Sender<MigMode>,
+    /// What the API server keeps of counters and taints (from the publisher): dynamic MIG falls back
+    /// to whole GPUs without counters, faulty devices are withheld without taints.
+    pub kept_fields: watch::Receiver<KeptFields>,
 }
 
 pub struct Monitor {
@@ -147,6 +151,8 @@ impl Monitor {
     ) {
         self.recompute(&state, &ch);
         faults.save(&state);
+        // A publisher that is gone leaves what it last learned in force; it does not stop the monitor.
+        let mut kept_open = true;
         loop {
             tokio::select! {
                 event = ch.events.recv() => {
@@ -168,6 +174,13 @@ impl Monitor {
                 result = ch.policy.changed() => {
                     if result.is_err() { return }
                     ch.policy.borrow_and_update();
+                }
+                result = ch.kept_fields.changed(), if kept_open => {
+                    if result.is_err() {
+                        kept_open = false;
+                        continue;
+                    }
+                    ch.kept_fields.borrow_and_update();
                 }
                 _ = shutdown.changed() => return,
             }
@@ -193,7 +206,8 @@ impl Monitor {
     pub(super) fn recompute(&self, state: &HealthState, ch: &MonitorChannels) {
         let inventory = ch.inventory.borrow().clone();
         let policy = ch.policy.borrow().clone();
-        let mode = policy.mig_mode.unwrap_or(self.default_mig_mode);
+        let kept = *ch.kept_fields.borrow();
+        let mode = effective_mig_mode(policy.mig_mode.unwrap_or(self.default_mig_mode), kept);
         let mut node = node_devices(&inventory, mode);
         // Taints are made for the newest API; the planner fits them to the server's version.
         state.taint(
@@ -204,6 +218,11 @@ impl Monitor {
             u32::MAX,
         );
         let statuses = state.device_health(&node, &inventory, &policy.health);
+        // After the health reports: a withheld device still shows as unhealthy to the kubelet.
+        let withheld = withhold_faulty(&mut node, kept);
+        if !withheld.is_empty() {
+            debug!(devices = ?withheld, "faulty devices left out of the ResourceSlices: the API server drops taints");
+        }
         self.metrics.set_device_health(
             &statuses
                 .iter()

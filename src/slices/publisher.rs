@@ -1,16 +1,15 @@
 //! The publisher: reconciles the API server's ResourceSlices of this driver on this node with the plan.
 //! Nothing changed → zero writes; stale slices are deleted before others are written; slices deleted
 //! behind its back (the kubelet wipes them when the plugin goes away) come back on the next watch event.
+//! It also learns which gated fields the server keeps (a dry-run write at start and on a version change,
+//! and every write's answer) and publishes that on a watch channel for whoever computes the devices.
 
-use std::collections::BTreeSet;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Node;
-use k8s_openapi::api::resource::v1::{
-    CounterSet, Device, ResourcePool, ResourceSlice, ResourceSliceSpec,
-};
+use k8s_openapi::api::resource::v1::{ResourcePool, ResourceSlice, ResourceSliceSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
 use kube::runtime::{watcher, WatchStreamExt};
@@ -18,8 +17,9 @@ use thiserror::Error;
 use tokio::sync::{watch, Notify};
 use tracing::{debug, info, info_span, warn, Instrument};
 
+use super::kept_fields::{self, GatedField, KeptFields};
 use super::planner::{plan, ServerVersion};
-use super::quantity::parse_quantity;
+use super::reconcile::reconcile;
 use crate::devices::NodeDevices;
 use crate::observability::{Metrics, Readiness};
 
@@ -32,6 +32,8 @@ const MAX_BACKOFF: Duration = Duration::from_secs(30);
 const COALESCE_WINDOW: Duration = Duration::from_secs(1);
 /// `MaxGeneratedNameLength` of the API server: longer generateName prefixes are cut by the server.
 const MAX_GENERATE_NAME_PREFIX: usize = 58;
+/// How long a sync deferred for devices recomputed to what the server keeps waits before it looks again.
+const RECOMPUTE_WAIT: Duration = Duration::from_secs(1);
 
 #[derive(Debug, Error)]
 pub enum PublishError {
@@ -59,6 +61,9 @@ pub struct SyncStats {
     pub created: usize,
     pub updated: usize,
     pub deleted: usize,
+    /// Nothing was written because the devices use fields the server drops: they are being recomputed
+    /// (see [`Publisher::kept_fields`]).
+    pub deferred: bool,
 }
 
 impl SyncStats {
@@ -76,6 +81,10 @@ pub struct Publisher {
     metrics: Arc<Metrics>,
     /// The slice watch's settings; its timeout decides how soon a half-open watch is noticed.
     watch: watcher::Config,
+    /// What the server keeps of the gated fields, as last learned.
+    kept: watch::Sender<KeptFields>,
+    /// The server version the last successful dry-run probe ran against.
+    probed: Mutex<Option<ServerVersion>>,
 }
 
 impl Publisher {
@@ -88,6 +97,67 @@ impl Publisher {
             node_name: node_name.to_string(),
             metrics,
             watch: watcher::Config::default(),
+            kept: watch::Sender::new(KeptFields::default()),
+            probed: Mutex::new(None),
+        }
+    }
+
+    /// What the server keeps of counters and taints, as the publisher learns it: the devices must be
+    /// computed accordingly (a sync defers while they use a field the server drops).
+    pub fn kept_fields(&self) -> watch::Receiver<KeptFields> {
+        self.kept.subscribe()
+    }
+
+    /// Asks the server, with a dry-run create of a slice that uses every gated field, what it would
+    /// store; once per server version (a restart starts over). A failed probe is retried at the next
+    /// sync; meanwhile each write's answer still shows what was dropped.
+    async fn probe(&self, node_uid: &str, version: ServerVersion) {
+        if *lock(&self.probed) == Some(version) {
+            return;
+        }
+        let probe = kept_fields::probe_devices(&self.driver);
+        let slices = desired_slices(&self.driver, &self.node_name, node_uid, &probe, version);
+        let params = PostParams {
+            dry_run: true,
+            ..Default::default()
+        };
+        let mut kept = KeptFields::default();
+        for slice in &slices {
+            match self.slices.create(&params, slice).await {
+                Ok(stored) => kept = kept.without(&kept_fields::dropped(slice, &stored)),
+                Err(error) => {
+                    self.metrics.api_error("dry_run_slice");
+                    warn!(%error, "a dry-run ResourceSlice write, to learn which fields the API server keeps, failed; retrying at the next sync");
+                    return;
+                }
+            }
+        }
+        *lock(&self.probed) = Some(version);
+        self.learn(kept, "a dry-run write");
+    }
+
+    /// Takes `kept` as what the server keeps, and says so when that changed.
+    fn learn(&self, kept: KeptFields, seen_in: &str) {
+        let previous = self.kept.send_replace(kept);
+        for field in GatedField::ALL {
+            if previous.keeps(field) != kept.keeps(field) {
+                info!(
+                    feature_gate = field.feature_gate(),
+                    kept = kept.keeps(field),
+                    seen_in,
+                    "the API server's handling of a gated ResourceSlice field changed"
+                );
+            }
+        }
+    }
+
+    /// After a write: whether the server stored everything that was sent. If it dropped gated fields,
+    /// they are not sent again (the devices are recomputed without them) rather than rewritten forever.
+    fn check_stored(&self, sent: &ResourceSlice, stored: &ResourceSlice) {
+        let dropped = kept_fields::dropped(sent, stored);
+        if !dropped.is_empty() {
+            let kept = self.kept.borrow().without(&dropped);
+            self.learn(kept, "a write's answer");
         }
     }
 
@@ -133,6 +203,16 @@ impl Publisher {
     pub async fn sync(&self, node: &NodeDevices) -> Result<SyncStats, PublishError> {
         let node_uid = self.node_uid().await?;
         let version = self.server_version().await?;
+        self.probe(&node_uid, version).await;
+        if !kept_fields::fits(node, *self.kept.borrow()) {
+            debug!(
+                "the devices use fields the API server drops; waiting for them to be recomputed"
+            );
+            return Ok(SyncStats {
+                deferred: true,
+                ..Default::default()
+            });
+        }
         let stored = self
             .slices
             .list(&ListParams::default().fields(&self.field_selector()))
@@ -166,10 +246,12 @@ impl Publisher {
                     slice.metadata.name = existing.metadata.name.clone();
                     slice.metadata.resource_version = existing.metadata.resource_version.clone();
                     let name = slice.metadata.name.clone().unwrap_or_default();
-                    self.slices
+                    let stored = self
+                        .slices
                         .replace(&name, &PostParams::default(), &slice)
                         .await
                         .map_err(|source| self.write_error("updating", &name, source))?;
+                    self.check_stored(&slice, &stored);
                     stats.updated += 1;
                 }
                 None => {
@@ -185,6 +267,7 @@ impl Publisher {
                         slice = created.metadata.name.as_deref(),
                         "created ResourceSlice"
                     );
+                    self.check_stored(&slice, &created);
                     stats.created += 1;
                 }
             }
@@ -254,6 +337,15 @@ impl Publisher {
             let snapshot = devices.borrow_and_update().clone();
             let span = info_span!("slice_sync", driver = %self.driver, node = %self.node_name, devices = snapshot.device_count());
             let wait = match self.sync(&snapshot).instrument(span).await {
+                Ok(stats) if stats.deferred => {
+                    // The monitor recomputes the devices for what the server keeps; sync those.
+                    tokio::select! {
+                        result = devices.changed() => if result.is_err() { break },
+                        _ = tokio::time::sleep(RECOMPUTE_WAIT) => {}
+                        _ = shutdown.changed() => break,
+                    }
+                    continue;
+                }
                 Ok(stats) => {
                     if stats.writes() > 0 {
                         last_write = Some(tokio::time::Instant::now());
@@ -356,151 +448,11 @@ fn generate_name_prefix(node_name: &str, driver: &str) -> String {
     format!("{trimmed}-")
 }
 
-struct Reconciliation<'a> {
-    is_noop: bool,
-    generation: i64,
-    stale: Vec<&'a ResourceSlice>,
-    /// Every desired slice, with the stored slice it replaces (if any).
-    writes: Vec<(ResourceSlice, Option<&'a ResourceSlice>)>,
-}
-
-/// Matches stored slices to desired ones by what they hold (device and counter-set names; a single
-/// slice always matches a single slice) and decides what must be written.
-fn reconcile<'a>(
-    stored: &'a [ResourceSlice],
-    desired: &[ResourceSlice],
-    pool: &str,
-) -> Reconciliation<'a> {
-    let (in_pool, other_pools): (Vec<&ResourceSlice>, Vec<&ResourceSlice>) =
-        stored.iter().partition(|s| s.spec.pool.name == pool);
-    let mut unmatched: Vec<Option<&ResourceSlice>> = in_pool.iter().copied().map(Some).collect();
-    let mut writes = Vec::with_capacity(desired.len());
-    for want in desired {
-        let names = content_names(want);
-        let position = unmatched
-            .iter()
-            .position(|s| s.is_some_and(|s| content_names(s) == names))
-            .or_else(|| (desired.len() == 1 && in_pool.len() == 1).then_some(0));
-        let existing = position.and_then(|i| unmatched[i].take());
-        writes.push((want.clone(), existing));
-    }
-    let mut stale: Vec<&ResourceSlice> = other_pools;
-    stale.extend(unmatched.into_iter().flatten());
-
-    let generations: BTreeSet<i64> = in_pool.iter().map(|s| s.spec.pool.generation).collect();
-    let newest = generations.last().copied().unwrap_or(0);
-    let changed: Vec<usize> = (0..writes.len())
-        .filter(|&i| {
-            let (want, existing) = &writes[i];
-            !existing.is_some_and(|have| same_content(want, have))
-        })
-        .collect();
-    let consistent = stale.is_empty() && generations.len() == 1;
-    if consistent && changed.is_empty() {
-        return Reconciliation {
-            is_noop: true,
-            generation: newest,
-            stale,
-            writes,
-        };
-    }
-    // One slice updated in place keeps the pool's generation, as the upstream controller does: a
-    // taint on one GPU is one write, not a rewrite of the pool. Anything more bumps the generation
-    // and writes every slice, so consumers never mix slices of two generations.
-    if consistent && changed.len() == 1 && writes[changed[0]].1.is_some() {
-        let only = writes.swap_remove(changed[0]);
-        return Reconciliation {
-            is_noop: false,
-            generation: newest,
-            stale,
-            writes: vec![only],
-        };
-    }
-    Reconciliation {
-        is_noop: false,
-        generation: newest + 1,
-        stale,
-        writes,
-    }
-}
-
-/// What identifies a slice across syncs: its device names and its counter-set names.
-fn content_names(slice: &ResourceSlice) -> BTreeSet<String> {
-    let devices = slice.spec.devices.iter().flatten().map(|d| d.name.clone());
-    let sets = slice
-        .spec
-        .shared_counters
-        .iter()
-        .flatten()
-        .map(|set| format!("counter set {}", set.name));
-    devices.chain(sets).collect()
-}
-
-/// Whether a stored slice already says what we want (ignoring the generation and server-set fields).
-fn same_content(want: &ResourceSlice, have: &ResourceSlice) -> bool {
-    want.spec.driver == have.spec.driver
-        && want.spec.node_name == have.spec.node_name
-        && want.spec.pool.resource_slice_count == have.spec.pool.resource_slice_count
-        && want.metadata.owner_references == have.metadata.owner_references
-        && same_counter_sets(
-            want.spec.shared_counters.as_deref().unwrap_or_default(),
-            have.spec.shared_counters.as_deref().unwrap_or_default(),
-        )
-        && same_devices(
-            want.spec.devices.as_deref().unwrap_or_default(),
-            have.spec.devices.as_deref().unwrap_or_default(),
-        )
-}
-
-fn same_devices(want: &[Device], have: &[Device]) -> bool {
-    want.len() == have.len()
-        && want
-            .iter()
-            .zip(have)
-            .all(|(a, b)| comparable(a) == comparable(b))
-}
-
-fn same_counter_sets(want: &[CounterSet], have: &[CounterSet]) -> bool {
-    let canonical = |sets: &[CounterSet]| -> Vec<CounterSet> {
-        sets.iter()
-            .map(|set| {
-                let mut set = set.clone();
-                for counter in set.counters.values_mut() {
-                    canonicalize(&mut counter.value.0);
-                }
-                set
-            })
-            .collect()
-    };
-    canonical(want) == canonical(have)
-}
-
-/// Writes a quantity the way it compares: the API server may store `40Gi` for `42949672960`.
-fn canonicalize(quantity: &mut String) {
-    if let Some(parsed) = parse_quantity(quantity) {
-        *quantity = parsed.to_string();
-    }
-}
-
-/// A device with its quantities in canonical form and server-set taint times dropped.
-fn comparable(device: &Device) -> Device {
-    let mut device = device.clone();
-    if let Some(capacity) = device.capacity.as_mut() {
-        for value in capacity.values_mut() {
-            canonicalize(&mut value.value.0);
-        }
-    }
-    for consumption in device.consumes_counters.iter_mut().flatten() {
-        for counter in consumption.counters.values_mut() {
-            canonicalize(&mut counter.value.0);
-        }
-    }
-    if let Some(taints) = device.taints.as_mut() {
-        for taint in taints.iter_mut() {
-            taint.time_added = None;
-        }
-    }
-    device
+/// Locks a mutex, ignoring poisoning: the data behind it (a version) is always consistent.
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// Exponential backoff from 0.5 s up to [`MAX_BACKOFF`], with jitter so that many nodes retrying
@@ -549,105 +501,6 @@ mod tests {
         node("dgx-h100", MigMode::Static)
     }
 
-    fn stored(mut slice: ResourceSlice, name: &str, generation: i64) -> ResourceSlice {
-        slice.metadata.name = Some(name.to_string());
-        slice.metadata.generate_name = None;
-        slice.spec.pool.generation = generation;
-        slice
-    }
-
-    #[test]
-    fn identical_slices_need_no_writes_even_with_canonicalized_quantities() {
-        let desired = desired_slices("gpu.dra.dev", "node-a", "uid-1", &h100_devices(), V1_35);
-        let mut have = stored(desired[0].clone(), "s1", 3);
-        for device in have.spec.devices.as_mut().unwrap() {
-            device
-                .capacity
-                .as_mut()
-                .unwrap()
-                .get_mut("memory")
-                .unwrap()
-                .value
-                .0 = "81559Mi".into();
-        }
-        let plan = reconcile(std::slice::from_ref(&have), &desired, "node-a");
-        assert!(plan.is_noop);
-    }
-
-    #[test]
-    fn one_changed_slice_is_updated_alone_and_keeps_the_generation() {
-        let node = node("dgx-h100", MigMode::Dynamic);
-        let desired = desired_slices("gpu.dra.dev", "node-a", "uid-1", &node, V1_35);
-        let stored_slices: Vec<ResourceSlice> = desired
-            .iter()
-            .enumerate()
-            .map(|(i, s)| stored(s.clone(), &format!("s{i}"), 5))
-            .collect();
-        let mut tainted = node.clone();
-        tainted.gpus[3].devices[0].taints =
-            Some(vec![k8s_openapi::api::resource::v1::DeviceTaint {
-                key: "gpu.dra.dev/xid".into(),
-                value: Some("79".into()),
-                effect: "NoSchedule".into(),
-                ..Default::default()
-            }]);
-        let want = desired_slices("gpu.dra.dev", "node-a", "uid-1", &tainted, V1_35);
-        let plan = reconcile(&stored_slices, &want, "node-a");
-        assert!(!plan.is_noop);
-        assert_eq!(plan.generation, 5);
-        assert_eq!(plan.writes.len(), 1);
-        assert_eq!(
-            plan.writes[0].1.and_then(|s| s.metadata.name.as_deref()),
-            Some("s4")
-        );
-
-        // Two GPUs changing at once bump the generation and rewrite the pool.
-        tainted.gpus[5].devices[0].taints = tainted.gpus[3].devices[0].taints.clone();
-        let want = desired_slices("gpu.dra.dev", "node-a", "uid-1", &tainted, V1_35);
-        let plan = reconcile(&stored_slices, &want, "node-a");
-        assert_eq!(plan.generation, 6);
-        assert_eq!(plan.writes.len(), want.len());
-    }
-
-    #[test]
-    fn changed_devices_update_in_place() {
-        let devices = h100_devices();
-        let mut fewer = devices.clone();
-        fewer.gpus.truncate(7);
-        let old = desired_slices("gpu.dra.dev", "node-a", "uid-1", &fewer, V1_35);
-        let have = stored(old[0].clone(), "s1", 3);
-        let desired = desired_slices("gpu.dra.dev", "node-a", "uid-1", &devices, V1_35);
-        let plan = reconcile(std::slice::from_ref(&have), &desired, "node-a");
-        assert!(!plan.is_noop);
-        assert_eq!(
-            plan.generation, 3,
-            "a single in-place update keeps the generation"
-        );
-        assert!(plan.stale.is_empty());
-        assert_eq!(
-            plan.writes[0].1.and_then(|s| s.metadata.name.as_deref()),
-            Some("s1")
-        );
-    }
-
-    #[test]
-    fn slices_of_other_pools_and_duplicates_are_stale() {
-        let desired = desired_slices("gpu.dra.dev", "node-a", "uid-1", &h100_devices(), V1_35);
-        let mut renamed_pool = stored(desired[0].clone(), "old-pool", 1);
-        renamed_pool.spec.pool.name = "old".into();
-        let duplicate = stored(desired[0].clone(), "dup", 1);
-        let keep = stored(desired[0].clone(), "keep", 1);
-        let all = vec![renamed_pool, keep, duplicate];
-        let plan = reconcile(&all, &desired, "node-a");
-        assert!(!plan.is_noop);
-        let stale: Vec<_> = plan
-            .stale
-            .iter()
-            .map(|s| s.metadata.name.clone().unwrap())
-            .collect();
-        assert_eq!(stale, vec!["old-pool", "dup"]);
-    }
-
     #[test]
     fn owner_is_the_node_and_prefix_fits_generate_name() {
         let desired = desired_slices("gpu.dra.dev", "node-a", "uid-1", &h100_devices(), V1_35);
@@ -664,36 +517,6 @@ mod tests {
             generate_name_prefix("node-a", "gpu.dra.dev"),
             "node-a-gpu.dra.dev-"
         );
-    }
-
-    #[test]
-    fn stored_dynamic_mig_slices_with_canonical_counters_need_no_writes() {
-        let node = node("dgx-h100", MigMode::Dynamic);
-        let desired = desired_slices("gpu.dra.dev", "node-a", "uid-1", &node, V1_35);
-        assert!(desired[0].spec.devices.is_none());
-        assert_eq!(desired[0].spec.shared_counters.as_ref().unwrap().len(), 8);
-        let mut stored_slices: Vec<ResourceSlice> = desired
-            .iter()
-            .enumerate()
-            .map(|(i, s)| stored(s.clone(), &format!("s{i}"), 2))
-            .collect();
-        // The server writes memory counters in its canonical form.
-        let set = &mut stored_slices[0].spec.shared_counters.as_mut().unwrap()[0];
-        let memory = set.counters.get_mut("memory").unwrap();
-        memory.value.0 = format!("{}Mi", 81559);
-        stored_slices.reverse();
-        assert!(reconcile(&stored_slices, &desired, "node-a").is_noop);
-
-        // A counter that really changed is written.
-        let set = &mut stored_slices
-            .last_mut()
-            .unwrap()
-            .spec
-            .shared_counters
-            .as_mut()
-            .unwrap()[0];
-        set.counters.get_mut("decoders").unwrap().value.0 = "6".into();
-        assert!(!reconcile(&stored_slices, &desired, "node-a").is_noop);
     }
 
     #[test]

@@ -10,7 +10,7 @@ use serde::Deserialize;
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 use kube::api::{Api, ListParams, PostParams};
 
-use super::apiserver::{ApiServer, ServerVersion};
+use super::apiserver::{ApiServer, FeatureGates, ServerVersion};
 use super::kubelet::{ClaimRef, KubeletDouble};
 use super::scheduler;
 use crate::plugin::PluginConfig;
@@ -46,7 +46,12 @@ impl Harness {
 
     /// [`Harness::new`] with an API server of the given Kubernetes version.
     pub async fn with_version(profile: &str, version: ServerVersion) -> Harness {
-        let api = ApiServer::start_with(version)
+        Self::with_gates(profile, version, FeatureGates::all_enabled()).await
+    }
+
+    /// [`Harness::with_version`] with the given API server feature gates.
+    pub async fn with_gates(profile: &str, version: ServerVersion, gates: FeatureGates) -> Harness {
+        let api = ApiServer::start_with_gates(version, gates)
             .await
             .expect("API server double starts");
         api.insert(

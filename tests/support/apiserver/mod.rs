@@ -4,14 +4,15 @@
 //!
 //! Tests drive it over HTTP like a cluster, and reach around HTTP through the hooks on [`ApiServer`] to play
 //! the kubelet or a controller (`insert`, `remove`), inject faults (`fail_next`, `set_latency`, `hang_next`,
-//! `freeze_watches`) and observe
-//! what the driver did (`requests`, `writes`).
+//! `freeze_watches`), turn feature gates off (`start_with_gates`, `set_feature_gates`, `upgrade`; see
+//! [`gates`]) and observe what the driver did (`requests`, `writes`, `dry_runs`).
 //!
 //! ```ignore
 //! let server = ApiServer::start().await?;
 //! let slices: kube::Api<ResourceSlice> = kube::Api::all(server.client()?);
 //! ```
 
+mod gates;
 mod hangs;
 mod patch;
 mod rest;
@@ -29,6 +30,7 @@ use serde_json::{json, Value};
 use tokio::sync::{broadcast, watch};
 use tokio::task::JoinHandle;
 
+pub use gates::{FeatureGate, FeatureGates};
 pub use hangs::HangSpec;
 
 /// How many watch events the server keeps for watches that resume from a resourceVersion; an older
@@ -96,6 +98,8 @@ pub struct RequestRecord {
     pub namespace: Option<String>,
     pub name: Option<String>,
     pub code: u16,
+    /// `dryRun=All`: validated and answered, nothing stored.
+    pub dry_run: bool,
 }
 
 /// Whether `pattern` (a plural, or plural/subresource) covers the request resource `resource`.
@@ -294,7 +298,10 @@ struct Faults {
 
 /// What the HTTP handlers and the hooks share.
 struct Shared {
-    version: ServerVersion,
+    /// The version a test may change, as an upgrade of the control plane would.
+    version: Mutex<ServerVersion>,
+    /// Which gates are off; a test may change them, as an admin restarting the server with new flags.
+    gates: Mutex<FeatureGates>,
     store: Mutex<Store>,
     events: broadcast::Sender<Arc<StoreEvent>>,
     faults: Mutex<Faults>,
@@ -382,6 +389,14 @@ impl Shared {
     fn latency(&self) -> Duration {
         lock(&self.faults).latency
     }
+
+    fn version(&self) -> ServerVersion {
+        *lock(&self.version)
+    }
+
+    fn feature_gates(&self) -> FeatureGates {
+        lock(&self.gates).clone()
+    }
 }
 
 /// Clients for the server, built once at start so that handing one out cannot fail.
@@ -435,14 +450,24 @@ impl ApiServer {
         ApiServer::start_with(ServerVersion::default()).await
     }
 
-    /// Starts a server that validates by the rules of `version`.
+    /// Starts a server that validates by the rules of `version`, with every feature gate on.
     pub async fn start_with(version: ServerVersion) -> std::io::Result<ApiServer> {
+        ApiServer::start_with_gates(version, FeatureGates::all_enabled()).await
+    }
+
+    /// Starts a server of `version` with the given feature gates; a gate that is off makes the server
+    /// drop that gate's ResourceSlice fields ([`FeatureGates::defaults_of`] gives a default cluster's).
+    pub async fn start_with_gates(
+        version: ServerVersion,
+        gates: FeatureGates,
+    ) -> std::io::Result<ApiServer> {
         let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0)).await?;
         let addr = listener.local_addr()?;
         let (stop, shutdown) = watch::channel(false);
         let (events, _) = broadcast::channel(EVENT_CHANNEL_CAPACITY);
         let shared = Arc::new(Shared {
-            version,
+            version: Mutex::new(version),
+            gates: Mutex::new(gates),
             store: Mutex::new(Store::default()),
             events,
             faults: Mutex::new(Faults::default()),
@@ -630,6 +655,19 @@ impl ApiServer {
         lock(&self.shared.faults).latency = latency;
     }
 
+    /// Changes the feature gates from the next request on, as restarting kube-apiserver with other
+    /// `--feature-gates` would; the stored objects stay as they are.
+    pub fn set_feature_gates(&self, gates: FeatureGates) {
+        *lock(&self.shared.gates) = gates;
+    }
+
+    /// Upgrades (or downgrades) the server in place: `/version`, validation and the feature gates
+    /// change from the next request on; the stored objects stay, as etcd's do.
+    pub fn upgrade(&self, version: ServerVersion, gates: FeatureGates) {
+        *lock(&self.shared.version) = version;
+        self.set_feature_gates(gates);
+    }
+
     /// Drops pending faults and latency.
     pub fn clear_faults(&self) {
         *lock(&self.shared.faults) = Faults::default();
@@ -644,14 +682,25 @@ impl ApiServer {
         lock(&self.shared.requests).clear();
     }
 
-    /// How many create, update, patch and delete requests on `resource` succeeded (see [`FaultSpec`] for
-    /// how subresources match).
+    /// How many create, update, patch and delete requests on `resource` succeeded and were stored
+    /// (dry runs store nothing and are not counted; see [`FaultSpec`] for how subresources match).
     pub fn writes(&self, resource: &str) -> usize {
         lock(&self.shared.requests)
             .iter()
             .filter(|r| {
-                r.verb.is_write() && r.code < 300 && resource_matches(resource, &r.resource)
+                r.verb.is_write()
+                    && !r.dry_run
+                    && r.code < 300
+                    && resource_matches(resource, &r.resource)
             })
+            .count()
+    }
+
+    /// How many `dryRun=All` write requests on `resource` were answered, successful or not.
+    pub fn dry_runs(&self, resource: &str) -> usize {
+        lock(&self.shared.requests)
+            .iter()
+            .filter(|r| r.verb.is_write() && r.dry_run && resource_matches(resource, &r.resource))
             .count()
     }
 }

@@ -317,6 +317,7 @@ async fn handle(
         namespace: request.namespace.clone(),
         name: request.name.clone(),
         code: response.status().as_u16(),
+        dry_run: request.dry_run(),
     });
     response
 }
@@ -341,7 +342,7 @@ fn serve(shared: &Arc<Shared>, request: &Request, headers: &HeaderMap, body: &[u
 }
 
 fn version_info(shared: &Shared) -> Value {
-    let minor = shared.version.minor();
+    let minor = shared.version().minor();
     json!({
         "major": "1",
         "minor": minor.to_string(),
@@ -453,11 +454,13 @@ fn check_identity(request: &Request, obj: &mut Value) -> Result<(), ApiError> {
 fn admit(
     shared: &Shared,
     request: &Request,
-    obj: Value,
+    mut obj: Value,
     old: Option<&Value>,
 ) -> Result<Value, ApiError> {
     let def = request.def;
-    let errors = validation::validate(shared.version, def, &obj, old);
+    // Before validation, as the registry strategy's PrepareForCreate/PrepareForUpdate.
+    super::gates::drop_disabled_fields(&shared.feature_gates(), def, &mut obj, old);
+    let errors = validation::validate(shared.version(), def, &obj, old);
     if !errors.is_empty() {
         let name = meta_str(&obj, "name").unwrap_or_default().to_string();
         return Err(ApiError::Invalid { def, name, errors });

@@ -55,6 +55,7 @@ pub struct Metrics {
     device_healthy: Family<DeviceLabels, Gauge>,
     faults: Family<FaultLabels, Counter>,
     device_class_problems: Family<ClassProblemLabels, Gauge>,
+    unreadable_gpus: Gauge,
 }
 
 impl Metrics {
@@ -70,6 +71,12 @@ impl Metrics {
         let device_healthy = Family::<DeviceLabels, Gauge>::default();
         let faults = Family::<FaultLabels, Counter>::default();
         let device_class_problems = Family::<ClassProblemLabels, Gauge>::default();
+        let unreadable_gpus = Gauge::default();
+        registry.register(
+            "unreadable_gpus",
+            "GPUs the backend sees but cannot read (lost, in a MIG mode change, any per-GPU error); left out of the ResourceSlices",
+            unreadable_gpus.clone(),
+        );
         registry.register(
             "device_class_problems",
             "1 for each DeviceClass whose selectors error on this node's devices (DeviceClassSelectorError) or \
@@ -127,6 +134,7 @@ impl Metrics {
             device_healthy,
             faults,
             device_class_problems,
+            unreadable_gpus,
         })
     }
 
@@ -153,6 +161,10 @@ impl Metrics {
                 })
                 .set(1);
         }
+    }
+
+    pub fn set_unreadable_gpus(&self, count: usize) {
+        self.unreadable_gpus.set(count as i64);
     }
 
     pub fn fault_seen(&self, kind: &str) {

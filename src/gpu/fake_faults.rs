@@ -120,9 +120,6 @@ fn fault_event((uuid, gpu_instance_id, kind, xid): &FaultKey) -> GpuEvent {
     }
 }
 
-/// The physical check of one more MIG device on a GPU, independent of the counters the device model
-/// publishes (the property test compares the two).
-
 #[cfg(test)]
 mod fault_tests {
     use super::*;

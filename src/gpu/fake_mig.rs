@@ -275,8 +275,6 @@ pub fn physically_fits(
     Ok(())
 }
 
-/// GPU instance ids as the fake hands them out: one per start slice, so they are unique on a GPU.
-
 #[cfg(test)]
 mod mig_tests {
     use super::*;

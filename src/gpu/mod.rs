@@ -7,6 +7,8 @@ pub mod fake;
 mod fake_check;
 mod fake_faults;
 mod fake_mig;
+#[cfg(test)]
+mod fake_tests;
 mod locks;
 pub mod mig;
 pub mod nvlink;

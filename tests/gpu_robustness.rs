@@ -2,7 +2,8 @@
 //! out and reported while the others are published, and comes back at a rescan; static MIG with several
 //! compute instances per GPU instance; a prepare cancelled by the kubelet's deadline mid-create is
 //! adopted by the retry; parallel prepares and an unprepare on one GPU with slow MIG operations; a
-//! MIG device held by a process makes unprepare a per-claim error the kubelet retries.
+//! MIG device held by a process makes unprepare a per-claim error the kubelet retries; a GPU whose MIG
+//! mode cannot be switched off is no longer offered whole.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -418,4 +419,44 @@ async fn a_mig_device_in_use_makes_unprepare_a_per_claim_error_that_the_retry_cl
         .unwrap();
     assert!(node.mig_devices().is_empty());
     assert!(node.spec(&claim).is_none());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gpu_whose_mig_mode_cannot_be_switched_off_is_not_offered_whole() {
+    let node = Node::new(1, MigMode::Dynamic, |p| {
+        p.gpus[0].mig_disable_fails = Some("In use by another client".into())
+    })
+    .await;
+    let _plugin = node.harness.start_plugin().await;
+    let kubelet = node.harness.kubelet().await;
+    let names = node
+        .device_names_where(|n| n.iter().any(|d| d.contains("-mig-")))
+        .await;
+    assert!(names.iter().any(|n| n == "gpu-0"), "{names:?}");
+    let claim = node
+        .harness
+        .allocated_claim_with("once", mig_request("1g.10gb"))
+        .await
+        .unwrap();
+    kubelet.prepare(std::slice::from_ref(&claim)).await.unwrap()[&claim.uid]
+        .clone()
+        .unwrap();
+    kubelet
+        .unprepare(std::slice::from_ref(&claim))
+        .await
+        .unwrap()[&claim.uid]
+        .clone()
+        .unwrap();
+    // The GPU stays in MIG mode: its MIG devices are still offered, the whole GPU no longer.
+    let names = node
+        .device_names_where(|n| !n.is_empty() && !n.iter().any(|d| d == "gpu-0"))
+        .await;
+    assert!(names.iter().all(|n| n.contains("-mig-")), "{names:?}");
+    let events = node
+        .events_where("MigModeNotSwitchedOff", |f| !f.is_empty())
+        .await;
+    assert!(
+        events[0].1.contains("In use by another client"),
+        "{events:?}"
+    );
 }

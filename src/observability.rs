@@ -69,6 +69,7 @@ pub struct Metrics {
     device_class_problems: Family<ClassProblemLabels, Gauge>,
     state_files_set_aside: Family<SetAsideLabels, Counter>,
     feature_gate_disabled: Family<FeatureGateLabels, Gauge>,
+    unreadable_gpus: Gauge,
 }
 
 impl Metrics {
@@ -98,6 +99,12 @@ impl Metrics {
             "1 while the API server drops the ResourceSlice fields of this feature gate \
              (DRAPartitionableDevices, DRADeviceTaints) and the node publishes without them, else 0",
             feature_gate_disabled.clone(),
+        );
+        let unreadable_gpus = Gauge::default();
+        registry.register(
+            "unreadable_gpus",
+            "GPUs the backend sees but cannot read (lost, in a MIG mode change, any per-GPU error); left out of the ResourceSlices",
+            unreadable_gpus.clone(),
         );
         registry.register(
             "device_class_problems",
@@ -165,6 +172,7 @@ impl Metrics {
             device_class_problems,
             state_files_set_aside,
             feature_gate_disabled,
+            unreadable_gpus,
         })
     }
 
@@ -198,6 +206,10 @@ impl Metrics {
         self.feature_gate_disabled
             .get_or_create(&FeatureGateLabels { feature_gate })
             .set(i64::from(disabled));
+    }
+
+    pub fn set_unreadable_gpus(&self, count: usize) {
+        self.unreadable_gpus.set(count as i64);
     }
 
     pub fn fault_seen(&self, kind: &str) {

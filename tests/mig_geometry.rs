@@ -59,6 +59,7 @@ fn physically_placeable(mig: &MigInfo, chosen: &[&Device]) -> bool {
             gpu_instance_id: start + 1,
             compute_instance_id: 0,
             device_files: Vec::new(),
+            compute: None,
         });
     }
     true

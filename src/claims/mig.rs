@@ -1,7 +1,9 @@
 //! MIG devices of claims: which physical MIG device a MIG device name means; creating it at the
-//! allocated placement (dynamic MIG) or finding the one an admin made (static MIG); destroying what a
-//! claim created; reporting the created device's UUID in the claim's status; and the start-up sweep
-//! that destroys MIG devices no completed claim owns.
+//! allocated placement (dynamic MIG; a retry after a cancelled prepare adopts the device the first try
+//! made) or finding the one an admin made (static MIG, down to the compute instance); destroying what
+//! a claim created, never a device that has since become someone else's; reporting the created
+//! device's UUID in the claim's status; and the start-up sweep that destroys MIG devices no completed
+//! claim owns.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -14,7 +16,9 @@ use tracing::{debug, info, warn};
 use super::checkpoint::PreparedMig;
 use super::{ClaimRef, PreparedDevice};
 use crate::devices::{DeviceName, MigMode};
-use crate::gpu::{Gpu, GpuBackend, Inventory, MigInstance, MigPlacement, MigProfile, MigRequest};
+use crate::gpu::{
+    Gpu, GpuBackend, Inventory, MigDestroyed, MigInstance, MigPlacement, MigProfile, MigRequest,
+};
 
 /// What a MIG device name means on this node now.
 #[derive(Debug, Clone)]
@@ -22,8 +26,11 @@ pub(super) struct MigTarget {
     pub gpu: Gpu,
     pub profile: MigProfile,
     pub placement: MigPlacement,
-    /// The MIG device that exists at that placement with that profile, if any.
+    /// The MIG device that exists at that placement with that profile (and, for one of several
+    /// compute instances, that compute instance), if any.
     pub existing: Option<MigInstance>,
+    /// Set when the name means one of several compute instances of the GPU instance.
+    pub compute_instance: Option<u32>,
 }
 
 /// Resolves a device name against the inventory: `Ok(None)` for a whole GPU that exists, the MIG
@@ -35,7 +42,13 @@ pub(super) fn resolve(inventory: &Inventory, device: &str) -> Result<Option<MigT
         .iter()
         .find(|gpu| gpu.minor == name.minor())
         .ok_or_else(|| format!("the node has no GPU with minor number {}", name.minor()))?;
-    let DeviceName::Mig { profile, start, .. } = &name else {
+    let DeviceName::Mig {
+        profile,
+        start,
+        compute_instance,
+        ..
+    } = &name
+    else {
         return Ok(None);
     };
     let mig = gpu.mig.as_ref().ok_or("the GPU does not support MIG")?;
@@ -50,26 +63,34 @@ pub(super) fn resolve(inventory: &Inventory, device: &str) -> Result<Option<MigT
     let existing = mig
         .instances
         .iter()
-        .find(|i| i.profile_id == profile.id && i.placement == placement)
+        .filter(|i| i.profile_id == profile.id && i.placement == placement)
+        .filter(|i| i.has_compute_instance())
+        .find(|i| match compute_instance {
+            Some(ci) => i.compute.is_some() && i.compute_instance_id == *ci,
+            None => i.compute.is_none(),
+        })
         .cloned();
     Ok(Some(MigTarget {
         gpu: gpu.clone(),
         profile: profile.clone(),
         placement,
         existing,
+        compute_instance: *compute_instance,
     }))
 }
 
 /// Whether two devices cannot be used at the same time: the same device, a whole GPU and a MIG device
-/// on it, or two MIG devices of one GPU whose memory slices overlap.
+/// on it, or two MIG devices of one GPU whose memory slices overlap, unless they are different compute
+/// instances of one GPU instance (made to be shared that way).
 pub(super) fn conflict(inventory: &Inventory, a: &str, b: &str) -> bool {
     if a == b {
         return true;
     }
-    let footprint = |device: &str| -> Option<(u32, Option<MigPlacement>)> {
+    type Footprint = (u32, Option<(MigPlacement, Option<u32>)>);
+    let footprint = |device: &str| -> Option<Footprint> {
         let name = DeviceName::parse(device)?;
         let placement = match resolve(inventory, device) {
-            Ok(target) => target.map(|t| t.placement),
+            Ok(target) => target.map(|t| (t.placement, t.compute_instance)),
             Err(_) => return Some((name.minor(), None)),
         };
         Some((name.minor(), placement))
@@ -77,7 +98,8 @@ pub(super) fn conflict(inventory: &Inventory, a: &str, b: &str) -> bool {
     match (footprint(a), footprint(b)) {
         (Some((gpu_a, place_a)), Some((gpu_b, place_b))) if gpu_a == gpu_b => {
             match (place_a, place_b) {
-                (Some(x), Some(y)) => x.overlaps(&y),
+                (Some((x, Some(ci_x))), Some((y, Some(ci_y)))) if x == y => ci_x == ci_y,
+                (Some((x, _)), Some((y, _))) => x.overlaps(&y),
                 _ => true,
             }
         }
@@ -136,12 +158,23 @@ async fn create(backend: &Arc<dyn GpuBackend>, target: &MigTarget) -> Result<Pre
         profile_id: target.profile.id,
         placement: target.placement,
     };
+    if target.compute_instance.is_some() {
+        return Err("dynamic MIG makes MIG devices with one compute instance only".into());
+    }
+    // The create runs on a thread of its own, so a prepare the kubelet cancels (its deadline) leaves
+    // it to finish; the kubelet's retry then adopts what it made, and reserve() guarantees that no
+    // other claim holds the placement, so what is there is this claim's.
     let worker = backend.clone();
-    let instance = tokio::task::spawn_blocking(move || worker.create_mig(&request))
-        .await
-        .map_err(|e| e.to_string())?
-        .map_err(|e| format!("creating MIG device {}: {e}", target.profile.name))?;
-    info!(uuid = %instance.uuid, profile = %target.profile.name, start = target.placement.start, "MIG device created");
+    let (instance, adopted) =
+        tokio::task::spawn_blocking(move || worker.create_or_adopt_mig(&request))
+            .await
+            .map_err(|e| e.to_string())?
+            .map_err(|e| format!("creating MIG device {}: {e}", target.profile.name))?;
+    if adopted {
+        info!(uuid = %instance.uuid, profile = %target.profile.name, start = target.placement.start, "MIG device adopted (made by an earlier, interrupted prepare)");
+    } else {
+        info!(uuid = %instance.uuid, profile = %target.profile.name, start = target.placement.start, "MIG device created");
+    }
     Ok(prepared_mig(&target.gpu, &instance, true))
 }
 
@@ -169,13 +202,23 @@ pub(super) async fn destroy_created(
         .filter(|m| m.created)
     {
         let worker = backend.clone();
-        let (parent, gpu_instance) = (mig.parent_uuid.clone(), mig.gpu_instance_id);
-        let result = tokio::task::spawn_blocking(move || worker.destroy_mig(&parent, gpu_instance))
-            .await
-            .map_err(|e| e.to_string())
-            .and_then(|r| r.map_err(|e| e.to_string()));
+        let (parent, gpu_instance, uuid) = (
+            mig.parent_uuid.clone(),
+            mig.gpu_instance_id,
+            mig.uuid.clone(),
+        );
+        let result =
+            tokio::task::spawn_blocking(move || worker.destroy_mig(&parent, gpu_instance, &uuid))
+                .await
+                .map_err(|e| e.to_string())
+                .and_then(|r| r.map_err(|e| e.to_string()));
         match result {
-            Ok(()) => info!(uuid = %mig.uuid, "MIG device destroyed"),
+            Ok(MigDestroyed::Destroyed) => info!(uuid = %mig.uuid, "MIG device destroyed"),
+            Ok(MigDestroyed::Gone) => info!(uuid = %mig.uuid, "MIG device was gone already"),
+            // Ours is gone; the GPU instance id now belongs to someone else's device.
+            Ok(MigDestroyed::Replaced { found }) => {
+                warn!(uuid = %mig.uuid, gpu_instance = mig.gpu_instance_id, now_holds = %found, "MIG device was gone already; its GPU instance id now holds another MIG device, which is left alone")
+            }
             Err(error) => {
                 warn!(uuid = %mig.uuid, %error, "destroying MIG device failed");
                 first_error.get_or_insert(format!("destroying MIG device {}: {error}", mig.uuid));
@@ -200,8 +243,9 @@ pub(super) fn destroy_unowned(
             if owned.contains(&(gpu.uuid.clone(), instance.gpu_instance_id)) {
                 continue;
             }
-            match backend.destroy_mig(&gpu.uuid, instance.gpu_instance_id) {
-                Ok(()) => destroyed.push(instance.uuid.clone()),
+            match backend.destroy_mig(&gpu.uuid, instance.gpu_instance_id, &instance.uuid) {
+                Ok(MigDestroyed::Destroyed) => destroyed.push(instance.uuid.clone()),
+                Ok(_) => {}
                 Err(error) => {
                     warn!(uuid = %instance.uuid, %error, "destroying unowned MIG device failed")
                 }

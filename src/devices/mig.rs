@@ -1,7 +1,9 @@
 //! MIG devices. Dynamic MIG publishes every profile at every placement as a partitionable device that
 //! consumes a per-GPU counter set (memory slices, compute slices, engines), so the scheduler can never
 //! allocate two MIG devices that overlap, or a whole GPU together with one of its partitions. Static MIG
-//! publishes the MIG devices an admin already created, as plain devices.
+//! publishes the MIG devices an admin already created, as plain devices: one per compute instance
+//! (several compute instances of one GPU instance are several devices, each with its own UUID), none for
+//! a GPU instance without compute instance, which CUDA cannot use.
 
 use std::collections::BTreeMap;
 
@@ -120,10 +122,12 @@ pub fn dynamic_devices(inventory: &Inventory, gpu: &Gpu, mig: &MigInfo) -> Vec<D
         .collect()
 }
 
-/// The MIG devices that exist on a GPU in static MIG mode, with their UUIDs.
+/// The MIG devices that exist on a GPU in static MIG mode, with their UUIDs: one per compute
+/// instance. GPU instances without compute instance are left out (the plugin reports them).
 pub fn static_devices(inventory: &Inventory, gpu: &Gpu, mig: &MigInfo) -> Vec<Device> {
     mig.instances
         .iter()
+        .filter(|instance| instance.has_compute_instance())
         .filter_map(|instance| {
             let profile = mig.profile(instance.profile_id)?;
             Some(mig_device(
@@ -181,12 +185,19 @@ fn mig_device(
         Some(instance) => attributes.insert("uuid".into(), string(&instance.uuid)),
         None => attributes.remove("uuid"),
     };
+    // One of several compute instances: its own share of the GPU instance's multiprocessors; memory
+    // and engines are the GPU instance's, shared with its sibling compute instances.
+    let share = instance.and_then(|i| i.compute);
+    if let Some(share) = share {
+        attributes.insert(
+            "computeProfile".into(),
+            string(&format!("{}c.{}", share.slices, profile.name)),
+        );
+    }
+    let multiprocessors = share.map_or(profile.multiprocessors, |s| s.multiprocessors);
     let capacity = BTreeMap::from([
         ("memory".to_string(), quantity(profile.memory_bytes())),
-        (
-            "multiprocessors".into(),
-            quantity(profile.multiprocessors.into()),
-        ),
+        ("multiprocessors".into(), quantity(multiprocessors.into())),
         ("copyEngines".into(), quantity(profile.copy_engines.into())),
         ("decoders".into(), quantity(profile.decoders.into())),
         ("encoders".into(), quantity(profile.encoders.into())),
@@ -198,6 +209,7 @@ fn mig_device(
             minor: gpu.minor,
             profile: profile.dns_name(),
             start: placement.start,
+            compute_instance: share.and(instance.map(|i| i.compute_instance_id)),
         }
         .to_string(),
         attributes: Some(attributes),
@@ -216,5 +228,107 @@ fn quantity(value: u64) -> DeviceCapacity {
     DeviceCapacity {
         value: Quantity(value.to_string()),
         ..Default::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{node_devices, DeviceName, MigMode};
+    use super::Device;
+    use crate::gpu::{builtin_profile, FakeBackend, GpuBackend};
+
+    fn attr(device: &Device, name: &str) -> Option<String> {
+        let a = device.attributes.as_ref()?.get(name)?;
+        a.string.clone().or(a.int.map(|i| i.to_string()))
+    }
+
+    #[test]
+    fn static_mig_publishes_one_device_per_compute_instance_and_none_without() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("node.yaml");
+        let mut profile = builtin_profile("dgx-h100").unwrap();
+        profile.gpus.truncate(1);
+        profile.gpus[0].mig_enabled = true;
+        profile.gpus[0].mig_instances = serde_yaml::from_str(
+            "[{profile: 3g.40gb, start: 0, computeInstances: [2, 1]}, \
+              {profile: 2g.20gb, start: 4, computeInstances: []}, \
+              {profile: 1g.10gb, start: 6}]",
+        )
+        .unwrap();
+        std::fs::write(&path, serde_yaml::to_string(&profile).unwrap()).unwrap();
+        let inventory = FakeBackend::new("n", path.to_str().unwrap())
+            .unwrap()
+            .inventory()
+            .unwrap();
+        let node = node_devices(&inventory, MigMode::Static);
+        let names: Vec<&str> = node.devices().map(|d| d.name.as_str()).collect();
+        assert_eq!(
+            names,
+            vec![
+                "gpu-0-mig-3g40gb-0-ci0",
+                "gpu-0-mig-3g40gb-0-ci1",
+                "gpu-0-mig-1g10gb-6"
+            ]
+        );
+        for device in node.devices() {
+            assert_eq!(
+                DeviceName::parse(&device.name).unwrap().to_string(),
+                device.name
+            );
+        }
+        let devices: Vec<&Device> = node.devices().collect();
+        let uuids: std::collections::BTreeSet<_> =
+            devices.iter().map(|d| attr(d, "uuid").unwrap()).collect();
+        assert_eq!(uuids.len(), 3, "each device has its own UUID");
+        let mig = inventory.gpus[0].mig.as_ref().unwrap();
+        for device in &devices[..2] {
+            let name = DeviceName::parse(&device.name).unwrap();
+            let DeviceName::Mig {
+                compute_instance: Some(ci),
+                ..
+            } = name
+            else {
+                panic!("{name:?}")
+            };
+            let instance = mig
+                .instances
+                .iter()
+                .find(|i| i.placement.start == 0 && i.compute_instance_id == ci)
+                .unwrap();
+            assert_eq!(attr(device, "uuid").unwrap(), instance.uuid);
+        }
+        assert_eq!(
+            attr(devices[0], "computeProfile").as_deref(),
+            Some("2c.3g.40gb")
+        );
+        assert_eq!(
+            devices[1].capacity.as_ref().unwrap()["multiprocessors"]
+                .value
+                .0,
+            "20"
+        );
+        assert_eq!(attr(devices[2], "computeProfile"), None);
+    }
+
+    #[test]
+    fn dynamic_mig_leaves_the_whole_gpu_out_when_mig_mode_cannot_be_switched_off() {
+        let mut inventory = FakeBackend::new("n", "dgx-h100")
+            .unwrap()
+            .inventory()
+            .unwrap();
+        let before = node_devices(&inventory, MigMode::Dynamic);
+        assert_eq!(before.gpus[0].devices[0].name, "gpu-0");
+        let mig = inventory.gpus[0].mig.as_mut().unwrap();
+        mig.enabled = true;
+        let on = node_devices(&inventory, MigMode::Dynamic);
+        assert_eq!(on.gpus[0].devices[0].name, "gpu-0", "Hopper switches back");
+        inventory.gpus[0].mig.as_mut().unwrap().disable_failed = Some("in use".into());
+        let stuck = node_devices(&inventory, MigMode::Dynamic);
+        assert!(stuck.gpus[0].devices.iter().all(|d| d.name != "gpu-0"));
+        assert_eq!(
+            stuck.gpus[0].devices.len(),
+            before.gpus[0].devices.len() - 1
+        );
+        assert_eq!(stuck.gpus[1].devices[0].name, "gpu-1");
     }
 }

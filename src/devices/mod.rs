@@ -1,8 +1,11 @@
 //! Inventory → DRA devices: device names, attributes, capacities, counter sets and what each device
 //! consumes of them. Pure functions, no I/O. Whole GPUs are `gpu-<minor>`; MIG devices
-//! `gpu-<minor>-mig-<profile>-<start>` (see [`mig`]).
+//! `gpu-<minor>-mig-<profile>-<start>[-ci<id>]` (see [`names`] and [`mig`]).
 
 pub mod mig;
+pub mod names;
+
+pub use names::DeviceName;
 
 use std::collections::BTreeMap;
 
@@ -13,75 +16,6 @@ use crate::gpu::{Gpu, Inventory};
 
 /// The standard attribute domain of Kubernetes itself (`resource.kubernetes.io/pciBusID`, ...).
 const KUBERNETES_DOMAIN: &str = "resource.kubernetes.io";
-
-/// What a DRA device name stands for; names are stable across restarts and parse back.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum DeviceName {
-    /// A whole GPU, `gpu-<minor>`.
-    Gpu { minor: u32 },
-    /// A MIG device, `gpu-<minor>-mig-<profile>-<start>`: the parent's minor, the profile in DNS-label
-    /// form (`1g10gb`, `1g10gb-me`) and the memory slice its placement starts at.
-    Mig {
-        minor: u32,
-        profile: String,
-        start: u32,
-    },
-}
-
-impl DeviceName {
-    pub fn parse(name: &str) -> Option<DeviceName> {
-        let rest = name.strip_prefix("gpu-")?;
-        let Some((minor, mig)) = rest.split_once("-mig-") else {
-            return parse_number(rest).map(|minor| DeviceName::Gpu { minor });
-        };
-        let (profile, start) = mig.rsplit_once('-')?;
-        let profile_ok = !profile.is_empty()
-            && profile
-                .bytes()
-                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-            && !profile.starts_with('-')
-            && !profile.ends_with('-');
-        if !profile_ok {
-            return None;
-        }
-        Some(DeviceName::Mig {
-            minor: parse_number(minor)?,
-            profile: profile.to_string(),
-            start: parse_number(start)?,
-        })
-    }
-
-    /// The minor number of the (parent) GPU.
-    pub fn minor(&self) -> u32 {
-        match self {
-            DeviceName::Gpu { minor } | DeviceName::Mig { minor, .. } => *minor,
-        }
-    }
-}
-
-/// A decimal number that prints back the same (no `007`, no `+1`).
-fn parse_number(text: &str) -> Option<u32> {
-    if text.is_empty()
-        || !text.bytes().all(|b| b.is_ascii_digit())
-        || (text.len() > 1 && text.starts_with('0'))
-    {
-        return None;
-    }
-    text.parse().ok()
-}
-
-impl std::fmt::Display for DeviceName {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            DeviceName::Gpu { minor } => write!(f, "gpu-{minor}"),
-            DeviceName::Mig {
-                minor,
-                profile,
-                start,
-            } => write!(f, "gpu-{minor}-mig-{profile}-{start}"),
-        }
-    }
-}
 
 /// How MIG-capable GPUs are published.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
@@ -154,8 +88,10 @@ fn gpu_devices(inventory: &Inventory, gpu: &Gpu, mig_mode: MigMode) -> GpuDevice
         (MigMode::Dynamic, Some(mig)) if mig.enabled || mig.toggles_without_reset => {
             out.counter_set = mig::counter_set(gpu, mig);
             // The whole GPU can be handed out only where MIG mode can be switched off again without
-            // a reset; on A100 with MIG mode on, only MIG devices are usable.
-            if mig.toggles_without_reset || !mig.enabled {
+            // a reset; on A100 with MIG mode on, only MIG devices are usable. Where switching it off
+            // failed, the GPU stays in MIG mode and CUDA cannot use it whole.
+            let can_switch_off = mig.toggles_without_reset && mig.disable_failed.is_none();
+            if !mig.enabled || can_switch_off {
                 let mut whole = whole_gpu(inventory, gpu);
                 if let Some(set) = &out.counter_set {
                     whole.consumes_counters = Some(vec![mig::whole_gpu_consumption(set)]);
@@ -613,29 +549,5 @@ mod tests {
         let none = node_devices(&inventory, MigMode::None);
         assert!(none.gpus[1].devices.is_empty());
         assert_eq!(none.gpus[0].devices.len(), 1);
-    }
-
-    #[test]
-    fn mig_device_names_parse_back_and_reject_garbage() {
-        let name = DeviceName::parse("gpu-3-mig-1g10gb-me-6").unwrap();
-        assert_eq!(
-            name,
-            DeviceName::Mig {
-                minor: 3,
-                profile: "1g10gb-me".into(),
-                start: 6
-            }
-        );
-        assert_eq!(name.to_string(), "gpu-3-mig-1g10gb-me-6");
-        for bad in [
-            "gpu-3-mig-1g10gb",
-            "gpu-3-mig--6",
-            "gpu-03-mig-1g10gb-6",
-            "gpu-3-mig-1G10GB-6",
-            "gpu-3-mig-1g10gb-06",
-            "gpu-x-mig-1g10gb-6",
-        ] {
-            assert_eq!(DeviceName::parse(bad), None, "{bad}");
-        }
     }
 }

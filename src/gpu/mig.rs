@@ -60,7 +60,14 @@ pub fn profile_dns_name(name: &str) -> String {
     name.to_ascii_lowercase().replace('.', "").replace('+', "-")
 }
 
-/// A MIG device that exists on a GPU: a GPU instance with one compute instance spanning it.
+/// `compute_instance_id` of a GPU instance that has no compute instance (left over by an interrupted
+/// create, or made so by an admin); such an instance has an empty `uuid`, no device files, and CUDA
+/// cannot use it.
+pub const NO_COMPUTE_INSTANCE: u32 = u32::MAX;
+
+/// A MIG device that exists on a GPU: one compute instance of a GPU instance. A GPU instance with
+/// several compute instances (an admin's `nvidia-smi mig -cci 1c.3g.40gb,...`) appears once per
+/// compute instance; one without any appears once, with [`NO_COMPUTE_INSTANCE`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct MigInstance {
@@ -73,6 +80,38 @@ pub struct MigInstance {
     /// The capability device files that grant access to this GPU and compute instance
     /// (`/dev/nvidia-caps/nvidia-cap<N>`), besides the parent GPU's own device file.
     pub device_files: Vec<String>,
+    /// Set when the compute instance takes only part of its GPU instance's compute slices (several
+    /// compute instances share the GPU instance's memory); `None` when it spans the whole GPU instance.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compute: Option<ComputeShare>,
+}
+
+impl MigInstance {
+    /// Whether the GPU instance has a compute instance, i.e. CUDA can use this MIG device.
+    pub fn has_compute_instance(&self) -> bool {
+        self.compute_instance_id != NO_COMPUTE_INSTANCE
+    }
+}
+
+/// The part of a GPU instance one of several compute instances takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ComputeShare {
+    /// Compute slices of the compute instance (the `1c` of `1c.3g.40gb`).
+    pub slices: u32,
+    pub multiprocessors: u32,
+}
+
+/// What became of a MIG device a caller asked to destroy.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MigDestroyed {
+    /// It existed and is gone now.
+    Destroyed,
+    /// It did not exist (any more): a retry, or someone else removed it.
+    Gone,
+    /// The GPU instance id now belongs to another MIG device (ours was removed and the id reused), which
+    /// was left alone.
+    Replaced { found: String },
 }
 
 /// A GPU's MIG side: its geometry, whether MIG mode is on, and the MIG devices that exist now.
@@ -88,6 +127,9 @@ pub struct MigInfo {
     pub compute_slices: u32,
     pub profiles: Vec<MigProfile>,
     pub instances: Vec<MigInstance>,
+    /// Why MIG mode could not be switched off after the last MIG device was destroyed; `None` when it
+    /// could (or never had to be). Such a GPU stays in MIG mode, so CUDA cannot use it whole.
+    pub disable_failed: Option<String>,
 }
 
 impl MigInfo {

@@ -4,16 +4,28 @@
 
 pub mod caps;
 pub mod fake;
+mod fake_check;
+mod fake_faults;
+mod fake_mig;
+#[cfg(test)]
+mod fake_tests;
+mod locks;
 pub mod mig;
 pub mod nvlink;
 pub mod nvml;
+mod nvml_events;
+mod nvml_inventory;
 mod nvml_mig;
 mod nvml_probe;
 mod nvml_support;
 mod profiles;
 
 pub use fake::FakeBackend;
-pub use mig::{MigInfo, MigInstance, MigPlacement, MigProfile, MigRequest};
+pub use locks::GpuLocks;
+pub use mig::{
+    ComputeShare, MigDestroyed, MigInfo, MigInstance, MigPlacement, MigProfile, MigRequest,
+    NO_COMPUTE_INSTANCE,
+};
 pub use nvml::{NvmlBackend, NvmlOptions};
 pub use profiles::{
     builtin_profile, builtin_profile_names, FakeFault, FakeFaultKind, FakeGpuSpec, FakeProfile,
@@ -70,6 +82,34 @@ pub struct Inventory {
     /// Set by the fake backend: every device file maps onto this host file (`/dev/null`), so that the
     /// CDI specs it produces can be injected on a node that has no GPU device files.
     pub stand_in_device_file: Option<String>,
+    /// GPUs the backend sees but could not read (lost, in a MIG mode change, any per-GPU error): left
+    /// out of `gpus`, reported, and read again at the next rescan.
+    pub unreadable: Vec<UnreadableGpu>,
+}
+
+/// A GPU that is there but could not be read, with what is known of it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnreadableGpu {
+    /// The backend's index of the GPU (NVML's enumeration order; the profile's order for the fake).
+    pub index: u32,
+    /// Known when the GPU answered that far: then its device (`gpu-<minor>`) is reported UNHEALTHY.
+    pub minor: Option<u32>,
+    pub uuid: Option<String>,
+    pub pci_bus_id: Option<String>,
+    pub reason: String,
+}
+
+impl UnreadableGpu {
+    /// How an operator finds the GPU: its minor, UUID or PCI address, whichever are known.
+    pub fn describe(&self) -> String {
+        let mut parts = vec![match self.minor {
+            Some(minor) => format!("gpu-{minor}"),
+            None => format!("GPU index {}", self.index),
+        }];
+        parts.extend(self.uuid.clone());
+        parts.extend(self.pci_bus_id.as_ref().map(|bus| format!("PCI {bus}")));
+        parts.join(" ")
+    }
 }
 
 #[derive(Debug, Error)]
@@ -89,6 +129,8 @@ pub enum GpuError {
     Mig { gpu: String, reason: String },
     #[error("NVML {call} failed: {reason}")]
     Nvml { call: String, reason: String },
+    #[error("GPU {gpu}: MIG device {uuid} is in use by a process (NVML_ERROR_IN_USE); it can be destroyed once that process has ended")]
+    MigInUse { gpu: String, uuid: String },
 }
 
 /// Something the backend saw happen to a GPU (input to the health monitor).
@@ -131,11 +173,26 @@ pub trait GpuBackend: Send + Sync {
     /// change what it reports unless the hardware (or the fake profile) changed.
     fn inventory(&self) -> Result<Inventory, GpuError>;
     /// Creates a MIG device (GPU instance plus one compute instance spanning it) at the requested
-    /// placement, enabling MIG mode first where the GPU can switch without a reset.
+    /// placement, enabling MIG mode first where the GPU can switch without a reset. MIG operations on
+    /// one GPU run one at a time.
     fn create_mig(&self, request: &MigRequest) -> Result<MigInstance, GpuError>;
-    /// Destroys a MIG device (its compute instances, then the GPU instance). Destroying one that no
-    /// longer exists succeeds, so that retries and recovery converge.
-    fn destroy_mig(&self, parent_uuid: &str, gpu_instance_id: u32) -> Result<(), GpuError>;
+    /// Like `create_mig`, but a MIG device of the requested profile that already exists at exactly
+    /// the requested placement is returned as it is, with `true` (a GPU instance there without a
+    /// compute instance gets one). That is what a prepare the kubelet cancelled mid-create leaves;
+    /// the retry adopts it instead of failing on the overlap or making a second one. A create still
+    /// running for the cancelled prepare finishes first (operations on one GPU are serialised).
+    fn create_or_adopt_mig(&self, request: &MigRequest) -> Result<(MigInstance, bool), GpuError>;
+    /// Destroys a MIG device (its compute instances, then the GPU instance), after checking that the
+    /// GPU instance with this id is still the one with `expected_uuid` (empty: a GPU instance without
+    /// compute instance): one that now holds another MIG device is left alone (`Replaced`). One that
+    /// no longer exists is `Gone`, so that retries and recovery converge. A device a process still
+    /// uses is refused with [`GpuError::MigInUse`] and stays as it is.
+    fn destroy_mig(
+        &self,
+        parent_uuid: &str,
+        gpu_instance_id: u32,
+        expected_uuid: &str,
+    ) -> Result<MigDestroyed, GpuError>;
     /// Waits up to `timeout` for the next event; `Ok(None)` on timeout. Backends without events sleep.
     fn wait_event(&self, timeout: std::time::Duration) -> Result<Option<GpuEvent>, GpuError> {
         std::thread::sleep(timeout);

@@ -1,12 +1,13 @@
 //! The real GPU backend: the NVIDIA driver's management library (libnvidia-ml) through nvml-wrapper,
 //! plus the raw NVML calls the wrapper lacks (MIG instances and their ids, fabric info, event GI/CI
-//! ids). All `unsafe` code of gpu-dra lives in this file; each block says why it is sound.
+//! ids). All `unsafe` code of gpu-dra lives in this file; each block says why it is sound. The
+//! inventory (`nvml_inventory`), the event loop (`nvml_events`) and MIG (`nvml_mig`) build on it.
 
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::collections::HashMap;
 use std::ffi::c_uint;
 use std::path::{Path, PathBuf};
 use std::ptr;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use nvml_wrapper::error::{nvml_sym, nvml_try, nvml_try_count, NvmlError};
@@ -16,21 +17,20 @@ use nvml_wrapper_sys::bindings::{
     nvmlEventData_t, nvmlGpuFabricInfoV_t, nvmlGpuFabricInfo_v2_t, nvmlGpuFabricInfo_v3_t,
     nvmlGpuInstanceInfo_t, nvmlGpuInstancePlacement_t, nvmlGpuInstanceProfileInfo_v2_t,
     nvmlGpuInstance_t, nvmlReturn_enum_NVML_ERROR_ARGUMENT_VERSION_MISMATCH, nvmlReturn_t,
-    NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED, NVML_NVLINK_MAX_LINKS,
+    NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED,
 };
 
+pub use super::mig::NO_COMPUTE_INSTANCE;
+use super::nvml_events::EventState;
 pub use super::nvml_probe::probe;
-use super::nvml_support::{self as support, event_bits};
-use super::{nvlink, Gpu, GpuBackend, GpuError, GpuEvent, GpuEventKind, Inventory};
-use super::{MigInstance, MigPlacement, MigRequest};
+use super::nvml_support as support;
+use super::{GpuBackend, GpuError, GpuEvent, GpuLocks, Inventory};
+use super::{MigDestroyed, MigInstance, MigPlacement, MigRequest};
 
 /// The soname the NVIDIA driver installs; found through the dynamic loader's search path.
 const DEFAULT_LIBRARY: &str = "libnvidia-ml.so.1";
 /// sysfs is read from the plugin's own `/sys`, which is the host's in every container runtime.
 pub(super) const SYSFS_PCI_DEVICES: &str = "/sys/bus/pci/devices";
-/// `compute_instance_id` of a reported GPU instance without compute instance (left over by an
-/// interrupted create); such an instance has an empty `uuid` and no device files.
-pub const NO_COMPUTE_INSTANCE: u32 = u32::MAX;
 
 /// How to reach NVML.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -57,29 +57,15 @@ pub struct NvmlBackend {
     pub(super) nvml: &'static Nvml,
     pub(super) driver_root: PathBuf,
     /// `EventSet` is Send but not Sync; one health thread waits on it.
-    events: Mutex<EventState>,
+    pub(super) events: Mutex<EventState>,
     /// Kept apart from `events` so that reading it does not wait for a blocked `wait_event`.
-    unmonitored: Mutex<Vec<(String, String)>>,
+    pub(super) unmonitored: Mutex<Vec<(String, String)>>,
+    /// MIG operations on one GPU run one at a time (see `locks`).
+    pub(super) mig_locks: GpuLocks,
+    /// GPU UUID → why switching MIG mode off failed after its last MIG device was destroyed; the
+    /// inventory reports it so that the whole GPU is not offered while it stays in MIG mode.
+    pub(super) disable_failed: Mutex<HashMap<String, String>>,
 }
-
-#[derive(Default)]
-struct EventState {
-    started: bool,
-    set: Option<EventSet<'static>>,
-    /// Registered GPUs: NVML device handle (as an address) → UUID.
-    monitored: HashMap<usize, String>,
-    /// GPUs whose events could not be registered, with the reason.
-    unmonitored: Vec<(String, String)>,
-    pending: VecDeque<GpuEvent>,
-    lost: BTreeSet<String>,
-    /// Memory health per GPU as last polled: (retirement or remap pending, remap failed).
-    memory: HashMap<String, (bool, bool)>,
-    last_memory_poll: Option<std::time::Instant>,
-}
-
-/// How often memory health (pending retirement, row remapping) and lost GPUs are polled: NVML has no
-/// events for them.
-const MEMORY_POLL: Duration = Duration::from_secs(10);
 
 /// An NVML failure together with the C function that returned it.
 pub(super) struct Failed {
@@ -146,23 +132,9 @@ impl NvmlBackend {
             driver_root: options.driver_root,
             events: Mutex::new(EventState::default()),
             unmonitored: Mutex::new(Vec::new()),
+            mig_locks: GpuLocks::default(),
+            disable_failed: Mutex::new(HashMap::new()),
         })
-    }
-
-    /// GPUs whose health events are not watched, with the reason (known after the first
-    /// `wait_event`), so that the health side can mark them unmonitored.
-    pub fn unmonitored_gpus(&self) -> Vec<(String, String)> {
-        match self.unmonitored.lock() {
-            Ok(list) => list.clone(),
-            Err(poisoned) => poisoned.into_inner().clone(),
-        }
-    }
-
-    fn lock_events(&self) -> MutexGuard<'_, EventState> {
-        // A panic while waiting leaves the state usable (the set is still registered).
-        self.events
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     pub(super) fn device_by_uuid(&self, uuid: &str) -> Result<Device<'static>, GpuError> {
@@ -179,180 +151,6 @@ impl NvmlBackend {
             .into()),
         }
     }
-
-    fn read_gpu(&self, index: u32) -> Result<Gpu, GpuError> {
-        let device = self
-            .nvml
-            .device_by_index(index)
-            .named("nvmlDeviceGetHandleByIndex_v2")?;
-        let uuid = device.uuid().named("nvmlDeviceGetUUID")?;
-        let minor = device.minor_number().named("nvmlDeviceGetMinorNumber")?;
-        let product_name = device.name().named("nvmlDeviceGetName")?;
-        let memory_bytes = device
-            .memory_info()
-            .named("nvmlDeviceGetMemoryInfo_v2")?
-            .total;
-        let pci = device.pci_info().named("nvmlDeviceGetPciInfo_v3")?;
-        let pci_bus_id = support::sysfs_bus_id(pci.domain, pci.bus, pci.device);
-        let cc = device
-            .cuda_compute_capability()
-            .named("nvmlDeviceGetCudaComputeCapability")?;
-        let arch = architecture_code(&device);
-        let brand = device
-            .brand()
-            .map(|b| support::brand_name(&b))
-            .unwrap_or("Unknown");
-        let fabric = fabric_raw(&device).ok().flatten();
-        Ok(Gpu {
-            mig: self.read_mig(&device, minor, &product_name, memory_bytes, arch)?,
-            minor,
-            uuid,
-            brand: brand.to_string(),
-            architecture: support::architecture_name(arch.unwrap_or(u32::MAX)).to_string(),
-            cuda_compute_capability: format!("{}.{}", cc.major, cc.minor),
-            memory_bytes,
-            pcie_root: pcie_root(&pci_bus_id),
-            numa_node: numa_node(&device, &pci_bus_id),
-            nvlink_domain: None,
-            fabric: fabric
-                .and_then(|f| support::fabric_info(f.state, f.status, f.clusterUuid, f.cliqueId)),
-            nvlink_peers: nvlink_peers(&device),
-            pci_bus_id,
-            product_name,
-        })
-    }
-
-    /// Creates the event set and registers every GPU for the health events it supports.
-    fn start_events(&self, state: &mut EventState) -> Result<(), GpuError> {
-        state.unmonitored.clear();
-        let mut candidates = Vec::new();
-        for index in 0..self.nvml.device_count().named("nvmlDeviceGetCount_v2")? {
-            let device = self
-                .nvml
-                .device_by_index(index)
-                .named("nvmlDeviceGetHandleByIndex_v2")?;
-            let uuid = device.uuid().named("nvmlDeviceGetUUID")?;
-            match device.supported_event_types() {
-                Ok(types) if types.bits() & event_bits::HEALTH != 0 => {
-                    candidates.push((device, uuid, types.bits() & event_bits::HEALTH))
-                }
-                Ok(_) => state
-                    .unmonitored
-                    .push((uuid, "supports no XID, ECC or MIG event".into())),
-                Err(e) => state
-                    .unmonitored
-                    .push((uuid, support::describe_nvml_error(&e))),
-            }
-        }
-        // NVML leaves a set undefined after an UNKNOWN registration error: start again without
-        // that GPU.
-        'sets: loop {
-            let set = self.nvml.create_event_set().named("nvmlEventSetCreate")?;
-            state.monitored.clear();
-            for (device, uuid, bits) in &candidates {
-                if state.unmonitored.iter().any(|(u, _)| u == uuid) {
-                    continue;
-                }
-                match register_events(device, *bits, &set) {
-                    Ok(()) => {
-                        state.monitored.insert(handle_key(device), uuid.clone());
-                    }
-                    Err(f) => {
-                        state
-                            .unmonitored
-                            .push((uuid.clone(), support::describe_nvml_error(&f.error)));
-                        if matches!(f.error, NvmlError::Unknown) {
-                            continue 'sets;
-                        }
-                    }
-                }
-            }
-            state.set = Some(set);
-            return Ok(());
-        }
-    }
-
-    /// Lost-GPU events: the device NVML named, else every watched GPU that now answers "lost",
-    /// else (NVML could not tell which) every watched GPU, as NVIDIA's own plugin does.
-    /// Queues events for memory health changes: retirement or row remapping newly pending, a failed
-    /// remap, and `Recovered` when pending work cleared without failure (the GPU was reset) or a lost
-    /// GPU answers again.
-    fn poll_memory_health(&self, state: &mut EventState) {
-        let uuids: Vec<String> = state.monitored.values().cloned().collect();
-        for uuid in uuids {
-            let Ok(device) = self.nvml.device_by_uuid(uuid.as_str()) else {
-                continue;
-            };
-            if state.lost.contains(&uuid) {
-                if device.memory_info().is_ok() {
-                    state.lost.remove(&uuid);
-                    state
-                        .pending
-                        .push_back(event(&uuid, GpuEventKind::Recovered));
-                }
-                continue;
-            }
-            let (pending, failed) = match remapped_rows(&device) {
-                Ok(rows) => rows,
-                // Before Ampere: page retirement instead of row remapping.
-                Err(_) => match device.are_pages_pending_retired() {
-                    Ok(pending) => (pending, false),
-                    Err(_) => continue,
-                },
-            };
-            let before = state.memory.insert(uuid.clone(), (pending, failed));
-            let (was_pending, was_failed) = before.unwrap_or((false, false));
-            if failed && !was_failed {
-                state
-                    .pending
-                    .push_back(event(&uuid, GpuEventKind::RowRemapFailure));
-            } else if pending && !was_pending {
-                state
-                    .pending
-                    .push_back(event(&uuid, GpuEventKind::RetirementPending));
-            } else if was_pending && !pending && !failed {
-                state
-                    .pending
-                    .push_back(event(&uuid, GpuEventKind::Recovered));
-            }
-        }
-    }
-
-    fn queue_lost(&self, state: &mut EventState, device_key: usize) {
-        let answers_lost = |uuid: &&String| {
-            let device = self.nvml.device_by_uuid(uuid.as_str());
-            matches!(
-                device.and_then(|d| d.memory_info()),
-                Err(NvmlError::GpuLost)
-            )
-        };
-        let lost: Vec<String> = match state.monitored.get(&device_key) {
-            Some(uuid) => vec![uuid.clone()],
-            None => {
-                let found: Vec<String> = state
-                    .monitored
-                    .values()
-                    .filter(answers_lost)
-                    .cloned()
-                    .collect();
-                if found.is_empty() {
-                    state.monitored.values().cloned().collect()
-                } else {
-                    found
-                }
-            }
-        };
-        for uuid in lost {
-            if state.lost.insert(uuid.clone()) {
-                state.pending.push_back(GpuEvent {
-                    gpu_uuid: uuid,
-                    gpu_instance_id: None,
-                    compute_instance_id: None,
-                    kind: GpuEventKind::Lost,
-                });
-            }
-        }
-    }
 }
 
 impl GpuBackend for NvmlBackend {
@@ -361,131 +159,39 @@ impl GpuBackend for NvmlBackend {
     }
 
     fn inventory(&self) -> Result<Inventory, GpuError> {
-        let driver_version = self
-            .nvml
-            .sys_driver_version()
-            .named("nvmlSystemGetDriverVersion")?;
-        let cuda = self
-            .nvml
-            .sys_cuda_driver_version()
-            .named("nvmlSystemGetCudaDriverVersion_v2")?;
-        let count = self.nvml.device_count().named("nvmlDeviceGetCount_v2")?;
-        let mut gpus = (0..count)
-            .map(|i| self.read_gpu(i))
-            .collect::<Result<Vec<_>, _>>()?;
-        gpus.sort_by_key(|gpu| gpu.minor);
-        nvlink::assign_domains(&mut gpus);
-        Ok(Inventory {
-            driver_version,
-            cuda_driver_version: support::cuda_version(cuda),
-            gpus,
-            control_device_files: control_device_files(),
-            stand_in_device_file: None,
-        })
+        self.read_inventory()
     }
 
     fn create_mig(&self, request: &MigRequest) -> Result<MigInstance, GpuError> {
-        self.create_mig_device(request)
+        self.mig_locks.with(&request.parent_uuid, || {
+            self.create_mig_device(request, false).map(|(made, _)| made)
+        })
     }
 
-    fn destroy_mig(&self, parent_uuid: &str, gpu_instance_id: u32) -> Result<(), GpuError> {
-        self.destroy_mig_device(parent_uuid, gpu_instance_id)
+    fn create_or_adopt_mig(&self, request: &MigRequest) -> Result<(MigInstance, bool), GpuError> {
+        self.mig_locks.with(&request.parent_uuid, || {
+            self.create_mig_device(request, true)
+        })
+    }
+
+    fn destroy_mig(
+        &self,
+        parent_uuid: &str,
+        gpu_instance_id: u32,
+        expected_uuid: &str,
+    ) -> Result<MigDestroyed, GpuError> {
+        self.mig_locks.with(parent_uuid, || {
+            self.destroy_mig_device(parent_uuid, gpu_instance_id, expected_uuid)
+        })
     }
 
     fn wait_event(&self, timeout: Duration) -> Result<Option<GpuEvent>, GpuError> {
-        let mut state = self.lock_events();
-        if let Some(event) = state.pending.pop_front() {
-            return Ok(Some(event));
-        }
-        if !state.started {
-            if let Err(e) = self.start_events(&mut state) {
-                // Retried on the next call; the sleep keeps a caller's loop from spinning.
-                drop(state);
-                std::thread::sleep(timeout);
-                return Err(e);
-            }
-            state.started = true;
-            if let Ok(mut list) = self.unmonitored.lock() {
-                list.clone_from(&state.unmonitored);
-            }
-            // Reported once; afterwards the GPUs that did register are watched.
-            if !state.unmonitored.is_empty() {
-                let list: Vec<String> = state
-                    .unmonitored
-                    .iter()
-                    .map(|(uuid, why)| format!("{uuid}: {why}"))
-                    .collect();
-                return Err(GpuError::Nvml {
-                    call: "nvmlDeviceRegisterEvents".to_string(),
-                    reason: format!("health events are not watched on {}", list.join("; ")),
-                });
-            }
-        }
-        let due = state
-            .last_memory_poll
-            .is_none_or(|at| at.elapsed() >= MEMORY_POLL);
-        if due {
-            state.last_memory_poll = Some(std::time::Instant::now());
-            self.poll_memory_health(&mut state);
-            if let Some(event) = state.pending.pop_front() {
-                return Ok(Some(event));
-            }
-        }
-        let ms = timeout.as_millis().min(u128::from(u32::MAX)) as u32;
-        let outcome = match &state.set {
-            Some(set) if !state.monitored.is_empty() => Some(wait_raw(set, ms)?),
-            _ => None,
-        };
-        let (code, data) = match outcome {
-            Some(outcome) => outcome,
-            None => {
-                drop(state);
-                std::thread::sleep(timeout);
-                return Ok(None);
-            }
-        };
-        let key = data.device as usize;
-        match nvml_try(code) {
-            Ok(()) => Ok(Some(GpuEvent {
-                gpu_uuid: match state.monitored.get(&key) {
-                    Some(uuid) => uuid.clone(),
-                    None => format!("unknown GPU (NVML handle {key:#x})"),
-                },
-                gpu_instance_id: support::instance_id(data.gpuInstanceId),
-                compute_instance_id: support::instance_id(data.computeInstanceId),
-                kind: support::event_kind(data.eventType, data.eventData),
-            })),
-            Err(NvmlError::Timeout) => Ok(None),
-            Err(NvmlError::GpuLost) => {
-                self.queue_lost(&mut state, key);
-                if let Some(event) = state.pending.pop_front() {
-                    return Ok(Some(event));
-                }
-                // Every loss is reported already and NVML keeps answering "lost".
-                drop(state);
-                std::thread::sleep(timeout);
-                Ok(None)
-            }
-            Err(e) => Err(Failed {
-                call: "nvmlEventSetWait_v2",
-                error: e,
-            }
-            .into()),
-        }
-    }
-}
-
-fn event(uuid: &str, kind: GpuEventKind) -> GpuEvent {
-    GpuEvent {
-        gpu_uuid: uuid.to_string(),
-        gpu_instance_id: None,
-        compute_instance_id: None,
-        kind,
+        self.next_event(timeout)
     }
 }
 
 /// (rows waiting to be remapped at the next reset, a remap failed), Ampere and later.
-fn remapped_rows(device: &Device) -> Result<(bool, bool), Failed> {
+pub(super) fn remapped_rows(device: &Device) -> Result<(bool, bool), Failed> {
     let (mut correctable, mut uncorrectable, mut pending, mut failed) = (0, 0, 0, 0);
     // SAFETY: all four out-pointers are valid for the duration of the call.
     raw!(device.nvml().lib(), nvmlDeviceGetRemappedRows, |f| unsafe {
@@ -500,61 +206,10 @@ fn remapped_rows(device: &Device) -> Result<(bool, bool), Failed> {
     Ok((pending != 0, failed != 0))
 }
 
-pub(super) fn architecture_code(device: &Device) -> Option<u32> {
-    match device.architecture() {
-        Ok(arch) => Some(arch.as_c()),
-        Err(NvmlError::UnexpectedVariant(code)) => Some(code),
-        Err(_) => None,
-    }
-}
-
-pub(super) fn pcie_root(bus_id: &str) -> Option<String> {
-    let resolved = std::fs::canonicalize(Path::new(SYSFS_PCI_DEVICES).join(bus_id)).ok()?;
-    support::pcie_root_of(&resolved)
-}
-
-fn numa_node(device: &Device, bus_id: &str) -> Option<i64> {
-    if let Ok(node) = device.numa_node_id() {
-        return support::numa_from_nvml(node);
-    }
-    let path = Path::new(SYSFS_PCI_DEVICES).join(bus_id).join("numa_node");
-    std::fs::read_to_string(path)
-        .ok()
-        .and_then(|text| support::parse_numa_node(&text))
-}
-
-/// Remote PCI bus ids of the active links (GPUs, or NVSwitches on switched systems).
-fn nvlink_peers(device: &Device) -> Vec<String> {
-    let mut peers = BTreeSet::new();
-    for link in 0..NVML_NVLINK_MAX_LINKS {
-        let nvlink = device.link_wrapper_for(link);
-        match nvlink.is_active() {
-            Ok(true) => {
-                if let Ok(r) = nvlink.remote_pci_info() {
-                    peers.insert(support::sysfs_bus_id(r.domain, r.bus, r.device));
-                }
-            }
-            // No NVLink at all, or past the GPU's last link.
-            Err(NvmlError::InvalidArg | NvmlError::NotSupported) => break,
-            Ok(false) | Err(_) => {}
-        }
-    }
-    peers.into_iter().collect()
-}
-
-/// Device files every GPU container needs; the UVM nodes only where the driver created them.
-fn control_device_files() -> Vec<String> {
-    ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]
-        .into_iter()
-        .filter(|path| *path == "/dev/nvidiactl" || Path::new(path).exists())
-        .map(str::to_string)
-        .collect()
-}
-
 // ---- Raw NVML calls. Handles come from NVML and stay valid while `Nvml` lives (it is leaked);
 // ---- out-pointers point at locals, or at buffers sized as NVML documents.
 
-fn handle_key(device: &Device) -> usize {
+pub(super) fn handle_key(device: &Device) -> usize {
     // SAFETY: reads the handle only; it serves as a map key and is never dereferenced here.
     unsafe { device.handle() as usize }
 }
@@ -778,7 +433,7 @@ pub(super) fn mig_ids(mig: &Device) -> Result<(u32, u32), Failed> {
 }
 
 /// Raw because nvml-wrapper's `register_events` frees the whole set when one GPU fails.
-fn register_events(device: &Device, bits: u64, set: &EventSet) -> Result<(), Failed> {
+pub(super) fn register_events(device: &Device, bits: u64, set: &EventSet) -> Result<(), Failed> {
     // SAFETY: both handles are live; the set stays owned by its `EventSet`.
     raw!(device.nvml().lib(), nvmlDeviceRegisterEvents, |f| unsafe {
         f(device.handle(), bits, set.handle())
@@ -786,7 +441,10 @@ fn register_events(device: &Device, bits: u64, set: &EventSet) -> Result<(), Fai
 }
 
 /// Raw `_v2` wait, because nvml-wrapper's `EventData` drops the GPU / compute instance ids.
-fn wait_raw(set: &EventSet, timeout_ms: u32) -> Result<(nvmlReturn_t, nvmlEventData_t), Failed> {
+pub(super) fn wait_raw(
+    set: &EventSet,
+    timeout_ms: u32,
+) -> Result<(nvmlReturn_t, nvmlEventData_t), Failed> {
     let f = nvml_sym(set.nvml.lib().nvmlEventSetWait_v2.as_ref()).named("nvmlEventSetWait_v2")?;
     // SAFETY: integers and a handle, so zeroed is valid; the set is live and `data` writable.
     Ok(unsafe {

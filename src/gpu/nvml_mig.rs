@@ -1,6 +1,7 @@
-//! The MIG side of the NVML backend: reading a GPU's profiles, placements and existing MIG devices,
-//! and creating / destroying MIG devices (a GPU instance with one compute instance spanning it).
-//! Safe code only; the raw NVML calls it makes live, with all `unsafe`, in `nvml.rs`.
+//! The MIG side of the NVML backend: reading a GPU's profiles, placements and existing MIG devices
+//! (one per compute instance), and creating / adopting / destroying MIG devices (a GPU instance with
+//! one compute instance spanning it). Callers hold the GPU's MIG lock. Safe code only; the raw NVML
+//! calls it makes live, with all `unsafe`, in `nvml.rs`.
 
 use std::collections::HashMap;
 
@@ -8,17 +9,21 @@ use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::struct_wrappers::device::ProfileInfo;
 use nvml_wrapper::{Device, Nvml};
 use nvml_wrapper_sys::bindings::{
-    nvmlComputeInstance_t, nvmlGpuInstanceInfo_t, nvmlGpuInstance_t,
-    NVML_COMPUTE_INSTANCE_PROFILE_COUNT, NVML_DEVICE_MIG_ENABLE, NVML_GPU_INSTANCE_PROFILE_COUNT,
+    nvmlComputeInstanceProfileInfo_t, nvmlComputeInstance_t, nvmlGpuInstanceInfo_t,
+    nvmlGpuInstance_t, NVML_COMPUTE_INSTANCE_PROFILE_COUNT, NVML_DEVICE_MIG_ENABLE,
+    NVML_GPU_INSTANCE_PROFILE_COUNT,
 };
 
 use super::nvml::{
-    architecture_code, ci_info, ci_profile_info, compute_instances, create_ci, create_gi,
-    destroy_ci, destroy_gi, gi_by_id, gi_info, gi_placements, gpu_instances, is, mig_ids,
-    profile_info_v2, Failed, Named, NvmlBackend, NO_COMPUTE_INSTANCE,
+    ci_info, ci_profile_info, compute_instances, create_ci, create_gi, destroy_ci, destroy_gi,
+    gi_by_id, gi_info, gi_placements, gpu_instances, is, mig_ids, profile_info_v2, Failed, Named,
+    NvmlBackend, NO_COMPUTE_INSTANCE,
 };
+use super::nvml_inventory::architecture_code;
 use super::nvml_support::{self as support, RawProfile};
-use super::{caps, GpuError, MigInfo, MigInstance, MigPlacement, MigRequest};
+use super::{
+    caps, ComputeShare, GpuError, MigDestroyed, MigInfo, MigInstance, MigPlacement, MigRequest,
+};
 
 impl NvmlBackend {
     pub(super) fn read_mig(
@@ -59,7 +64,7 @@ impl NvmlBackend {
             Vec::new()
         };
         let toggles = arch.is_some_and(support::toggles_without_reset);
-        let info = support::mig_info(
+        let mut info = support::mig_info(
             enabled,
             toggles,
             &profiles,
@@ -67,6 +72,12 @@ impl NvmlBackend {
             product_name,
             instances,
         );
+        if enabled {
+            info.disable_failed = device
+                .uuid()
+                .ok()
+                .and_then(|uuid| lock(&self.disable_failed).get(&uuid).cloned());
+        }
         Ok(Some(info))
     }
 
@@ -95,7 +106,7 @@ impl NvmlBackend {
                         vec![],
                     ));
                 }
-                for (_, ci) in cis {
+                for (_, ci, ci_profile) in cis {
                     let gpu = format!("gpu-{minor} GPU instance {} compute instance {ci}", info.id);
                     let mig_err = |reason| GpuError::Mig {
                         gpu: gpu.clone(),
@@ -105,7 +116,15 @@ impl NvmlBackend {
                         mig_err("NVML lists the compute instance but no MIG device for it".into())
                     })?;
                     let files = self.device_files(minor, info.id, ci).map_err(mig_err)?;
-                    instances.push(mig_instance(&info, ci, uuid, files));
+                    let mut instance = mig_instance(&info, ci, uuid, files);
+                    // A compute instance smaller than its GPU instance shares it with others.
+                    if ci_profile.sliceCount < profile.info.slice_count {
+                        instance.compute = Some(ComputeShare {
+                            slices: ci_profile.sliceCount,
+                            multiprocessors: ci_profile.multiprocessorCount,
+                        });
+                    }
+                    instances.push(instance);
                 }
             }
         }
@@ -154,7 +173,14 @@ impl NvmlBackend {
         Ok(mig_instance(&info, ci_id, uuid, files))
     }
 
-    pub(super) fn create_mig_device(&self, request: &MigRequest) -> Result<MigInstance, GpuError> {
+    /// Creates the MIG device; with `adopt`, one of the requested profile that already exists at the
+    /// requested placement is returned instead (`true`), and a GPU instance there without compute
+    /// instance (a create interrupted between the two) is finished.
+    pub(super) fn create_mig_device(
+        &self,
+        request: &MigRequest,
+        adopt: bool,
+    ) -> Result<(MigInstance, bool), GpuError> {
         let gpu = request.parent_uuid.as_str();
         let mig_err = |reason: String| GpuError::Mig {
             gpu: gpu.to_string(),
@@ -207,6 +233,11 @@ impl NvmlBackend {
                 ))
             })?;
         let placement = request.placement;
+        if adopt {
+            if let Some(found) = self.adopt(&device, minor, &profile, request)? {
+                return Ok((found, true));
+            }
+        }
         let gi = create_gi(&device, request.profile_id, placement).map_err(|f| GpuError::Nvml {
             call: f.call.to_string(),
             reason: format!(
@@ -218,6 +249,7 @@ impl NvmlBackend {
             ),
         })?;
         self.finish_mig(&device, gi, minor, &profile, request)
+            .map(|made| (made, false))
             .map_err(|error| match tear_down(self.nvml, gi) {
                 Ok(()) => error,
                 Err(f) => mig_err(format!(
@@ -227,30 +259,127 @@ impl NvmlBackend {
             })
     }
 
+    /// The MIG device of the requested profile at exactly the requested placement, if there is one:
+    /// its single compute instance, or a compute instance made now for a GPU instance without one.
+    fn adopt(
+        &self,
+        device: &Device,
+        minor: u32,
+        profile: &ProfileInfo,
+        request: &MigRequest,
+    ) -> Result<Option<MigInstance>, GpuError> {
+        let gis = match gpu_instances(device, profile.id, profile.instance_count) {
+            Ok(gis) => gis,
+            Err(f) if is(&f, &[NvmlError::NotSupported, NvmlError::NotFound]) => return Ok(None),
+            Err(f) => return Err(f.into()),
+        };
+        for gi in gis {
+            let info = gi_info(self.nvml, gi)?;
+            if info.placement.start != request.placement.start
+                || info.placement.size != request.placement.size
+            {
+                continue;
+            }
+            let cis = compute_instances_of(self.nvml, gi)?;
+            return match cis.as_slice() {
+                [] => self
+                    .finish_mig(device, gi, minor, profile, request)
+                    .map(Some),
+                [(_, ci, ci_profile)] if ci_profile.sliceCount == profile.slice_count => {
+                    let uuid = mig_uuids(device).remove(&(info.id, *ci)).ok_or_else(|| {
+                        GpuError::Mig {
+                            gpu: request.parent_uuid.clone(),
+                            reason: format!(
+                                "NVML shows no MIG device for GPU instance {} / CI {ci}",
+                                info.id
+                            ),
+                        }
+                    })?;
+                    let files = self
+                        .device_files(minor, info.id, *ci)
+                        .map_err(|reason| GpuError::Mig {
+                            gpu: request.parent_uuid.clone(),
+                            reason,
+                        })?;
+                    Ok(Some(mig_instance(&info, *ci, uuid, files)))
+                }
+                _ => Err(GpuError::Mig {
+                    gpu: request.parent_uuid.clone(),
+                    reason: format!(
+                        "the GPU instance at memory slice {} is split into other compute instances; \
+                         it is not one this driver made",
+                        request.placement.start
+                    ),
+                }),
+            };
+        }
+        Ok(None)
+    }
+
+    /// Destroys the GPU instance `gpu_instance_id` if it still holds the MIG device `expected_uuid`
+    /// (empty: no compute instance at all).
     pub(super) fn destroy_mig_device(
         &self,
         parent_uuid: &str,
         gpu_instance_id: u32,
-    ) -> Result<(), GpuError> {
+        expected_uuid: &str,
+    ) -> Result<MigDestroyed, GpuError> {
         let device = self.device_by_uuid(parent_uuid)?;
         let gone = [
             NvmlError::NotFound,
             NvmlError::InvalidArg,
             NvmlError::NotSupported,
         ];
-        match gi_by_id(&device, gpu_instance_id) {
-            Ok(gi) => tear_down(self.nvml, gi)?,
+        let gi = match gi_by_id(&device, gpu_instance_id) {
+            Ok(gi) => gi,
             // Gone already (or MIG mode is off, so it cannot exist): retries converge.
-            Err(f) if is(&f, &gone) => return Ok(()),
+            Err(f) if is(&f, &gone) => return Ok(MigDestroyed::Gone),
             Err(f) => return Err(f.into()),
+        };
+        // GPU instance ids are reused: check that this one still holds the device the caller means.
+        let uuids = mig_uuids(&device);
+        let holds: Vec<String> = compute_instances_of(self.nvml, gi)?
+            .iter()
+            .map(|(_, ci, _)| {
+                uuids
+                    .get(&(gpu_instance_id, *ci))
+                    .cloned()
+                    .unwrap_or_default()
+            })
+            .collect();
+        let ours = if expected_uuid.is_empty() {
+            holds.is_empty()
+        } else {
+            holds.iter().any(|uuid| uuid == expected_uuid)
+        };
+        if !ours {
+            return Ok(MigDestroyed::Replaced {
+                found: holds.first().cloned().unwrap_or_default(),
+            });
         }
-        self.switch_mig_off_when_empty(&device)
+        tear_down(self.nvml, gi).map_err(|f| {
+            if is(&f, &[NvmlError::InUse]) {
+                GpuError::MigInUse {
+                    gpu: parent_uuid.to_string(),
+                    uuid: expected_uuid.to_string(),
+                }
+            } else {
+                f.into()
+            }
+        })?;
+        self.switch_mig_off_when_empty(&device, parent_uuid)?;
+        Ok(MigDestroyed::Destroyed)
     }
 
     /// With the last MIG device gone, MIG mode is switched off again where that needs no reset, so the
     /// whole GPU, which dynamic MIG also publishes, runs CUDA again (a GPU in MIG mode shows no device
     /// to CUDA without an instance).
-    fn switch_mig_off_when_empty(&self, device: &Device<'static>) -> Result<(), GpuError> {
+    /// A failure is remembered (and the whole GPU not offered) until a later switch succeeds.
+    fn switch_mig_off_when_empty(
+        &self,
+        device: &Device<'static>,
+        uuid: &str,
+    ) -> Result<(), GpuError> {
         if !architecture_code(device).is_some_and(support::toggles_without_reset) {
             return Ok(());
         }
@@ -260,10 +389,20 @@ impl NvmlBackend {
                 return Ok(());
             }
         }
-        let status = device.set_mig_mode(false).named("nvmlDeviceSetMigMode")?;
-        if status != 0 {
-            // The GPU still works in MIG mode; the next whole-GPU claim will report it.
-            tracing::warn!(reason = %support::return_code_text(status), "switching MIG mode off failed");
+        let failure = match device.set_mig_mode(false) {
+            Ok(0) => None,
+            Ok(status) => Some(support::return_code_text(status)),
+            Err(e) => Some(support::describe_nvml_error(&e)),
+        };
+        match failure {
+            None => {
+                lock(&self.disable_failed).remove(uuid);
+            }
+            Some(reason) => {
+                // The GPU still works in MIG mode; its MIG devices stay offered, the whole GPU not.
+                tracing::warn!(gpu = %uuid, %reason, "switching MIG mode off failed; the whole GPU is not offered until it succeeds");
+                lock(&self.disable_failed).insert(uuid.to_string(), reason);
+            }
         }
         Ok(())
     }
@@ -285,7 +424,14 @@ fn mig_instance(
         gpu_instance_id: info.id,
         compute_instance_id: ci,
         device_files: files,
+        compute: None,
     }
+}
+
+fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 pub(super) fn read_profiles(device: &Device) -> Result<Vec<RawProfile>, Failed> {
@@ -330,12 +476,15 @@ fn mig_uuids(device: &Device) -> HashMap<(u32, u32), String> {
     uuids
 }
 
+/// A compute instance: its handle, its id, and the profile it was made with.
+type ComputeInstance = (nvmlComputeInstance_t, u32, nvmlComputeInstanceProfileInfo_t);
+
 /// The compute instances of a GPU instance with their ids, across all compute-instance profiles.
 fn compute_instances_of(
     nvml: &Nvml,
     gi: nvmlGpuInstance_t,
-) -> Result<Vec<(nvmlComputeInstance_t, u32)>, Failed> {
-    let mut found: Vec<(nvmlComputeInstance_t, u32)> = Vec::new();
+) -> Result<Vec<ComputeInstance>, Failed> {
+    let mut found: Vec<ComputeInstance> = Vec::new();
     for index in 0..NVML_COMPUTE_INSTANCE_PROFILE_COUNT {
         let profile = match ci_profile_info(nvml, gi, index) {
             Ok(profile) => profile,
@@ -344,8 +493,8 @@ fn compute_instances_of(
         };
         for ci in compute_instances(nvml, gi, profile.id, profile.instanceCount)? {
             let id = ci_info(nvml, ci)?.id;
-            if !found.iter().any(|(_, known)| *known == id) {
-                found.push((ci, id));
+            if !found.iter().any(|(_, known, _)| *known == id) {
+                found.push((ci, id, profile));
             }
         }
     }
@@ -354,7 +503,7 @@ fn compute_instances_of(
 
 /// Destroys every compute instance of a GPU instance, then the GPU instance.
 fn tear_down(nvml: &Nvml, gi: nvmlGpuInstance_t) -> Result<(), Failed> {
-    for (ci, _) in compute_instances_of(nvml, gi)? {
+    for (ci, _, _) in compute_instances_of(nvml, gi)? {
         match destroy_ci(nvml, ci) {
             Err(f) if !is(&f, &[NvmlError::NotFound, NvmlError::InvalidArg]) => return Err(f),
             _ => {}

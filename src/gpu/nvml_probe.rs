@@ -73,7 +73,7 @@ fn probe_gpu(backend: &NvmlBackend, device: &Device, out: &mut String) {
         "brand",
         device.brand().map(|b| support::brand_name(&b)),
     );
-    let arch = nvml::architecture_code(device).map(|code| {
+    let arch = super::nvml_inventory::architecture_code(device).map(|code| {
         let reset = if support::toggles_without_reset(code) {
             "without"
         } else {
@@ -97,7 +97,7 @@ fn probe_gpu(backend: &NvmlBackend, device: &Device, out: &mut String) {
         Ok(pci) => {
             let bus = support::sysfs_bus_id(pci.domain, pci.bus, pci.device);
             let _ = writeln!(out, "  PCI bus id: {bus} (NVML {})", pci.bus_id);
-            let root = nvml::pcie_root(&bus).unwrap_or_else(|| "unknown".into());
+            let root = super::nvml_inventory::pcie_root(&bus).unwrap_or_else(|| "unknown".into());
             let _ = writeln!(out, "  PCIe root: {root}");
             let numa =
                 std::fs::read_to_string(Path::new(SYSFS_PCI_DEVICES).join(&bus).join("numa_node"));

@@ -313,6 +313,7 @@ pub fn mig_info(
         compute_slices,
         profiles,
         instances,
+        disable_failed: None,
     }
 }
 

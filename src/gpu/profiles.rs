@@ -13,6 +13,10 @@ pub struct FakeProfile {
     pub driver_version: String,
     pub cuda_driver_version: String,
     pub gpus: Vec<FakeGpuSpec>,
+    /// How long each MIG create and destroy takes, in milliseconds (real ones take from a fraction of
+    /// a second to several seconds); split between the operation's steps, as the hardware's are.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mig_operation_delay_ms: Option<u64>,
 }
 
 /// One GPU of a fake profile. Values a real node derives from its hardware (UUID, minor) are filled in
@@ -58,6 +62,18 @@ pub struct FakeGpuSpec {
     /// reports itself healthy again).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub faults: Vec<FakeFault>,
+    /// The GPU cannot be read (`"GPU is lost"`, `"in a MIG mode change"`): the backend reports it
+    /// unreadable with this reason instead of listing it. Editable at run time, like faults.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unreadable: Option<String>,
+    /// Memory slices at which the MIG device is held by a process: destroying it is refused as
+    /// NVML_ERROR_IN_USE until the slice is removed from this list.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mig_in_use: Vec<u32>,
+    /// Switching MIG mode off fails with this reason (a process holds the GPU, or the driver wants a
+    /// reset), so the GPU stays in MIG mode after its last MIG device is destroyed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mig_disable_fails: Option<String>,
 }
 
 /// One injected fault: an XID error, a double-bit ECC error, pending retirement, a failed row remap,
@@ -97,6 +113,11 @@ pub struct FakeFabric {
 pub struct FakeMigInstance {
     pub profile: String,
     pub start: u32,
+    /// The compute instances of the GPU instance, by their compute slices (`[1, 1, 1]` for three
+    /// `1c.3g.40gb` on a 3g GPU instance; `[]` for a GPU instance without compute instance). Absent:
+    /// one compute instance spanning the GPU instance, as `nvidia-smi mig -cgi ... -C` makes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compute_instances: Option<Vec<u32>>,
 }
 
 fn default_brand() -> String {
@@ -193,6 +214,9 @@ fn uniform(
             mig_enabled: false,
             mig_instances: Vec::new(),
             faults: Vec::new(),
+            unreadable: None,
+            mig_in_use: Vec::new(),
+            mig_disable_fails: None,
         })
         .collect();
     FakeProfile {
@@ -201,6 +225,7 @@ fn uniform(
         driver_version: driver.to_string(),
         cuda_driver_version: cuda.to_string(),
         gpus,
+        mig_operation_delay_ms: None,
     }
 }
 

@@ -470,7 +470,9 @@ fn faults_of_vanished_mig_devices_are_forgotten() {
     ));
     state.apply(&event(&uuid, None, GpuEventKind::Xid(74)));
     assert!(!state.forget_vanished_mig_devices(&backend.inventory().unwrap()));
-    backend.destroy_mig(&uuid, made.gpu_instance_id).unwrap();
+    backend
+        .destroy_mig(&uuid, made.gpu_instance_id, &made.uuid)
+        .unwrap();
     assert!(state.forget_vanished_mig_devices(&backend.inventory().unwrap()));
     let target = FaultTarget {
         gpu_uuid: uuid,

@@ -2,6 +2,7 @@
 //! publisher and the HTTP endpoints together, and takes them down cleanly (sockets removed) on shutdown.
 
 pub mod feature_gates;
+pub mod gpu_reports;
 mod monitor;
 pub mod node_events;
 pub mod selftest;
@@ -245,10 +246,13 @@ pub async fn start(
     }
     config.api.check()?;
     let backend = open_backend(&config.backend, &config.node_name)?;
+    // Fails only when the backend cannot be used at all; a GPU it cannot read is listed as
+    // unreadable, reported (gpu_reports) and left out, and the others are published.
     let inventory = Arc::new(backend.inventory()?);
     info!(
         backend = backend.name(),
         gpus = inventory.gpus.len(),
+        unreadable = inventory.unreadable.len(),
         "GPU inventory read"
     );
 
@@ -273,6 +277,7 @@ pub async fn start(
     let (health_tx, health_rx) = watch::channel(Arc::new(Vec::<DeviceHealthReport>::new()));
     let (mig_mode_tx, mig_mode_rx) = watch::channel(mig_mode);
     let (policy_tx, policy_rx) = watch::channel(start_node_policy);
+    let reports_mig_mode = mig_mode_tx.subscribe();
     let (events_tx, events_rx) = mpsc::channel(1024);
 
     let (preparer, recovery) = Preparer::start(
@@ -315,6 +320,13 @@ pub async fn start(
     let stop_events = Arc::new(AtomicBool::new(false));
     let event_reader = monitor::spawn_event_reader(backend.clone(), events_tx, stop_events.clone())
         .map_err(PluginError::EventReader)?;
+    tasks.push(tokio::spawn(gpu_reports::run(
+        inventory_tx.subscribe(),
+        reports_mig_mode,
+        node_events::NodeEvents::new(client.clone(), &config.driver_name, &config.node_name),
+        metrics.clone(),
+        shutdown_rx.clone(),
+    )));
     let health_monitor = Monitor {
         driver: config.driver_name.clone(),
         pool: config.node_name.clone(),
@@ -478,7 +490,11 @@ async fn rescan(
             }
         };
         if **inventory_tx.borrow() != latest {
-            info!(gpus = latest.gpus.len(), "GPU inventory changed");
+            info!(
+                gpus = latest.gpus.len(),
+                unreadable = latest.unreadable.len(),
+                "GPU inventory changed"
+            );
             // The health monitor turns it into devices; MIG devices created for claims change the
             // inventory but not what dynamic MIG publishes, so the slices stay as they are then.
             let _ = inventory_tx.send(Arc::new(latest));

@@ -229,7 +229,7 @@ impl Monitor {
                 .map(|s| (s.device.clone(), s.healthy))
                 .collect::<Vec<_>>(),
         );
-        let reports: Vec<DeviceHealthReport> = statuses
+        let mut reports: Vec<DeviceHealthReport> = statuses
             .into_iter()
             .map(|s| DeviceHealthReport {
                 pool: self.pool.clone(),
@@ -238,6 +238,10 @@ impl Monitor {
                 message: s.message,
             })
             .collect();
+        // GPUs the backend cannot read are not published, but pods may use them: UNHEALTHY.
+        reports.extend(super::gpu_reports::unreadable_health(
+            &inventory, &self.pool,
+        ));
         send_if_changed(&ch.devices, node);
         send_if_changed(&ch.health, reports);
         ch.mig_mode.send_if_modified(|current| {

@@ -1,0 +1,297 @@
+//! Tests of the fake backend's newer models: unreadable GPUs, several compute instances per GPU
+//! instance, and the MIG safety rules (adoption, destroy checked by UUID, a device in use, MIG mode
+//! that cannot be switched off, slow operations serialised per GPU).
+
+mod unreadable_tests {
+    use std::collections::BTreeSet;
+
+    use crate::gpu::fake::FakeBackend;
+    use crate::gpu::{builtin_profile, ComputeShare, GpuBackend, MigInstance};
+
+    #[test]
+    fn an_unreadable_gpu_is_reported_apart_and_comes_back_when_the_profile_says_so() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("node.yaml");
+        let mut profile = builtin_profile("dgx-h100").unwrap();
+        profile.gpus.truncate(3);
+        profile.gpus[1].unreadable = Some("GPU is lost".into());
+        std::fs::write(&path, serde_yaml::to_string(&profile).unwrap()).unwrap();
+        let backend = FakeBackend::new("n", path.to_str().unwrap()).unwrap();
+        let inventory = backend.inventory().unwrap();
+        let minors: Vec<u32> = inventory.gpus.iter().map(|g| g.minor).collect();
+        assert_eq!(minors, vec![0, 2]);
+        assert_eq!(inventory.unreadable.len(), 1);
+        let bad = &inventory.unreadable[0];
+        assert_eq!((bad.index, bad.minor), (1, Some(1)));
+        assert_eq!(bad.pci_bus_id.as_deref(), Some("0000:2a:00.0"));
+        assert_eq!(bad.reason, "GPU is lost");
+        // NVLink peers are computed among the readable GPUs only.
+        assert!(inventory.gpus[0].nvlink_domain.is_some());
+
+        profile.gpus[1].unreadable = None;
+        std::fs::write(&path, serde_yaml::to_string(&profile).unwrap()).unwrap();
+        let inventory = backend.inventory().unwrap();
+        assert_eq!(inventory.gpus.len(), 3);
+        assert!(inventory.unreadable.is_empty());
+
+        profile.gpus[1].unreadable = Some("  ".into());
+        std::fs::write(&path, serde_yaml::to_string(&profile).unwrap()).unwrap();
+        let err = backend.inventory().unwrap_err().to_string();
+        assert!(err.contains("gpus[1].unreadable"), "{err}");
+    }
+
+    #[test]
+    fn several_compute_instances_are_one_mig_device_each_and_none_is_one_without() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("node.yaml");
+        let mut profile = builtin_profile("dgx-h100").unwrap();
+        profile.gpus.truncate(1);
+        profile.gpus[0].mig_enabled = true;
+        profile.gpus[0].mig_instances = serde_yaml::from_str(
+            "[{profile: 3g.40gb, start: 0, computeInstances: [1, 1, 1]}, \
+              {profile: 2g.20gb, start: 4, computeInstances: []}, \
+              {profile: 1g.10gb, start: 6, computeInstances: [1]}]",
+        )
+        .unwrap();
+        std::fs::write(&path, serde_yaml::to_string(&profile).unwrap()).unwrap();
+        let backend = FakeBackend::new("n", path.to_str().unwrap()).unwrap();
+        let mig = backend.inventory().unwrap().gpus[0].mig.clone().unwrap();
+        assert_eq!(mig.instances.len(), 5, "{:#?}", mig.instances);
+        let split: Vec<&MigInstance> = mig
+            .instances
+            .iter()
+            .filter(|i| i.placement.start == 0)
+            .collect();
+        assert_eq!(split.len(), 3);
+        let uuids: BTreeSet<&str> = split.iter().map(|i| i.uuid.as_str()).collect();
+        assert_eq!(uuids.len(), 3, "each compute instance has its own UUID");
+        assert!(split.iter().all(|i| i.gpu_instance_id == 1));
+        assert_eq!(
+            split
+                .iter()
+                .map(|i| i.compute_instance_id)
+                .collect::<Vec<_>>(),
+            vec![0, 1, 2]
+        );
+        assert_eq!(
+            split[1].compute,
+            Some(ComputeShare {
+                slices: 1,
+                multiprocessors: 20
+            })
+        );
+        assert_ne!(split[0].device_files, split[1].device_files);
+        let empty = mig
+            .instances
+            .iter()
+            .find(|i| i.placement.start == 4)
+            .unwrap();
+        assert!(!empty.has_compute_instance());
+        assert!(empty.uuid.is_empty() && empty.device_files.is_empty());
+        // One compute instance spanning the GPU instance is an ordinary MIG device.
+        let whole = mig
+            .instances
+            .iter()
+            .find(|i| i.placement.start == 6)
+            .unwrap();
+        assert_eq!(whole.compute, None);
+
+        profile.gpus[0].mig_instances[0].compute_instances = Some(vec![2, 2]);
+        std::fs::write(&path, serde_yaml::to_string(&profile).unwrap()).unwrap();
+        let err = backend.inventory().unwrap_err().to_string();
+        assert!(
+            err.contains("migInstances[0].computeInstances") && err.contains("4 compute slices"),
+            "{err}"
+        );
+    }
+}
+
+mod safety_tests {
+    use crate::gpu::fake::FakeBackend;
+    use crate::gpu::{
+        builtin_profile, FakeProfile, GpuBackend, GpuError, MigDestroyed, MigInstance, MigRequest,
+    };
+
+    fn node(
+        edit: impl FnOnce(&mut FakeProfile),
+    ) -> (tempfile::TempDir, std::path::PathBuf, FakeBackend) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("node.yaml");
+        let mut profile = builtin_profile("dgx-h100").unwrap();
+        profile.gpus.truncate(1);
+        edit(&mut profile);
+        std::fs::write(&path, serde_yaml::to_string(&profile).unwrap()).unwrap();
+        let backend = FakeBackend::new("n", path.to_str().unwrap()).unwrap();
+        (dir, path, backend)
+    }
+
+    fn request(backend: &FakeBackend, name: &str, start: u32) -> MigRequest {
+        let gpu = backend.inventory().unwrap().gpus[0].clone();
+        let mig = gpu.mig.unwrap();
+        let profile = mig.profiles.iter().find(|p| p.name == name).unwrap();
+        MigRequest {
+            parent_uuid: gpu.uuid,
+            profile_id: profile.id,
+            placement: *profile
+                .placements
+                .iter()
+                .find(|p| p.start == start)
+                .unwrap(),
+        }
+    }
+
+    fn instances(backend: &FakeBackend) -> Vec<MigInstance> {
+        backend.inventory().unwrap().gpus[0]
+            .mig
+            .clone()
+            .unwrap()
+            .instances
+    }
+
+    #[test]
+    fn a_retry_adopts_the_device_at_its_placement_instead_of_making_a_second() {
+        let (_dir, _path, backend) = node(|_| {});
+        let wanted = request(&backend, "2g.20gb", 4);
+        let made = backend.create_mig(&wanted).unwrap();
+        let (again, adopted) = backend.create_or_adopt_mig(&wanted).unwrap();
+        assert!(adopted);
+        assert_eq!(again, made);
+        assert_eq!(instances(&backend), vec![made.clone()]);
+        // A plain create still refuses the overlap; another profile there is not adopted.
+        assert!(backend.create_mig(&wanted).is_err());
+        let other = request(&backend, "1g.10gb", 4);
+        let err = backend.create_or_adopt_mig(&other).unwrap_err().to_string();
+        assert!(err.contains("overlap"), "{err}");
+        // Nothing there: created, not adopted.
+        let (fresh, adopted) = backend
+            .create_or_adopt_mig(&request(&backend, "1g.10gb", 0))
+            .unwrap();
+        assert!(!adopted);
+        assert_ne!(fresh.uuid, made.uuid);
+    }
+
+    #[test]
+    fn destroy_leaves_a_gpu_instance_that_now_holds_another_device_alone() {
+        let (_dir, _path, backend) = node(|_| {});
+        let wanted = request(&backend, "3g.40gb", 0);
+        let first = backend.create_mig(&wanted).unwrap();
+        let gpu = wanted.parent_uuid.clone();
+        backend
+            .destroy_mig(&gpu, first.gpu_instance_id, &first.uuid)
+            .unwrap();
+        let second = backend.create_mig(&wanted).unwrap();
+        assert_eq!(
+            second.gpu_instance_id, first.gpu_instance_id,
+            "ids are reused"
+        );
+        let outcome = backend
+            .destroy_mig(&gpu, first.gpu_instance_id, &first.uuid)
+            .unwrap();
+        assert_eq!(
+            outcome,
+            MigDestroyed::Replaced {
+                found: second.uuid.clone()
+            }
+        );
+        assert_eq!(instances(&backend), vec![second]);
+    }
+
+    #[test]
+    fn a_device_in_use_is_not_destroyed_until_its_process_ends() {
+        let (_dir, path, backend) = node(|_| {});
+        let wanted = request(&backend, "1g.10gb", 6);
+        let made = backend.create_mig(&wanted).unwrap();
+        let mut profile: FakeProfile =
+            serde_yaml::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        profile.gpus[0].mig_in_use = vec![6];
+        std::fs::write(&path, serde_yaml::to_string(&profile).unwrap()).unwrap();
+        let err = backend
+            .destroy_mig(&wanted.parent_uuid, made.gpu_instance_id, &made.uuid)
+            .unwrap_err();
+        assert!(matches!(err, GpuError::MigInUse { .. }), "{err}");
+        assert!(err.to_string().contains("NVML_ERROR_IN_USE"));
+        assert_eq!(instances(&backend), vec![made.clone()]);
+        profile.gpus[0].mig_in_use.clear();
+        std::fs::write(&path, serde_yaml::to_string(&profile).unwrap()).unwrap();
+        assert_eq!(
+            backend
+                .destroy_mig(&wanted.parent_uuid, made.gpu_instance_id, &made.uuid)
+                .unwrap(),
+            MigDestroyed::Destroyed
+        );
+    }
+
+    #[test]
+    fn mig_mode_that_cannot_be_switched_off_is_reported_and_cleared_by_a_later_success() {
+        let (_dir, path, backend) =
+            node(|p| p.gpus[0].mig_disable_fails = Some("In use by another client".into()));
+        let wanted = request(&backend, "1g.10gb", 6);
+        let made = backend.create_mig(&wanted).unwrap();
+        backend
+            .destroy_mig(&wanted.parent_uuid, made.gpu_instance_id, &made.uuid)
+            .unwrap();
+        let mig = backend.inventory().unwrap().gpus[0].mig.clone().unwrap();
+        assert!(mig.enabled && mig.instances.is_empty());
+        assert_eq!(
+            mig.disable_failed.as_deref(),
+            Some("In use by another client")
+        );
+
+        let mut profile: FakeProfile =
+            serde_yaml::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        profile.gpus[0].mig_disable_fails = None;
+        std::fs::write(&path, serde_yaml::to_string(&profile).unwrap()).unwrap();
+        let made = backend.create_mig(&wanted).unwrap();
+        backend
+            .destroy_mig(&wanted.parent_uuid, made.gpu_instance_id, &made.uuid)
+            .unwrap();
+        let mig = backend.inventory().unwrap().gpus[0].mig.clone().unwrap();
+        assert!(!mig.enabled);
+        assert_eq!(mig.disable_failed, None);
+    }
+
+    /// With slow steps, a destroy of a GPU's last MIG device and creates on that GPU interleave unless
+    /// the GPU's MIG lock serialises them: the destroy would switch MIG mode off under the creates.
+    #[test]
+    fn slow_creates_and_a_destroy_on_one_gpu_do_not_trip_over_each_other() {
+        let (_dir, _path, backend) = node(|p| p.mig_operation_delay_ms = Some(60));
+        let backend = std::sync::Arc::new(backend);
+        let last = backend
+            .create_mig(&request(&backend, "1g.10gb", 0))
+            .unwrap();
+        let gpu = request(&backend, "1g.10gb", 0).parent_uuid;
+        let mut threads = Vec::new();
+        {
+            let (backend, gpu, last) = (backend.clone(), gpu.clone(), last.clone());
+            threads.push(std::thread::spawn(move || {
+                backend
+                    .destroy_mig(&gpu, last.gpu_instance_id, &last.uuid)
+                    .map(|_| ())
+                    .map_err(|e| e.to_string())
+            }));
+        }
+        for start in [4, 5, 6] {
+            let backend = backend.clone();
+            let wanted = request(&backend, "1g.10gb", start);
+            threads.push(std::thread::spawn(move || {
+                backend
+                    .create_mig(&wanted)
+                    .map(|_| ())
+                    .map_err(|e| e.to_string())
+            }));
+        }
+        for thread in threads {
+            thread.join().unwrap().unwrap();
+        }
+        let left = instances(&backend);
+        let starts: Vec<u32> = left.iter().map(|i| i.placement.start).collect();
+        assert_eq!(starts, vec![4, 5, 6]);
+        assert!(
+            backend.inventory().unwrap().gpus[0]
+                .mig
+                .clone()
+                .unwrap()
+                .enabled
+        );
+    }
+}

@@ -1,0 +1,178 @@
+//! What the operator hears about GPUs the plugin leaves out: a GPU the backend cannot read, a static
+//! GPU instance without compute instance, a GPU whose MIG mode could not be switched off. Each is a
+//! Warning Event on the Node and a log line when it appears (once per GPU and reason), a log line and a
+//! Normal Event when it is over, and the `gpu_dra_unreadable_gpus` gauge. Unreadable GPUs are also
+//! UNHEALTHY on the kubelet's health stream ([`unreadable_health`]).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use kube::runtime::events::EventType;
+use tokio::sync::watch;
+use tracing::{info, warn};
+
+use super::node_events::NodeEvents;
+use crate::devices::{DeviceName, MigMode};
+use crate::gpu::Inventory;
+use crate::kubelet::DeviceHealthReport;
+use crate::observability::Metrics;
+
+/// The Event reason for a GPU the backend cannot read.
+pub const GPU_UNREADABLE: &str = "GpuUnreadable";
+/// The Event reason for a static GPU instance without compute instance.
+pub const MIG_WITHOUT_COMPUTE: &str = "MigInstanceWithoutComputeInstance";
+/// The Event reason for a GPU left in MIG mode because switching it off failed.
+pub const MIG_MODE_STUCK: &str = "MigModeNotSwitchedOff";
+
+/// One problem: (Event reason, the GPU or GPU instance it is about) → the note.
+type Problems = BTreeMap<(&'static str, String), String>;
+
+/// The problems an inventory shows under a MIG mode.
+pub fn problems(inventory: &Inventory, mig_mode: MigMode) -> Problems {
+    let mut found = Problems::new();
+    for gpu in &inventory.unreadable {
+        found.insert(
+            (GPU_UNREADABLE, format!("{}: {}", gpu.describe(), gpu.reason)),
+            format!(
+                "{} cannot be read: {}. It is left out of the ResourceSlices and read again at every rescan.",
+                gpu.describe(),
+                gpu.reason
+            ),
+        );
+    }
+    for gpu in &inventory.gpus {
+        let Some(mig) = &gpu.mig else { continue };
+        if mig_mode == MigMode::Static && mig.enabled {
+            for instance in mig.instances.iter().filter(|i| !i.has_compute_instance()) {
+                let profile = mig
+                    .profile(instance.profile_id)
+                    .map_or("unknown profile", |p| p.name.as_str());
+                found.insert(
+                    (
+                        MIG_WITHOUT_COMPUTE,
+                        format!("{} {}", gpu.uuid, instance.gpu_instance_id),
+                    ),
+                    format!(
+                        "gpu-{} ({}): GPU instance {} ({profile} at memory slice {}) has no compute instance, so CUDA cannot use it and it is not published. Create one (nvidia-smi mig -i {} -gi {} -cci) or destroy the GPU instance.",
+                        gpu.minor, gpu.uuid, instance.gpu_instance_id, instance.placement.start,
+                        gpu.uuid, instance.gpu_instance_id
+                    ),
+                );
+            }
+        }
+        if let (true, Some(reason)) = (mig.enabled, &mig.disable_failed) {
+            found.insert(
+                (MIG_MODE_STUCK, gpu.uuid.clone()),
+                format!(
+                    "gpu-{} ({}): switching MIG mode off after its last MIG device failed: {reason}. The whole GPU is not offered until MIG mode is off (nvidia-smi -i {} -mig 0).",
+                    gpu.minor, gpu.uuid, gpu.uuid
+                ),
+            );
+        }
+    }
+    found
+}
+
+/// UNHEALTHY health reports for unreadable GPUs whose minor number is known (`gpu-<minor>`), so that
+/// pods already using one hear of it.
+pub fn unreadable_health(inventory: &Inventory, pool: &str) -> Vec<DeviceHealthReport> {
+    inventory
+        .unreadable
+        .iter()
+        .filter_map(|gpu| {
+            Some(DeviceHealthReport {
+                pool: pool.to_string(),
+                device: DeviceName::Gpu { minor: gpu.minor? }.to_string(),
+                healthy: false,
+                message: format!("the GPU cannot be read: {}", gpu.reason),
+            })
+        })
+        .collect()
+}
+
+/// Reports problems as they appear and end, until `shutdown`.
+pub async fn run(
+    mut inventory: watch::Receiver<Arc<Inventory>>,
+    mut mig_mode: watch::Receiver<MigMode>,
+    events: NodeEvents,
+    metrics: Arc<Metrics>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let mut reported = Problems::new();
+    loop {
+        let now = {
+            let current = inventory.borrow_and_update().clone();
+            metrics.set_unreadable_gpus(current.unreadable.len());
+            problems(&current, *mig_mode.borrow_and_update())
+        };
+        for ((reason, what), note) in &now {
+            if !reported.contains_key(&(*reason, what.clone())) {
+                warn!(reason, gpu = %what, "{note}");
+                events.warn(reason, "ReadGpu", note).await;
+            }
+        }
+        for ((reason, what), note) in &reported {
+            if !now.contains_key(&(*reason, what.clone())) {
+                info!(reason, gpu = %what, "over: {note}");
+                let over = format!("Resolved: {note}");
+                events
+                    .publish(EventType::Normal, reason, "ReadGpu", &over, None)
+                    .await;
+            }
+        }
+        reported = now;
+        tokio::select! {
+            changed = inventory.changed() => if changed.is_err() { return },
+            changed = mig_mode.changed() => if changed.is_err() { return },
+            _ = shutdown.changed() => return,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gpu::{FakeBackend, GpuBackend, UnreadableGpu};
+
+    #[test]
+    fn unreadable_gpus_are_unhealthy_by_minor_and_named_in_the_note() {
+        let mut inventory = FakeBackend::new("n", "l40s-4")
+            .unwrap()
+            .inventory()
+            .unwrap();
+        inventory.unreadable = vec![
+            UnreadableGpu {
+                index: 2,
+                minor: Some(2),
+                uuid: Some("GPU-2".into()),
+                pci_bus_id: Some("0000:81:00.0".into()),
+                reason: "GPU is lost".into(),
+            },
+            UnreadableGpu {
+                index: 3,
+                minor: None,
+                uuid: None,
+                pci_bus_id: None,
+                reason: "NVML nvmlDeviceGetHandleByIndex_v2 failed: Unknown Error".into(),
+            },
+        ];
+        let health = unreadable_health(&inventory, "node-a");
+        assert_eq!(
+            health.len(),
+            1,
+            "only a GPU with a known minor has a device name"
+        );
+        assert_eq!(health[0].device, "gpu-2");
+        assert!(!health[0].healthy);
+        assert!(health[0].message.contains("GPU is lost"));
+        let found = problems(&inventory, MigMode::Static);
+        let notes: Vec<&String> = found.values().collect();
+        assert_eq!(notes.len(), 2);
+        assert!(notes
+            .iter()
+            .any(|n| n.contains("gpu-2 GPU-2 PCI 0000:81:00.0 cannot be read: GPU is lost")));
+        assert!(notes
+            .iter()
+            .any(|n| n.contains("GPU index 3 cannot be read")));
+    }
+}

@@ -2,7 +2,7 @@
 //! degrades (a feature gate off, a GPU it cannot read, a checkpoint set aside, a DeviceClass that matches
 //! nothing). Events are best effort: a failure to record one is logged and never stops the plugin.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -15,10 +15,20 @@ use tracing::warn;
 const MAX_NOTE: usize = 1024;
 /// An Event is not worth holding up the caller for long: a hung API server gets this much.
 const PUBLISH_TIMEOUT: Duration = Duration::from_secs(5);
+/// Recorders kept for repeats of one note; past this many distinct notes the oldest series are forgotten
+/// (a repeat then starts a new Event instead of counting on the old one).
+const MAX_SERIES: usize = 256;
 
 /// Records Events about this node, each reason and note once if asked (`warn_once`).
+///
+/// kube's `Recorder` folds an Event into an earlier one with the same type, reason, action and objects,
+/// whatever its note, so two GPUs unreadable or two feature gates off would show as one Event with the
+/// first note and a count of 2. Each distinct note gets a recorder of its own here: repeats of one note
+/// still count up on one Event, different notes are different Events.
 pub struct NodeEvents {
-    recorder: Recorder,
+    client: kube::Client,
+    reporter: Reporter,
+    series: Mutex<HashMap<String, Recorder>>,
     nodes: Api<Node>,
     node: String,
     reported: Mutex<BTreeSet<(String, String)>>,
@@ -27,13 +37,12 @@ pub struct NodeEvents {
 impl NodeEvents {
     pub fn new(client: kube::Client, driver: &str, node: &str) -> Self {
         NodeEvents {
-            recorder: Recorder::new(
-                client.clone(),
-                Reporter {
-                    controller: format!("{driver}/kubelet-plugin"),
-                    instance: Some(format!("{driver}/{node}")),
-                },
-            ),
+            client: client.clone(),
+            reporter: Reporter {
+                controller: format!("{driver}/kubelet-plugin"),
+                instance: Some(format!("{driver}/{node}")),
+            },
+            series: Mutex::new(HashMap::new()),
             nodes: Api::all(client),
             node: node.to_string(),
             reported: Mutex::new(BTreeSet::new()),
@@ -76,6 +85,21 @@ impl NodeEvents {
         }
     }
 
+    /// The recorder whose Events carry `note`.
+    fn recorder_for(&self, note: &str) -> Recorder {
+        let Ok(mut series) = self.series.lock() else {
+            // A panic elsewhere poisoned the map: a fresh recorder still records the Event.
+            return Recorder::new(self.client.clone(), self.reporter.clone());
+        };
+        if series.len() >= MAX_SERIES && !series.contains_key(note) {
+            series.clear();
+        }
+        series
+            .entry(note.to_string())
+            .or_insert_with(|| Recorder::new(self.client.clone(), self.reporter.clone()))
+            .clone()
+    }
+
     /// Records one Event on the Node, with `secondary` as the related object.
     pub async fn publish(
         &self,
@@ -85,6 +109,8 @@ impl NodeEvents {
         note: &str,
         secondary: Option<ObjectReference>,
     ) {
+        let note = truncate_note(note);
+        let recorder = self.recorder_for(&note);
         let recorded = tokio::time::timeout(PUBLISH_TIMEOUT, async {
             // The Node's UID makes `kubectl describe node` show the Event; without it the Event still lists.
             let uid = match self.nodes.get_opt(&self.node).await {
@@ -101,11 +127,11 @@ impl NodeEvents {
             let event = Event {
                 type_,
                 reason: reason.to_string(),
-                note: Some(truncate_note(note)),
+                note: Some(note.clone()),
                 action: action.to_string(),
                 secondary,
             };
-            self.recorder.publish(&event, &reference).await
+            recorder.publish(&event, &reference).await
         })
         .await;
         match recorded {

@@ -251,6 +251,11 @@ impl FaultyNode {
         self.profile.gpus[gpu].faults = faults;
         std::fs::write(&self.path, serde_yaml::to_string(&self.profile).unwrap()).unwrap();
     }
+
+    fn set_unreadable(&mut self, gpu: usize, reason: Option<&str>) {
+        self.profile.gpus[gpu].unreadable = reason.map(str::to_string);
+        std::fs::write(&self.path, serde_yaml::to_string(&self.profile).unwrap()).unwrap();
+    }
 }
 
 fn xid(number: u64) -> FakeFault {
@@ -327,6 +332,43 @@ async fn faults_and_their_taints_outlive_a_plugin_restart_until_the_gpu_recovers
     tokio::time::sleep(Duration::from_millis(300)).await;
     let slices = node.harness.wait_for_slices().await;
     assert!(slices.iter().all(|s| device_taints(s, "gpu-0") == Some(0)));
+    plugin.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_faulty_gpu_unreadable_at_the_restart_keeps_its_fault_until_it_reads_again() {
+    let mut node = FaultyNode::new().await;
+    let plugin = node.harness.start_plugin().await;
+    node.harness.wait_for_slices().await;
+    node.set_faults(0, vec![xid(79)]);
+    node.harness
+        .wait_for_slices_where(|s| s.iter().any(|s| device_taints(s, "gpu-0") == Some(1)))
+        .await;
+    plugin.shutdown().await;
+
+    // The GPU cannot be read when the plugin comes back (NVML reported the XID once, before).
+    node.set_faults(0, Vec::new());
+    node.set_unreadable(0, Some("GPU is lost"));
+    let plugin = node.harness.start_plugin().await;
+    node.harness
+        .wait_for_slices_where(|s| s.iter().all(|s| device_taints(s, "gpu-0").is_none()))
+        .await;
+
+    // It reads again: it comes back with the fault it had, not as a healthy GPU.
+    let recorded = record_slices(&node.harness);
+    node.set_unreadable(0, None);
+    node.harness
+        .wait_for_slices_where(|s| s.iter().any(|s| device_taints(s, "gpu-0").is_some()))
+        .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for slice in recorded.lock().unwrap().iter() {
+        assert_ne!(
+            device_taints(slice, "gpu-0"),
+            Some(0),
+            "gpu-0 published untainted after it read again (resourceVersion {:?})",
+            slice.metadata.resource_version
+        );
+    }
     plugin.shutdown().await;
 }
 

@@ -95,8 +95,9 @@ impl FaultStore {
         }
     }
 
-    /// The faults of the previous run that still hold: of this boot, on GPUs that are still here, and
-    /// no `lost` for a GPU that the inventory just read. A file that cannot be used is set aside.
+    /// The faults of the previous run that still hold: of this boot, on GPUs that are still here (read,
+    /// or seen but unreadable for now: their faults taint them once they read again), and no `lost` for
+    /// a GPU that the inventory just read. A file that cannot be used is set aside.
     pub(super) fn load(&mut self, inventory: &Inventory, metrics: &Metrics) -> HealthState {
         let loaded = match self.file.load(&self.boot_id) {
             Ok(loaded) => loaded,
@@ -109,7 +110,11 @@ impl FaultStore {
         };
         let (kept, dropped): (Vec<_>, Vec<_>) =
             loaded.faults.into_iter().partition(|(target, fault)| {
-                let present = inventory.gpus.iter().any(|g| g.uuid == target.gpu_uuid);
+                let present = inventory.gpus.iter().any(|g| g.uuid == target.gpu_uuid)
+                    || inventory
+                        .unreadable
+                        .iter()
+                        .any(|g| g.uuid.as_deref() == Some(target.gpu_uuid.as_str()));
                 let answers_again = *fault == Fault::Lost && target.gpu_instance_id.is_none();
                 present && !answers_again
             });

@@ -7,7 +7,6 @@ use std::time::{Duration, Instant};
 
 use gpu_dra::claims::checkpoint::{CheckpointFile, ClaimState};
 use gpu_dra::devices::MigMode;
-use gpu_dra::gpu::GpuBackend;
 use gpu_dra::support::apiserver::ServerVersion;
 use gpu_dra::support::harness::{Harness, DRIVER, MIG_CLASS};
 use gpu_dra::support::kubelet::ClaimRef;
@@ -21,22 +20,6 @@ fn mig_request(profile: &str) -> serde_json::Value {
         "deviceClassName": MIG_CLASS,
         "selectors": [{"cel": {"expression": format!("device.attributes[\"{DRIVER}\"].profile == \"{profile}\"")}}]
     }}]})
-}
-
-/// All MIG devices on the fake node, as (parent minor, start, UUID).
-fn mig_devices(node: &Harness) -> Vec<(u32, u32, String)> {
-    let inventory = node.fake_backend().inventory().unwrap();
-    inventory
-        .gpus
-        .iter()
-        .flat_map(|gpu| {
-            gpu.mig.iter().flat_map(move |mig| {
-                mig.instances
-                    .iter()
-                    .map(move |i| (gpu.minor, i.placement.start, i.uuid.clone()))
-            })
-        })
-        .collect()
 }
 
 fn checkpoint_path(node: &Harness) -> std::path::PathBuf {
@@ -101,7 +84,7 @@ async fn an_unusable_checkpoint_is_set_aside_and_rebuilt_without_deleting_anythi
             .clone()
             .unwrap();
         plugin.shutdown().await;
-        let made = mig_devices(&node);
+        let made = node.mig_devices();
         assert_eq!(made.len(), 1);
         // A spec whose claim the API server does not know (deleted meanwhile, or another install's).
         let unknown = "bbbbbbbb-0000-4000-8000-00000000000b";
@@ -150,7 +133,7 @@ async fn an_unusable_checkpoint_is_set_aside_and_rebuilt_without_deleting_anythi
         assert!(plugin.recovery.orphan_specs_removed.is_empty());
         assert!(plugin.recovery.mig_devices_destroyed.is_empty());
         assert_eq!(node.cdi_files(), specs_before, "round {round}: specs kept");
-        assert_eq!(mig_devices(&node), made, "round {round}: MIG device kept");
+        assert_eq!(node.mig_devices(), made, "round {round}: MIG device kept");
         let events = node
             .api
             .wait_for(
@@ -191,7 +174,7 @@ async fn an_unusable_checkpoint_is_set_aside_and_rebuilt_without_deleting_anythi
             .unwrap()[&claim.uid]
             .clone()
             .unwrap();
-        assert!(mig_devices(&node).is_empty(), "round {round}");
+        assert!(node.mig_devices().is_empty(), "round {round}");
         plugin.shutdown().await;
 
         if round == 0 {
@@ -242,7 +225,7 @@ async fn a_checkpoint_of_the_next_minor_is_read_not_refused() {
         .clone()
         .unwrap();
     plugin.shutdown().await;
-    let made = mig_devices(&node);
+    let made = node.mig_devices();
     let specs = node.cdi_files();
 
     // What the next minor might write: added fields everywhere, a claim state this build lacks.
@@ -267,7 +250,7 @@ async fn a_checkpoint_of_the_next_minor_is_read_not_refused() {
     expected.sort();
     assert_eq!(kept, expected);
     assert_eq!(node.cdi_files(), specs);
-    assert_eq!(mig_devices(&node), made);
+    assert_eq!(node.mig_devices(), made);
     // The claim in the unknown state was checked against the API server and is completed now.
     let stored = CheckpointFile::new(&path).load().unwrap().unwrap();
     assert_eq!(stored.claims[&claim.uid].state, ClaimState::Completed);
@@ -290,7 +273,7 @@ async fn a_corrupt_checkpoint_with_the_api_server_hanging_leaves_everything_in_p
         .clone()
         .unwrap();
     plugin.shutdown().await;
-    let made = mig_devices(&node);
+    let made = node.mig_devices();
     let specs = node.cdi_files();
     std::fs::write(checkpoint_path(&node), b"{\"version\":1,\"chec").unwrap();
 
@@ -305,7 +288,7 @@ async fn a_corrupt_checkpoint_with_the_api_server_hanging_leaves_everything_in_p
     assert!(plugin.recovery.kept.is_empty());
     assert_eq!(plugin.recovery.left_in_place, vec![claim.uid.clone()]);
     assert_eq!(node.cdi_files(), specs);
-    assert_eq!(mig_devices(&node), made);
+    assert_eq!(node.mig_devices(), made);
     assert_eq!(files_starting(&node, "checkpoint.json.corrupt-").len(), 1);
     node.api.clear_faults();
     let events = node

@@ -61,18 +61,7 @@ impl Node {
 
     /// MIG devices on the fake GPUs now, as (minor, start, UUID).
     fn mig_devices(&self) -> Vec<(u32, u32, String)> {
-        let inventory = self.harness.fake_backend().inventory().unwrap();
-        inventory
-            .gpus
-            .iter()
-            .flat_map(|gpu| {
-                gpu.mig.iter().flat_map(move |mig| {
-                    mig.instances
-                        .iter()
-                        .map(move |i| (gpu.minor, i.placement.start, i.uuid.clone()))
-                })
-            })
-            .collect()
+        self.harness.mig_devices()
     }
 
     fn spec(&self, claim: &ClaimRef) -> Option<String> {

@@ -36,22 +36,6 @@ async fn get_claim(node: &Harness, name: &str) -> ResourceClaim {
     claims.get(name).await.unwrap()
 }
 
-/// All MIG devices on the fake node, as (parent minor, start, UUID).
-fn mig_devices(node: &Harness) -> Vec<(u32, u32, String)> {
-    let inventory = node.fake_backend().inventory().unwrap();
-    inventory
-        .gpus
-        .iter()
-        .flat_map(|gpu| {
-            gpu.mig.iter().flat_map(move |mig| {
-                mig.instances
-                    .iter()
-                    .map(move |i| (gpu.minor, i.placement.start, i.uuid.clone()))
-            })
-        })
-        .collect()
-}
-
 async fn wait_for_dynamic_slices(node: &Harness, count: usize) -> Vec<ResourceSlice> {
     node.wait_for_slices_where(|slices| slices.len() == count)
         .await
@@ -84,7 +68,7 @@ async fn a_dynamic_mig_claim_creates_the_device_and_unprepare_destroys_it() {
     let answer = kubelet.prepare(std::slice::from_ref(&claim)).await.unwrap();
     let prepared = answer[&claim.uid].clone().unwrap();
     assert_eq!(prepared[0].device_name, device);
-    let made = mig_devices(&node);
+    let made = node.mig_devices();
     assert_eq!(made.len(), 1, "{made:?}");
     let mig_uuid = made[0].2.clone();
     assert_eq!(made[0].1, 6);
@@ -125,7 +109,7 @@ async fn a_dynamic_mig_claim_creates_the_device_and_unprepare_destroys_it() {
         .await
         .unwrap();
     answer[&claim.uid].clone().unwrap();
-    assert!(mig_devices(&node).is_empty(), "MIG device destroyed");
+    assert!(node.mig_devices().is_empty(), "MIG device destroyed");
     assert!(node.cdi_files().is_empty());
 }
 
@@ -184,7 +168,7 @@ async fn counters_keep_whole_gpus_and_their_partitions_apart_on_1_34() {
     for claim in [&half, &whole, &third] {
         answer[&claim.uid].clone().unwrap();
     }
-    assert_eq!(mig_devices(&node).len(), 2);
+    assert_eq!(node.mig_devices().len(), 2);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -214,7 +198,7 @@ async fn prepare_refuses_a_device_that_overlaps_one_in_use() {
         "{error}"
     );
     assert_eq!(
-        mig_devices(&node).len(),
+        node.mig_devices().len(),
         1,
         "nothing created for the refused claim"
     );
@@ -253,7 +237,7 @@ async fn restart_destroys_mig_devices_no_prepared_claim_owns() {
     kubelet.prepare(std::slice::from_ref(&claim)).await.unwrap()[&claim.uid]
         .clone()
         .unwrap();
-    let kept = mig_devices(&node);
+    let kept = node.mig_devices();
     plugin.shutdown().await;
 
     // A crash between creating a MIG device and recording it leaves one nobody owns.
@@ -272,7 +256,7 @@ async fn restart_destroys_mig_devices_no_prepared_claim_owns() {
     assert_eq!(plugin.recovery.kept, vec![claim.uid.clone()]);
     assert_eq!(plugin.recovery.mig_devices_destroyed, vec![stray.uuid]);
     assert_eq!(
-        mig_devices(&node),
+        node.mig_devices(),
         kept,
         "the prepared claim's device stays"
     );
@@ -313,7 +297,7 @@ async fn static_mig_devices_an_admin_made_are_published_and_prepared_in_place() 
             "gpu-1-mig-1g10gb-6"
         ]
     );
-    let before = mig_devices(&node);
+    let before = node.mig_devices();
 
     let claim = node
         .allocated_claim_with("static", mig_request("2g.20gb"))
@@ -336,7 +320,7 @@ async fn static_mig_devices_an_admin_made_are_published_and_prepared_in_place() 
         .clone()
         .unwrap();
     assert_eq!(
-        mig_devices(&node),
+        node.mig_devices(),
         before,
         "static MIG devices are left alone"
     );
@@ -399,16 +383,16 @@ async fn after_a_reboot_a_prepared_claims_mig_device_is_made_again() {
     kubelet.prepare(std::slice::from_ref(&claim)).await.unwrap()[&claim.uid]
         .clone()
         .unwrap();
-    let before = mig_devices(&node);
+    let before = node.mig_devices();
     plugin.shutdown().await;
 
     // MIG configuration does not survive a reboot: the GPUs come back without MIG devices.
     std::fs::remove_file(node.dir.path().join("fake-gpu-state.json")).unwrap();
-    assert!(mig_devices(&node).is_empty());
+    assert!(node.mig_devices().is_empty());
 
     let plugin = node.start_plugin().await;
     assert_eq!(plugin.recovery.kept, vec![claim.uid.clone()]);
-    let after = mig_devices(&node);
+    let after = node.mig_devices();
     assert_eq!(after.len(), 1);
     assert_eq!(
         (after[0].0, after[0].1),

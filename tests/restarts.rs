@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use gpu_dra::devices::MigMode;
-use gpu_dra::gpu::{FakeFault, FakeFaultKind, FakeProfile, GpuBackend};
+use gpu_dra::gpu::{FakeFault, FakeFaultKind, FakeProfile};
 use gpu_dra::plugin::PolicyAtStart;
 use gpu_dra::support::apiserver::{FaultSpec, Verb};
 use gpu_dra::support::harness::Harness;
@@ -17,22 +17,6 @@ use kube::Api;
 use serde_json::json;
 
 const WAIT: Duration = Duration::from_secs(10);
-
-/// All MIG devices on the fake node, as (parent minor, start, UUID).
-fn mig_devices(node: &Harness) -> Vec<(u32, u32, String)> {
-    let inventory = node.fake_backend().inventory().unwrap();
-    inventory
-        .gpus
-        .iter()
-        .flat_map(|gpu| {
-            gpu.mig.iter().flat_map(move |mig| {
-                mig.instances
-                    .iter()
-                    .map(move |i| (gpu.minor, i.placement.start, i.uuid.clone()))
-            })
-        })
-        .collect()
-}
 
 /// Files in the plugin directory whose name starts with `prefix`.
 fn files_starting(node: &Harness, prefix: &str) -> Vec<String> {
@@ -99,7 +83,7 @@ async fn the_policy_mig_mode_holds_for_recovery_and_the_first_publish() {
     node.config.mig_mode = MigMode::Dynamic;
     node.api
         .insert("gpunodepolicies", policy("static-mig", "static"));
-    let before = mig_devices(&node);
+    let before = node.mig_devices();
     assert_eq!(before.len(), 3);
     let recorded = record_slices(&node);
 
@@ -110,7 +94,7 @@ async fn the_policy_mig_mode_holds_for_recovery_and_the_first_publish() {
     );
     // Recovery ran in static mode: the admin's MIG devices are no claim's, and stay.
     assert!(plugin.recovery.mig_devices_destroyed.is_empty());
-    assert_eq!(mig_devices(&node), before);
+    assert_eq!(node.mig_devices(), before);
 
     node.wait_for_slices().await;
     tokio::time::sleep(Duration::from_millis(300)).await;

@@ -163,6 +163,23 @@ impl Harness {
         }
     }
 
+    /// Every MIG device on the fake GPUs, as (parent minor, placement start, UUID).
+    pub fn mig_devices(&self) -> Vec<(u32, u32, String)> {
+        use crate::gpu::GpuBackend;
+        let inventory = self.fake_backend().inventory().expect("fake inventory");
+        inventory
+            .gpus
+            .iter()
+            .flat_map(|gpu| {
+                gpu.mig.iter().flat_map(move |mig| {
+                    mig.instances
+                        .iter()
+                        .map(move |i| (gpu.minor, i.placement.start, i.uuid.clone()))
+                })
+            })
+            .collect()
+    }
+
     /// Creates an unallocated claim for `count` GPUs in `default`; returns its UID.
     pub async fn create_claim(&self, name: &str, count: i64) -> String {
         self.create_claim_with(name, gpus_request(count)).await

@@ -4,6 +4,7 @@
 //! CDI spec → checkpoint `completed` → answer. Calls for different claims run in parallel; calls for
 //! one claim are serialised by a per-claim lock.
 
+mod allocation;
 pub mod checkpoint;
 mod edits;
 mod mig;
@@ -16,12 +17,11 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::resource::v1::ResourceClaim;
-use kube::Api;
 use thiserror::Error;
 use tokio::sync::watch;
 use tracing::{info, info_span, warn, Instrument};
 
+pub use allocation::allocation_results;
 pub use checkpoint::{ClaimRecord, ClaimState, PreparedDevice, PreparedMig};
 use edits::write_spec_with;
 pub use edits::{container_edits, DriverEdits};
@@ -31,10 +31,6 @@ use crate::devices::MigMode;
 use crate::gpu::{GpuBackend, Inventory};
 use crate::observability::Metrics;
 use checkpoint::{CheckpointData, CheckpointError, CheckpointFile};
-
-/// How often a failed GET of a ResourceClaim is tried within one call, and the pause before each retry.
-const CLAIM_GET_ATTEMPTS: u32 = 3;
-const CLAIM_GET_RETRY_PAUSE: Duration = Duration::from_millis(100);
 
 /// A claim as the kubelet names it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -400,132 +396,6 @@ impl Preparer {
         Ok(())
     }
 
-    /// [`Preparer::fetch`] within the per-claim budget. A server that hangs, or that keeps answering
-    /// with errors kube's client retries on its own (429, 503, 504: up to minutes), must cost this claim
-    /// a per-claim error, never the whole NodePrepareResources call the kubelet's deadline.
-    async fn fetch_within_budget(&self, claim: &ClaimRef) -> Result<ResourceClaim, ClaimError> {
-        match tokio::time::timeout(self.claim_read_budget, self.fetch(claim)).await {
-            Ok(result) => result,
-            Err(_elapsed) => {
-                self.metrics.api_timeout("get_claim");
-                Err(ClaimError::ApiTimeout {
-                    claim: claim.to_string(),
-                    waited: self.claim_read_budget,
-                })
-            }
-        }
-    }
-
-    /// GETs the ResourceClaim, retrying briefly on errors that may pass (server errors, throttling,
-    /// transport), and checks that it is the claim the kubelet means and that it is allocated.
-    async fn fetch(&self, claim: &ClaimRef) -> Result<ResourceClaim, ClaimError> {
-        let api: Api<ResourceClaim> = Api::namespaced(self.client.clone(), &claim.namespace);
-        let started = Instant::now();
-        let mut attempt = 1;
-        let found = loop {
-            match api.get(&claim.name).await {
-                Ok(found) => break found,
-                Err(kube::Error::Api(status)) if status.is_not_found() => {
-                    return Err(ClaimError::NotFound {
-                        claim: claim.to_string(),
-                    })
-                }
-                Err(error) if crate::apiclient::is_timeout(&error) => {
-                    // The client's own connect or read timeout: the server is not answering, and a
-                    // retry would only run into the budget.
-                    self.metrics.api_timeout("get_claim");
-                    return Err(ClaimError::ApiTimeout {
-                        claim: claim.to_string(),
-                        waited: started.elapsed(),
-                    });
-                }
-                Err(error) => {
-                    self.metrics.api_error("get_claim");
-                    if attempt >= CLAIM_GET_ATTEMPTS || !is_transient(&error) {
-                        return Err(ClaimError::Fetch {
-                            claim: claim.to_string(),
-                            source: error,
-                        });
-                    }
-                    attempt += 1;
-                    tokio::time::sleep(CLAIM_GET_RETRY_PAUSE * attempt).await;
-                }
-            }
-        };
-        let found_uid = found.metadata.uid.clone().unwrap_or_default();
-        if found_uid != claim.uid {
-            return Err(ClaimError::Replaced {
-                claim: claim.to_string(),
-                found: found_uid,
-            });
-        }
-        if found
-            .status
-            .as_ref()
-            .and_then(|s| s.allocation.as_ref())
-            .is_none()
-        {
-            return Err(ClaimError::NotAllocated {
-                claim: claim.to_string(),
-            });
-        }
-        Ok(found)
-    }
-
-    /// This driver's devices in this node's pool from the claim's allocation, grouped by device, each
-    /// checked against what the node publishes.
-    fn allocated_devices(
-        &self,
-        claim: &ClaimRef,
-        resource_claim: &ResourceClaim,
-        inventory: &Inventory,
-    ) -> Result<Vec<PreparedDevice>, ClaimError> {
-        let results = allocation_results(resource_claim);
-        let mut devices: Vec<PreparedDevice> = Vec::new();
-        for result in results
-            .iter()
-            .filter(|r| r.driver == self.driver && r.pool == self.pool)
-        {
-            if let Err(reason) = mig::resolve(inventory, &result.device) {
-                return Err(ClaimError::UnknownDevice {
-                    claim: claim.to_string(),
-                    device: result.device.clone(),
-                    reason,
-                });
-            }
-            // The kubelet matches containers to requests by the request's own name, not `request/subrequest`.
-            let request = result
-                .request
-                .split('/')
-                .next()
-                .unwrap_or_default()
-                .to_string();
-            match devices.iter_mut().find(|d| d.device == result.device) {
-                Some(existing) if !existing.request_names.contains(&request) => {
-                    existing.request_names.push(request)
-                }
-                Some(_) => {}
-                None => devices.push(PreparedDevice {
-                    request_names: vec![request],
-                    pool: self.pool.clone(),
-                    device: result.device.clone(),
-                    cdi_device_ids: vec![self.cdi.qualified_device_id(&claim.uid, &result.device)],
-                    share_id: result.share_id.clone(),
-                    admin_access: result.admin_access == Some(true),
-                    mig: None,
-                }),
-            }
-        }
-        if devices.is_empty() {
-            return Err(ClaimError::NoDevicesHere {
-                claim: claim.to_string(),
-                driver: self.driver.clone(),
-                pool: self.pool.clone(),
-            });
-        }
-        Ok(devices)
-    }
-
     /// Takes the devices for the claim and records it as started, or fails if another claim holds one
     /// of them or a device that overlaps it (a whole GPU and its MIG devices, MIG devices sharing
     /// memory slices). Devices are exclusive, except that admin access (monitoring, debugging) shares
@@ -649,19 +519,6 @@ impl Preparer {
     }
 }
 
-/// The device results of a claim's allocation (all drivers, all pools); empty when not allocated.
-pub fn allocation_results(
-    claim: &ResourceClaim,
-) -> &[k8s_openapi::api::resource::v1::DeviceRequestAllocationResult] {
-    claim
-        .status
-        .as_ref()
-        .and_then(|s| s.allocation.as_ref())
-        .and_then(|a| a.devices.as_ref())
-        .and_then(|d| d.results.as_deref())
-        .unwrap_or_default()
-}
-
 fn check_ref(claim: &ClaimRef) -> Result<(), ClaimError> {
     names::check_uid(&claim.uid)
         .and_then(|_| names::check_namespace(&claim.namespace))
@@ -676,14 +533,6 @@ fn check_ref(claim: &ClaimRef) -> Result<(), ClaimError> {
             ),
             reason,
         })
-}
-
-fn is_transient(error: &kube::Error) -> bool {
-    match error {
-        kube::Error::Api(status) => status.code >= 500 || status.code == 429,
-        kube::Error::HyperError(_) | kube::Error::Service(_) => true,
-        _ => false,
-    }
 }
 
 fn describe(uid: &str, record: &ClaimRecord) -> String {

@@ -151,6 +151,7 @@ async fn without_partitionable_devices_dynamic_mig_publishes_whole_gpus_once_and
         .clone()
         .expect_err("a MIG device is refused");
     assert!(error.contains("gpu-0-mig-1g10gb-0"), "{error}");
+    assert!(error.contains("FeatureGateDisabled"), "{error}");
     let inventory = node.fake_backend().inventory().unwrap();
     assert!(
         inventory

@@ -129,7 +129,11 @@ pub(super) async fn prepare_mig_devices(
                 target.profile.name, target.placement.start
             )),
             (MigMode::Dynamic, _) => create(backend, &target).await,
-            (MigMode::None, _) => Err("MIG devices are not published in MIG mode none".into()),
+            // None is also the fallback while the API server drops shared counters; the Event says which.
+            (MigMode::None, _) => Err("MIG devices are not published in MIG mode none (set by --mig-mode \
+                 or a GpuNodePolicy, or because the API server drops shared counters: see a \
+                 FeatureGateDisabled Event on the Node)"
+                .into()),
         };
         match prepared {
             Ok(mig) => devices[index].mig = Some(mig),

@@ -35,7 +35,7 @@ pub fn disabled_note(field: GatedField, mig_mode: MigMode) -> String {
 pub async fn report(
     mut kept: watch::Receiver<KeptFields>,
     mig_mode: MigMode,
-    events: NodeEvents,
+    events: Arc<NodeEvents>,
     metrics: Arc<Metrics>,
     mut shutdown: watch::Receiver<bool>,
 ) {

@@ -94,7 +94,7 @@ pub fn unreadable_health(inventory: &Inventory, pool: &str) -> Vec<DeviceHealthR
 pub async fn run(
     mut inventory: watch::Receiver<Arc<Inventory>>,
     mut mig_mode: watch::Receiver<MigMode>,
-    events: NodeEvents,
+    events: Arc<NodeEvents>,
     metrics: Arc<Metrics>,
     mut shutdown: watch::Receiver<bool>,
 ) {

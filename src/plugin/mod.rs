@@ -280,6 +280,12 @@ pub async fn start(
     let reports_mig_mode = mig_mode_tx.subscribe();
     let (events_tx, events_rx) = mpsc::channel(1024);
 
+    // One recorder of Node Events for every reporter, so repeats of a note count up on one Event.
+    let node_events = Arc::new(node_events::NodeEvents::new(
+        client.clone(),
+        &config.driver_name,
+        &config.node_name,
+    ));
     let (preparer, recovery) = Preparer::start(
         ClaimsConfig {
             driver_name: config.driver_name.clone(),
@@ -297,7 +303,7 @@ pub async fn start(
         metrics.clone(),
     )
     .await?;
-    startup::report_recovery(&client, &config, &recovery);
+    startup::report_recovery(&node_events, &recovery);
 
     // Made before the monitor, which computes the devices for what the publisher learns the server keeps.
     let publisher = Arc::new(
@@ -313,7 +319,7 @@ pub async fn start(
     tasks.push(tokio::spawn(feature_gates::report(
         publisher.kept_fields(),
         mig_mode,
-        node_events::NodeEvents::new(client.clone(), &config.driver_name, &config.node_name),
+        node_events.clone(),
         metrics.clone(),
         shutdown_rx.clone(),
     )));
@@ -323,7 +329,7 @@ pub async fn start(
     tasks.push(tokio::spawn(gpu_reports::run(
         inventory_tx.subscribe(),
         reports_mig_mode,
-        node_events::NodeEvents::new(client.clone(), &config.driver_name, &config.node_name),
+        node_events.clone(),
         metrics.clone(),
         shutdown_rx.clone(),
     )));
@@ -406,7 +412,7 @@ pub async fn start(
     tasks.push(tokio::spawn(selftest::run(
         client.clone(),
         config.driver_name.clone(),
-        config.node_name.clone(),
+        node_events.clone(),
         class_check_devices,
         metrics.clone(),
         shutdown_rx.clone(),

@@ -187,13 +187,12 @@ fn check_class(
 pub async fn run(
     client: kube::Client,
     driver: String,
-    node: String,
+    events: Arc<NodeEvents>,
     mut devices: watch::Receiver<Arc<NodeDevices>>,
     metrics: Arc<Metrics>,
     mut shutdown: watch::Receiver<bool>,
     watch_config: watcher::Config,
 ) {
-    let events = NodeEvents::new(client.clone(), &driver, &node);
     let (store, writer) = reflector::store::<DeviceClass>();
     let mut classes = std::pin::pin!(reflector(
         writer,

@@ -150,7 +150,7 @@ impl FaultStore {
 
 /// Tells the operator, as a Warning Event on the Node, that the checkpoint was set aside and what the
 /// rebuild kept and left; in the background, so a slow API server does not hold up the start.
-pub(super) fn report_recovery(client: &kube::Client, config: &PluginConfig, recovery: &Recovery) {
+pub(super) fn report_recovery(events: &Arc<NodeEvents>, recovery: &Recovery) {
     let Some(aside) = &recovery.checkpoint_set_aside else {
         return;
     };
@@ -173,11 +173,7 @@ pub(super) fn report_recovery(client: &kube::Client, config: &PluginConfig, reco
             recovery.left_in_place.join(", ")
         ));
     }
-    let events = Arc::new(NodeEvents::new(
-        client.clone(),
-        &config.driver_name,
-        &config.node_name,
-    ));
+    let events = events.clone();
     tokio::spawn(async move {
         events
             .warn(REASON_CHECKPOINT_SET_ASIDE, "Recover", &note)

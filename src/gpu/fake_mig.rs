@@ -276,7 +276,7 @@ pub fn physically_fits(
 }
 
 #[cfg(test)]
-mod mig_tests {
+pub(super) mod mig_tests {
     use super::*;
     use crate::gpu::{builtin_profile, GpuBackend};
     use std::path::PathBuf;
@@ -285,7 +285,8 @@ mod mig_tests {
         FakeBackend::with_state_file("node-a", "dgx-h100", state).unwrap()
     }
 
-    fn request(backend: &FakeBackend, profile: &str, start: u32) -> MigRequest {
+    /// The request for `profile` at memory slice `start` on the backend's first GPU.
+    pub(in crate::gpu) fn request(backend: &FakeBackend, profile: &str, start: u32) -> MigRequest {
         let gpu = backend.inventory().unwrap().gpus[0].clone();
         let mig = gpu.mig.unwrap();
         let profile = mig.profiles.iter().find(|p| p.name == profile).unwrap();

@@ -108,8 +108,9 @@ mod unreadable_tests {
 
 mod safety_tests {
     use crate::gpu::fake::FakeBackend;
+    use crate::gpu::fake_mig::mig_tests::request;
     use crate::gpu::{
-        builtin_profile, FakeProfile, GpuBackend, GpuError, MigDestroyed, MigInstance, MigRequest,
+        builtin_profile, FakeProfile, GpuBackend, GpuError, MigDestroyed, MigInstance,
     };
 
     fn node(
@@ -123,21 +124,6 @@ mod safety_tests {
         std::fs::write(&path, serde_yaml::to_string(&profile).unwrap()).unwrap();
         let backend = FakeBackend::new("n", path.to_str().unwrap()).unwrap();
         (dir, path, backend)
-    }
-
-    fn request(backend: &FakeBackend, name: &str, start: u32) -> MigRequest {
-        let gpu = backend.inventory().unwrap().gpus[0].clone();
-        let mig = gpu.mig.unwrap();
-        let profile = mig.profiles.iter().find(|p| p.name == name).unwrap();
-        MigRequest {
-            parent_uuid: gpu.uuid,
-            profile_id: profile.id,
-            placement: *profile
-                .placements
-                .iter()
-                .find(|p| p.start == start)
-                .unwrap(),
-        }
     }
 
     fn instances(backend: &FakeBackend) -> Vec<MigInstance> {

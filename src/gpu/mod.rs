@@ -11,6 +11,7 @@ mod fake_mig;
 mod fake_tests;
 mod locks;
 pub mod mig;
+mod nvidia_smi;
 pub mod nvlink;
 pub mod nvml;
 mod nvml_events;
@@ -31,6 +32,7 @@ pub use profiles::{
     builtin_profile, builtin_profile_names, FakeFault, FakeFaultKind, FakeGpuSpec, FakeProfile,
 };
 
+use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 /// One physical GPU as the backend sees it.
@@ -131,6 +133,94 @@ pub enum GpuError {
     Nvml { call: String, reason: String },
     #[error("GPU {gpu}: MIG device {uuid} is in use by a process (NVML_ERROR_IN_USE); it can be destroyed once that process has ended")]
     MigInUse { gpu: String, uuid: String },
+    /// Reading or changing how a GPU is shared (compute mode, time-slice interval) failed; `reason`
+    /// says which step and why.
+    #[error("GPU {gpu}: {reason}")]
+    Sharing { gpu: String, reason: String },
+}
+
+/// How long the GPU lets one process run before switching to another when several share it
+/// (`nvidia-smi compute-policy --set-timeslice`). The wire names are those of the `GpuConfig`
+/// `timeSlicingConfig.interval` field.
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    Default,
+    PartialEq,
+    Eq,
+    Hash,
+    PartialOrd,
+    Ord,
+    Serialize,
+    Deserialize,
+    schemars::JsonSchema,
+)]
+pub enum TimeSliceInterval {
+    /// The driver's default interval.
+    #[default]
+    Default,
+    Short,
+    Medium,
+    Long,
+}
+
+impl TimeSliceInterval {
+    /// Every interval, in the order of their `nvidia-smi` numbers.
+    pub const ALL: [TimeSliceInterval; 4] = [
+        TimeSliceInterval::Default,
+        TimeSliceInterval::Short,
+        TimeSliceInterval::Medium,
+        TimeSliceInterval::Long,
+    ];
+
+    /// The wire name (`Default`, `Short`, `Medium`, `Long`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TimeSliceInterval::Default => "Default",
+            TimeSliceInterval::Short => "Short",
+            TimeSliceInterval::Medium => "Medium",
+            TimeSliceInterval::Long => "Long",
+        }
+    }
+}
+
+impl std::fmt::Display for TimeSliceInterval {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// What a whole GPU is set to for sharing. Linux resets both settings at reboot, so `Default` is how a
+/// GPU comes up; the driver sets another mode at prepare and `Default` again when the last claim that
+/// needed it is unprepared.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum GpuSharingMode {
+    /// Compute mode DEFAULT (any number of processes) and the default time-slice interval.
+    #[default]
+    Default,
+    /// Compute mode DEFAULT and this time-slice interval.
+    TimeSlice(TimeSliceInterval),
+    /// Compute mode EXCLUSIVE_PROCESS: one process (the MPS server) owns the GPU, as MPS needs.
+    ExclusiveProcess,
+}
+
+impl std::fmt::Display for GpuSharingMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            GpuSharingMode::Default => {
+                f.write_str("compute mode DEFAULT with the default time-slice interval")
+            }
+            GpuSharingMode::TimeSlice(interval) => {
+                write!(
+                    f,
+                    "compute mode DEFAULT with time-slice interval {interval}"
+                )
+            }
+            GpuSharingMode::ExclusiveProcess => f.write_str("compute mode EXCLUSIVE_PROCESS"),
+        }
+    }
 }
 
 /// Something the backend saw happen to a GPU (input to the health monitor).
@@ -193,6 +283,25 @@ pub trait GpuBackend: Send + Sync {
         gpu_instance_id: u32,
         expected_uuid: &str,
     ) -> Result<MigDestroyed, GpuError>;
+    /// Sets how GPU `gpu_uuid` is shared. Idempotent: setting the mode a GPU already has succeeds (and
+    /// runs again what cannot be read back, such as the time-slice interval). Changes on one GPU run
+    /// one at a time. Blocks for up to about ten seconds (the NVML backend runs `nvidia-smi`).
+    fn set_sharing(&self, gpu_uuid: &str, mode: &GpuSharingMode) -> Result<(), GpuError> {
+        let _ = mode;
+        Err(GpuError::Sharing {
+            gpu: gpu_uuid.to_string(),
+            reason: format!("the {} GPU backend cannot change GPU sharing", self.name()),
+        })
+    }
+    /// How GPU `gpu_uuid` is shared now, as far as the backend can read it: the NVML backend reads the
+    /// compute mode only (NVML has no call for the time-slice interval), so a GPU in compute mode
+    /// DEFAULT reads as `Default` whatever its interval.
+    fn sharing(&self, gpu_uuid: &str) -> Result<GpuSharingMode, GpuError> {
+        Err(GpuError::Sharing {
+            gpu: gpu_uuid.to_string(),
+            reason: format!("the {} GPU backend cannot read GPU sharing", self.name()),
+        })
+    }
     /// Waits up to `timeout` for the next event; `Ok(None)` on timeout. Backends without events sleep.
     fn wait_event(&self, timeout: std::time::Duration) -> Result<Option<GpuEvent>, GpuError> {
         std::thread::sleep(timeout);

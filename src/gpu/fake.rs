@@ -1,8 +1,9 @@
 //! The fake GPU backend: a node described by a built-in profile or a YAML file. The file is read again
 //! on every inventory call, so editing it changes what the plugin publishes without a restart. MIG
-//! devices created at run time live in the fake "hardware" state, kept in a file when one is given so
-//! that it outlives plugin restarts as real GPU state does. MIG operations (`fake_mig`), fault events
-//! (`fake_faults`) and the profile checks (`fake_check`) live beside this file.
+//! devices created at run time and the GPUs' sharing modes live in the fake "hardware" state, kept in a
+//! file when one is given so that it outlives plugin restarts as real GPU state does. MIG operations
+//! (`fake_mig`), sharing (`fake_sharing`), fault events (`fake_faults`) and the profile checks
+//! (`fake_check`) live beside this file.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
@@ -19,7 +20,9 @@ use super::mig::{
     MigProfile, MigRequest, NO_COMPUTE_INSTANCE,
 };
 use super::profiles::{builtin_profile, builtin_profile_names, FakeGpuSpec, FakeProfile};
-use super::{nvlink, Gpu, GpuBackend, GpuError, GpuEvent, GpuLocks, Inventory, UnreadableGpu};
+use super::{
+    nvlink, Gpu, GpuBackend, GpuError, GpuEvent, GpuLocks, GpuSharingMode, Inventory, UnreadableGpu,
+};
 
 /// The namespace of the name-based UUIDs the fake backend derives, so they are stable per node.
 const FAKE_UUID_NAMESPACE: uuid::Uuid =
@@ -43,6 +46,9 @@ pub(super) struct FakeHardware {
     /// Parent UUID → why switching MIG mode off failed (the GPU stays in MIG mode).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub disable_failed: BTreeMap<String, String>,
+    /// GPU UUID → its sharing mode, for GPUs not in `GpuSharingMode::Default`.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub sharing: BTreeMap<String, GpuSharingMode>,
 }
 
 #[derive(Debug)]
@@ -375,6 +381,14 @@ impl GpuBackend for FakeBackend {
         self.mig_locks.with(parent_uuid, || {
             self.destroy_locked(parent_uuid, gpu_instance_id, expected_uuid)
         })
+    }
+
+    fn set_sharing(&self, gpu_uuid: &str, mode: &GpuSharingMode) -> Result<(), GpuError> {
+        self.set_sharing_mode(gpu_uuid, *mode)
+    }
+
+    fn sharing(&self, gpu_uuid: &str) -> Result<GpuSharingMode, GpuError> {
+        self.sharing_mode(gpu_uuid)
     }
 
     fn wait_event(&self, timeout: std::time::Duration) -> Result<Option<GpuEvent>, GpuError> {

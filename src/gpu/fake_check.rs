@@ -32,6 +32,15 @@ pub(super) fn check_profile(profile: &FakeProfile) -> Result<(), String> {
                 "gpus[{index}].unreadable: give the reason the GPU cannot be read"
             ));
         }
+        if gpu
+            .sharing_fails
+            .as_deref()
+            .is_some_and(|r| r.trim().is_empty())
+        {
+            return Err(format!(
+                "gpus[{index}].sharingFails: give the reason setting the sharing mode fails"
+            ));
+        }
         check_mig(index, gpu)?;
         for (i, fault) in gpu.faults.iter().enumerate() {
             if (fault.kind == FakeFaultKind::Xid) != fault.xid.is_some() {

@@ -7,6 +7,7 @@ pub mod fake;
 mod fake_check;
 mod fake_faults;
 mod fake_mig;
+mod fake_sharing;
 #[cfg(test)]
 mod fake_tests;
 mod locks;

@@ -74,6 +74,10 @@ pub struct FakeGpuSpec {
     /// reset), so the GPU stays in MIG mode after its last MIG device is destroyed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mig_disable_fails: Option<String>,
+    /// Setting the GPU's sharing mode (compute mode, time-slice interval) fails with this reason, as
+    /// it does without root or with a process holding the GPU. Reading the mode still works.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sharing_fails: Option<String>,
 }
 
 /// One injected fault: an XID error, a double-bit ECC error, pending retirement, a failed row remap,
@@ -217,6 +221,7 @@ fn uniform(
             unreadable: None,
             mig_in_use: Vec::new(),
             mig_disable_fails: None,
+            sharing_fails: None,
         })
         .collect();
     FakeProfile {

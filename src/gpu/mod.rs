@@ -19,6 +19,7 @@ mod nvml_events;
 mod nvml_inventory;
 mod nvml_mig;
 mod nvml_probe;
+mod nvml_sharing;
 mod nvml_support;
 mod profiles;
 

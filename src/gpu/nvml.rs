@@ -24,7 +24,7 @@ pub use super::mig::NO_COMPUTE_INSTANCE;
 use super::nvml_events::EventState;
 pub use super::nvml_probe::probe;
 use super::nvml_support as support;
-use super::{GpuBackend, GpuError, GpuEvent, GpuLocks, Inventory};
+use super::{GpuBackend, GpuError, GpuEvent, GpuLocks, GpuSharingMode, Inventory};
 use super::{MigDestroyed, MigInstance, MigPlacement, MigRequest};
 
 /// The soname the NVIDIA driver installs; found through the dynamic loader's search path.
@@ -62,6 +62,8 @@ pub struct NvmlBackend {
     pub(super) unmonitored: Mutex<Vec<(String, String)>>,
     /// MIG operations on one GPU run one at a time (see `locks`).
     pub(super) mig_locks: GpuLocks,
+    /// Sharing changes on one GPU (compute mode, then time-slice interval) run one at a time.
+    pub(super) sharing_locks: GpuLocks,
     /// GPU UUID → why switching MIG mode off failed after its last MIG device was destroyed; the
     /// inventory reports it so that the whole GPU is not offered while it stays in MIG mode.
     pub(super) disable_failed: Mutex<HashMap<String, String>>,
@@ -133,6 +135,7 @@ impl NvmlBackend {
             events: Mutex::new(EventState::default()),
             unmonitored: Mutex::new(Vec::new()),
             mig_locks: GpuLocks::default(),
+            sharing_locks: GpuLocks::default(),
             disable_failed: Mutex::new(HashMap::new()),
         })
     }
@@ -183,6 +186,15 @@ impl GpuBackend for NvmlBackend {
         self.mig_locks.with(parent_uuid, || {
             self.destroy_mig_device(parent_uuid, gpu_instance_id, expected_uuid)
         })
+    }
+
+    fn set_sharing(&self, gpu_uuid: &str, mode: &GpuSharingMode) -> Result<(), GpuError> {
+        self.sharing_locks
+            .with(gpu_uuid, || self.apply_sharing(gpu_uuid, *mode))
+    }
+
+    fn sharing(&self, gpu_uuid: &str) -> Result<GpuSharingMode, GpuError> {
+        self.read_sharing(gpu_uuid)
     }
 
     fn wait_event(&self, timeout: Duration) -> Result<Option<GpuEvent>, GpuError> {

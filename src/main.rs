@@ -171,6 +171,17 @@ enum FakeCommand {
         /// A built-in profile name (see `gpu-dra fake profiles`).
         name: String,
     },
+    /// Stand-in for NVIDIA's nvidia-cuda-mps-control (MPS sharing with the fake backend): -d starts
+    /// the daemon, -f runs it in the foreground, neither sends stdin's commands to it.
+    #[command(hide = true)]
+    MpsControlDaemon {
+        /// Start the daemon in the background; return once it runs.
+        #[arg(short = 'd', conflicts_with = "foreground")]
+        daemon: bool,
+        /// Run the daemon in the foreground.
+        #[arg(short = 'f')]
+        foreground: bool,
+    },
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -343,6 +354,17 @@ fn main() -> Result<()> {
             })?;
             print!("{}", serde_yaml::to_string(&profile)?);
             Ok(())
+        }
+        Command::Fake {
+            command: FakeCommand::MpsControlDaemon { daemon, foreground },
+        } => {
+            use gpu_dra::claims::mps::stand_in::{run, Mode};
+            let mode = match (daemon, foreground) {
+                (true, _) => Mode::Background,
+                (_, true) => Mode::Foreground,
+                _ => Mode::Client,
+            };
+            std::process::exit(run(mode)?)
         }
     }
 }

@@ -8,6 +8,7 @@ mod allocation;
 pub mod checkpoint;
 mod edits;
 mod mig;
+pub mod mps;
 pub mod names;
 mod rebuild;
 mod recovery;

@@ -1,0 +1,255 @@
+use super::process::*;
+use super::*;
+
+fn spec(devices: &[(&str, &str, Option<u64>)], percentage: Option<u8>) -> MpsDaemonSpec {
+    MpsDaemonSpec {
+        claim_uid: "6c3e0f0a-3d4b-4a8e-9f00-1d2c3b4a5e6f".into(),
+        devices: devices
+            .iter()
+            .map(|(device, uuid, limit)| MpsDevice {
+                device: device.to_string(),
+                uuid: uuid.to_string(),
+                pinned_memory_limit_bytes: *limit,
+            })
+            .collect(),
+        active_thread_percentage: percentage,
+    }
+}
+
+#[test]
+fn limits_become_commands_per_device_ordinal_in_whole_mib() {
+    let three = spec(
+        &[
+            ("gpu-0", "GPU-a", Some(4 << 30)),
+            ("gpu-1", "GPU-b", None),
+            // 1.5 GiB and one byte: rounded down, never above the share.
+            ("gpu-2-mig-1g10gb-0", "MIG-c", Some((3 << 29) + 1)),
+        ],
+        Some(50),
+    );
+    assert_eq!(
+        limit_commands(&three).unwrap(),
+        [
+            "set_default_active_thread_percentage 50",
+            "set_default_device_pinned_mem_limit 0 4096M",
+            "set_default_device_pinned_mem_limit 2 1536M",
+        ]
+    );
+    let unlimited = spec(&[("gpu-0", "GPU-a", None)], None);
+    assert!(limit_commands(&unlimited).unwrap().is_empty());
+}
+
+#[test]
+fn limits_the_daemon_cannot_take_are_refused_before_anything_starts() {
+    let cases = [
+        (
+            spec(&[("gpu-0", "GPU-a", Some(MIB - 1))], None),
+            "under the 1 MiB",
+        ),
+        (
+            spec(&[("gpu-0", "GPU-a", None)], Some(0)),
+            "not between 1 and 100",
+        ),
+        (
+            spec(&[("gpu-0", "GPU-a", None)], Some(101)),
+            "not between 1 and 100",
+        ),
+        (spec(&[("gpu-0", "GPU-a,GPU-b", None)], None), "bad UUID"),
+        (spec(&[], None), "no devices"),
+    ];
+    for (spec, expected) in cases {
+        let error = limit_commands(&spec).unwrap_err().to_string();
+        assert!(error.contains(expected), "{error}");
+        assert!(error.contains(&spec.claim_uid), "{error}");
+    }
+}
+
+#[test]
+fn claim_uids_must_be_plain_names() {
+    for good in ["6c3e0f0a-3d4b-4a8e-9f00-1d2c3b4a5e6f", "a", "a.b_c-1"] {
+        assert!(is_plain_name(good), "{good}");
+    }
+    for bad in [
+        "", ".", "..", "../x", "a/b", "/abs", ".hidden", "a b", "a\0b",
+    ] {
+        assert!(!is_plain_name(bad), "{bad:?}");
+    }
+    assert!(!is_plain_name(&"a".repeat(129)));
+}
+
+#[test]
+fn stat_fields_are_counted_after_the_command_name() {
+    // A command name with spaces and parentheses, as a process may give itself.
+    let mut fields = vec!["S", "1", "4242", "4242"];
+    fields.extend(std::iter::repeat_n("0", 15));
+    fields.push("987654");
+    let text = format!("4242 (a) b (c)) {} 0 0\n", fields.join(" "));
+    assert_eq!(
+        parse_stat(&text),
+        Some(ProcStat {
+            state: 'S',
+            pgrp: 4242,
+            start_time: 987654
+        })
+    );
+    assert!(parse_stat("4242 (short) S 1").is_none());
+    let zombie = parse_stat(&text.replacen(") S ", ") Z ", 1)).unwrap();
+    assert!(!zombie.alive());
+}
+
+#[test]
+fn this_process_stat_matches_the_kernel() {
+    let me = proc_stat(std::process::id()).unwrap();
+    assert!(me.alive());
+    assert!(me.start_time > 0);
+    assert!(same_process_alive(std::process::id(), me.start_time));
+    assert!(!same_process_alive(std::process::id(), me.start_time + 1));
+}
+
+#[test]
+fn only_daemon_command_lines_count_as_mps_daemons() {
+    let yes: [&[&str]; 4] = [
+        &["nvidia-cuda-mps-control", "-d"],
+        &["/driver-root/usr/bin/nvidia-cuda-mps-control", "-f"],
+        &["/usr/bin/gpu-dra", "fake", "mps-control-daemon", "-f"],
+        &["./gpu-dra", "fake", "mps-control-daemon", "-d"],
+    ];
+    let no: [&[&str]; 6] = [
+        &["nvidia-cuda-mps-control"],
+        &["/usr/bin/gpu-dra", "fake", "mps-control-daemon"],
+        &["sleep", "30"],
+        &["sh", "-c", "nvidia-cuda-mps-control -d"],
+        &["/usr/bin/nvidia-cuda-mps-control-not", "-d"],
+        &[],
+    ];
+    for args in yes {
+        assert!(is_daemon_command_line(args), "{args:?}");
+    }
+    for args in no {
+        assert!(!is_daemon_command_line(args), "{args:?}");
+    }
+}
+
+#[test]
+fn container_edits_mount_the_claim_directories_at_the_host_paths() {
+    let daemons = MpsDaemons::new(
+        "/plugin/mps".into(),
+        MpsProgram::StandIn {
+            exe: "/gpu-dra".into(),
+        },
+    )
+    .with_host_root("/var/lib/kubelet/plugins/gpu.dra.dev/mps".into());
+    let record = MpsDaemonRecord {
+        pid: 10,
+        start_time: 20,
+        dir: "/plugin/mps/uid-1".into(),
+        devices: vec![],
+        active_thread_percentage: None,
+    };
+    let edits = daemons.container_edits(&record).unwrap();
+    assert_eq!(
+        edits.env,
+        [
+            "CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps",
+            "CUDA_MPS_LOG_DIRECTORY=/tmp/nvidia-mps-log"
+        ]
+    );
+    let mounts: Vec<(&str, &str, bool)> = edits
+        .mounts
+        .iter()
+        .map(|m| {
+            (
+                m.host_path.as_str(),
+                m.container_path.as_str(),
+                m.options.iter().any(|o| o == "ro"),
+            )
+        })
+        .collect();
+    let host = "/var/lib/kubelet/plugins/gpu.dra.dev/mps/uid-1";
+    assert_eq!(
+        mounts,
+        [
+            (&*format!("{host}/pipe"), "/tmp/nvidia-mps", false),
+            (&*format!("{host}/log"), "/tmp/nvidia-mps-log", true),
+            (&*format!("{host}/shm"), "/dev/shm", false),
+        ]
+    );
+    crate::cdi::validate(&crate::cdi::Spec {
+        cdi_version: "0.6.0".into(),
+        kind: "gpu.dra.dev/claim".into(),
+        devices: vec![crate::cdi::Device {
+            name: "uid-1-gpu-0".into(),
+            container_edits: edits,
+            ..Default::default()
+        }],
+        ..Default::default()
+    })
+    .unwrap();
+}
+
+#[test]
+fn records_outside_the_root_are_refused() {
+    let daemons = MpsDaemons::new(
+        "/plugin/mps".into(),
+        MpsProgram::StandIn {
+            exe: "/gpu-dra".into(),
+        },
+    );
+    for dir in [
+        "/etc",
+        "/plugin/mps",
+        "/plugin/mps/a/b",
+        "/plugin/other/uid-1",
+        "/plugin/mps/..",
+    ] {
+        let record = MpsDaemonRecord {
+            pid: 10,
+            start_time: 20,
+            dir: dir.into(),
+            devices: vec![],
+            active_thread_percentage: None,
+        };
+        assert!(
+            matches!(daemons.stop(&record), Err(MpsError::ForeignDir { .. })),
+            "{dir}"
+        );
+        assert!(daemons.container_edits(&record).is_err(), "{dir}");
+    }
+}
+
+#[test]
+fn records_are_camel_case_and_omit_absent_limits() {
+    let record = MpsDaemonRecord {
+        pid: 10,
+        start_time: 20,
+        dir: "/plugin/mps/uid-1".into(),
+        devices: vec![MpsDevice {
+            device: "gpu-0".into(),
+            uuid: "GPU-a".into(),
+            pinned_memory_limit_bytes: None,
+        }],
+        active_thread_percentage: Some(30),
+    };
+    let json = serde_json::to_value(&record).unwrap();
+    assert_eq!(
+        json,
+        serde_json::json!({
+            "pid": 10, "startTime": 20, "dir": "/plugin/mps/uid-1",
+            "devices": [{"device": "gpu-0", "uuid": "GPU-a"}],
+            "activeThreadPercentage": 30
+        })
+    );
+    assert_eq!(
+        serde_json::from_value::<MpsDaemonRecord>(json).unwrap(),
+        record
+    );
+}
+
+#[test]
+fn error_answers_are_recognised() {
+    assert!(reports_error("Error: no device 3"));
+    assert!(reports_error("50.0\nerror while applying"));
+    assert!(reports_error("Invalid argument"));
+    assert!(!reports_error("50.0"));
+    assert!(!reports_error(""));
+}

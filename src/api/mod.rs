@@ -1,12 +1,19 @@
 //! gpu-dra's own API types: the cluster-scoped `GpuNodePolicy` CRD (`policy`), the watcher that applies
-//! it on one node (`watcher`), and the CRD manifest generated from the types (`crd_yaml`, checked
-//! against `crd/gpu.dra.dev_gpunodepolicies.yaml` by a test).
+//! it on one node (`watcher`), the CRD manifest generated from the types (`crd_yaml`, checked
+//! against `crd/gpu.dra.dev_gpunodepolicies.yaml` by a test), and the opaque device configs
+//! `GpuConfig` / `MigConfig` (`config`, with JSON schemas under `crd/` checked the same way).
 
+pub mod config;
 pub mod policy;
 pub mod watcher;
 
 use kube::CustomResourceExt;
 
+pub use config::{
+    decode_config, decode_config_value, ConfigError, DeviceConfig, GpuConfig, MigConfig, MpsConfig,
+    MpsSettings, Sharing, SharingSettings, SharingStrategy, TimeSliceInterval, TimeSlicingConfig,
+    CONFIG_API_VERSION,
+};
 pub use policy::{
     select, GpuNodePolicy, GpuNodePolicySpec, GpuNodePolicyStatus, HealthSpec, LabelSelector,
     LabelSelectorRequirement, MigModeSpec, PolicyCondition, SelectorOperator, TaintEffect,
@@ -48,6 +55,30 @@ mod tests {
              `UPDATE_CRD=1 cargo test crd_file_is_current` and commit the result",
             path.display()
         );
+    }
+
+    /// Fails when a checked-in config schema differs from the types; `UPDATE_CRD=1` rewrites them.
+    #[test]
+    fn config_schema_files_are_current() {
+        for (kind, file) in [
+            (config::GPU_CONFIG_KIND, config::GPU_CONFIG_SCHEMA_PATH),
+            (config::MIG_CONFIG_KIND, config::MIG_CONFIG_SCHEMA_PATH),
+        ] {
+            let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(file);
+            let expected = config::config_schema_file(kind).expect("a kind of ours");
+            if std::env::var_os("UPDATE_CRD").is_some() {
+                std::fs::write(&path, &expected)
+                    .unwrap_or_else(|e| panic!("writing {}: {e}", path.display()));
+                continue;
+            }
+            let actual = std::fs::read_to_string(&path).unwrap_or_default();
+            assert!(
+                actual == expected,
+                "{} is out of date with src/api/config.rs; regenerate it with \
+                 `UPDATE_CRD=1 cargo test config_schema_files_are_current` and commit the result",
+                path.display()
+            );
+        }
     }
 
     #[test]

@@ -6,6 +6,7 @@
 
 mod allocation;
 pub mod checkpoint;
+pub mod configs;
 mod edits;
 mod mig;
 pub mod mps;

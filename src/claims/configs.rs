@@ -1,0 +1,331 @@
+//! Which of a claim's opaque configs applies to each of its allocated devices (pure). The scheduler
+//! copies the configs into `status.allocation.devices.config`: the classes' first (source
+//! `FromClass`, each naming the requests of that class), then the claim's (`FromClaim`). Of those for
+//! this driver:
+//! - every one is decoded, used or not: a malformed config fails the claim;
+//! - a device takes the last config that names its request (`main` names `main/sub` too); if its
+//!   kind does not fit the device (a MigConfig for a whole GPU) that is an error;
+//! - else the last config for all requests whose kind fits the device (a class may carry both kinds);
+//! - else the device is Exclusive.
+//!
+//! [`check_device_class`] and [`check_claim_spec`] find malformed configs before any allocation,
+//! for `gpu-dra selectors check`.
+
+use std::fmt;
+
+use k8s_openapi::api::resource::v1::{
+    DeviceClass, OpaqueDeviceConfiguration, ResourceClaim, ResourceClaimSpec, ResourceClaimTemplate,
+};
+use serde::Deserialize;
+use serde_json::value::RawValue;
+use serde_json::Value;
+
+use crate::api::config::{
+    declared_kind, decode_config, decode_config_value, ConfigError, DeviceConfig, SharingSettings,
+};
+
+/// The `source` of a config the scheduler copied from the DeviceClass.
+pub const SOURCE_FROM_CLASS: &str = "FromClass";
+
+/// One entry of `status.allocation.devices.config` that has an `opaque` part.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConfigEntry<'a> {
+    /// Its index in `status.allocation.devices.config`.
+    pub index: usize,
+    /// `source: FromClass` (else `FromClaim`).
+    pub from_class: bool,
+    /// The requests it names; empty means all.
+    pub requests: Vec<String>,
+    /// `opaque.driver`.
+    pub driver: String,
+    /// The raw JSON text of `opaque.parameters`, when the caller has it: only the text shows a
+    /// repeated key. Used in preference to `value`.
+    pub raw: Option<&'a str>,
+    /// `opaque.parameters` as decoded JSON.
+    pub value: Option<&'a Value>,
+}
+
+/// What one allocated device gets, and from which config.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResolvedSharing {
+    pub settings: SharingSettings,
+    /// The index of the config in `status.allocation.devices.config`; `None`: no config applied.
+    pub source: Option<usize>,
+}
+
+/// A config of this driver that fails the claim:
+/// `config[<i>] (<Kind> from the <class|claim>): <path>: <reason>`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub struct ConfigEntryError {
+    pub index: usize,
+    /// The kind the config declares, if it is one of ours.
+    pub kind: Option<&'static str>,
+    pub from_class: bool,
+    pub error: ConfigError,
+}
+
+impl fmt::Display for ConfigEntryError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let source = if self.from_class { "class" } else { "claim" };
+        match self.kind {
+            Some(kind) => write!(f, "config[{}] ({kind} from the {source}): ", self.index)?,
+            None => write!(f, "config[{}] (from the {source}): ", self.index)?,
+        }
+        write!(f, "{}", self.error)
+    }
+}
+
+/// The sharing of each device in `devices`, given as `(request, device name, is a MIG device)`, in
+/// that order. Entries of other drivers are ignored, even malformed ones.
+pub fn resolve(
+    driver: &str,
+    entries: &[ConfigEntry<'_>],
+    devices: &[(&str, &str, bool)],
+) -> Result<Vec<ResolvedSharing>, ConfigEntryError> {
+    let mut ours = Vec::new();
+    for entry in entries.iter().filter(|e| e.driver == driver) {
+        let config = decode_entry(entry).map_err(|(kind, error)| ConfigEntryError {
+            index: entry.index,
+            kind,
+            from_class: entry.from_class,
+            error,
+        })?;
+        ours.push((entry, config));
+    }
+    // Precedence order, lowest first: class configs, then claim configs, each in list order.
+    ours.sort_by_key(|(entry, _)| !entry.from_class);
+
+    devices
+        .iter()
+        .map(|&(request, device, is_mig)| {
+            let named = ours
+                .iter()
+                .rev()
+                .find(|(entry, _)| names_request(entry, request));
+            let chosen = match named {
+                Some((entry, config)) if config.is_mig() != is_mig => {
+                    return Err(kind_mismatch(entry, config, device, is_mig))
+                }
+                Some(chosen) => Some(chosen),
+                None => ours
+                    .iter()
+                    .rev()
+                    .find(|(entry, config)| entry.requests.is_empty() && config.is_mig() == is_mig),
+            };
+            Ok(match chosen {
+                Some((entry, config)) => ResolvedSharing {
+                    settings: config.effective(),
+                    source: Some(entry.index),
+                },
+                None => ResolvedSharing {
+                    settings: SharingSettings::Exclusive,
+                    source: None,
+                },
+            })
+        })
+        .collect()
+}
+
+/// Whether the entry names the request: `main/sub` is named by `main/sub` and by `main`.
+fn names_request(entry: &ConfigEntry<'_>, request: &str) -> bool {
+    let main = request.split_once('/').map(|(main, _)| main);
+    entry
+        .requests
+        .iter()
+        .any(|named| named == request || Some(named.as_str()) == main)
+}
+
+fn kind_mismatch(
+    entry: &ConfigEntry<'_>,
+    config: &DeviceConfig,
+    device: &str,
+    is_mig: bool,
+) -> ConfigEntryError {
+    let (what, fitting) = if is_mig {
+        ("a MIG device", "MigConfig")
+    } else {
+        ("a whole GPU", "GpuConfig")
+    };
+    ConfigEntryError {
+        index: entry.index,
+        kind: Some(config.kind()),
+        from_class: entry.from_class,
+        error: ConfigError {
+            path: "kind".into(),
+            reason: format!(
+                "{} does not fit {device} ({what}); use {fitting}",
+                config.kind()
+            ),
+        },
+    }
+}
+
+/// Decodes the raw text if there is one, else the value; on error also the kind it declares.
+fn decode_entry(
+    entry: &ConfigEntry<'_>,
+) -> Result<DeviceConfig, (Option<&'static str>, ConfigError)> {
+    let null = Value::Null;
+    let result = match entry.raw {
+        Some(raw) => decode_config(raw),
+        None => decode_config_value(entry.value.unwrap_or(&null)),
+    };
+    result.map_err(|error| {
+        let kind = match entry.raw {
+            Some(raw) => serde_json::from_str::<Value>(raw)
+                .ok()
+                .and_then(|v| declared_kind(&v)),
+            None => entry.value.and_then(declared_kind),
+        };
+        (kind, error)
+    })
+}
+
+/// The opaque entries of a claim's `status.allocation.devices.config`, for [`resolve`].
+/// `raw_parameters[i]`, where given, is the raw JSON text of entry `i`'s `opaque.parameters`
+/// (see [`raw_allocation_parameters`]).
+pub fn allocation_config_entries<'a>(
+    claim: &'a ResourceClaim,
+    raw_parameters: &'a [Option<String>],
+) -> Vec<ConfigEntry<'a>> {
+    let configs = claim
+        .status
+        .iter()
+        .filter_map(|status| status.allocation.as_ref())
+        .filter_map(|allocation| allocation.devices.as_ref())
+        .flat_map(|devices| devices.config.iter().flatten());
+    configs
+        .enumerate()
+        .filter_map(|(index, config)| {
+            let opaque = config.opaque.as_ref()?;
+            Some(ConfigEntry {
+                index,
+                from_class: config.source == SOURCE_FROM_CLASS,
+                requests: config.requests.clone().unwrap_or_default(),
+                driver: opaque.driver.clone(),
+                raw: raw_parameters.get(index).and_then(|raw| raw.as_deref()),
+                value: Some(&opaque.parameters.0),
+            })
+        })
+        .collect()
+}
+
+/// The raw JSON text of each `status.allocation.devices.config[i].opaque.parameters` in the JSON
+/// of a ResourceClaim (as the API server sent it), by index; `None` where an entry has none. Empty
+/// if the text is not a claim of that shape (the decoded values are used then).
+pub fn raw_allocation_parameters(claim_json: &str) -> Vec<Option<String>> {
+    #[derive(Deserialize)]
+    struct Claim<'a> {
+        #[serde(borrow)]
+        status: Option<Status<'a>>,
+    }
+    #[derive(Deserialize)]
+    struct Status<'a> {
+        #[serde(borrow)]
+        allocation: Option<Allocation<'a>>,
+    }
+    #[derive(Deserialize)]
+    struct Allocation<'a> {
+        #[serde(borrow)]
+        devices: Option<Devices<'a>>,
+    }
+    #[derive(Deserialize)]
+    struct Devices<'a> {
+        #[serde(borrow, default)]
+        config: Option<Vec<Entry<'a>>>,
+    }
+    #[derive(Deserialize)]
+    struct Entry<'a> {
+        #[serde(borrow)]
+        opaque: Option<Opaque<'a>>,
+    }
+    #[derive(Deserialize)]
+    struct Opaque<'a> {
+        #[serde(borrow)]
+        parameters: Option<&'a RawValue>,
+    }
+    let Ok(claim) = serde_json::from_str::<Claim<'_>>(claim_json) else {
+        return Vec::new();
+    };
+    claim
+        .status
+        .and_then(|s| s.allocation)
+        .and_then(|a| a.devices)
+        .and_then(|d| d.config)
+        .unwrap_or_default()
+        .into_iter()
+        .map(|entry| Some(entry.opaque?.parameters?.get().to_string()))
+        .collect()
+}
+
+/// A malformed config of this driver in a DeviceClass or claim spec: `config[<i>] (<Kind>): <path>:
+/// <reason>`, `<i>` being the index in `spec.config` (class) or `spec.devices.config` (claim).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub struct ConfigProblem {
+    pub index: usize,
+    pub kind: Option<&'static str>,
+    pub error: ConfigError,
+}
+
+impl fmt::Display for ConfigProblem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.kind {
+            Some(kind) => write!(f, "config[{}] ({kind}): {}", self.index, self.error),
+            None => write!(f, "config[{}]: {}", self.index, self.error),
+        }
+    }
+}
+
+/// Every malformed config of `driver` among `configs` (the `opaque` part of each entry, in order).
+pub fn check_opaque_configs<'a>(
+    driver: &str,
+    configs: impl IntoIterator<Item = Option<&'a OpaqueDeviceConfiguration>>,
+) -> Vec<ConfigProblem> {
+    configs
+        .into_iter()
+        .enumerate()
+        .filter_map(|(index, opaque)| {
+            let opaque = opaque.filter(|o| o.driver == driver)?;
+            let error = decode_config_value(&opaque.parameters.0).err()?;
+            Some(ConfigProblem {
+                index,
+                kind: declared_kind(&opaque.parameters.0),
+                error,
+            })
+        })
+        .collect()
+}
+
+/// The malformed configs of `driver` in a DeviceClass's `spec.config`.
+pub fn check_device_class(driver: &str, class: &DeviceClass) -> Vec<ConfigProblem> {
+    let configs = class.spec.iter().flat_map(|s| s.config.iter().flatten());
+    check_opaque_configs(driver, configs.map(|c| c.opaque.as_ref()))
+}
+
+/// The malformed configs of `driver` in a claim spec's `spec.devices.config`.
+pub fn check_claim_spec(driver: &str, spec: &ResourceClaimSpec) -> Vec<ConfigProblem> {
+    let configs = spec.devices.iter().flat_map(|d| d.config.iter().flatten());
+    check_opaque_configs(driver, configs.map(|c| c.opaque.as_ref()))
+}
+
+/// [`check_claim_spec`] of a ResourceClaim.
+pub fn check_claim(driver: &str, claim: &ResourceClaim) -> Vec<ConfigProblem> {
+    claim
+        .spec
+        .as_ref()
+        .map(|spec| check_claim_spec(driver, spec))
+        .unwrap_or_default()
+}
+
+/// [`check_claim_spec`] of the claim a ResourceClaimTemplate stamps out (`spec.spec`).
+pub fn check_claim_template(driver: &str, template: &ResourceClaimTemplate) -> Vec<ConfigProblem> {
+    template
+        .spec
+        .as_ref()
+        .and_then(|s| s.spec.as_ref())
+        .map(|spec| check_claim_spec(driver, spec))
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+#[path = "configs_tests.rs"]
+mod tests;

@@ -5,6 +5,7 @@
 //! its writes.
 
 mod admission;
+mod cel_env;
 mod rbac;
 
 use std::collections::{BTreeMap, BTreeSet};

@@ -4,16 +4,13 @@
 //! API server does. The CEL runs on the `cel` crate with the admission variables (`request`, `object`,
 //! `oldObject`, `params`, `variables`); e2e/least-privilege.sh checks the same against a real API server.
 
-use std::collections::BTreeMap;
-use std::sync::Arc;
-
-use cel::{Context, Env};
 use k8s_openapi::api::admissionregistration::v1::{
     ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
 };
 use regex::Regex;
 use serde_json::{json, Value as Json};
 
+use super::cel_env::{compile, Bindings};
 use super::rbac::{plugin_account, plugin_grants};
 use super::{kustomize_dir, manifests, Doc};
 
@@ -23,16 +20,29 @@ const NODE_NAME_KEY: &str = "authentication.kubernetes.io/node-name";
 /// The variables an admission expression may use (`authorizer` and `namespaceObject` are not used here).
 const ADMISSION_VARIABLES: &[&str] = &["request", "object", "oldObject", "params", "variables"];
 
+/// Type names an expression may compare with `type(x)`.
+const TYPE_NAMES: &[&str] = &[
+    "bool",
+    "int",
+    "uint",
+    "double",
+    "string",
+    "bytes",
+    "list",
+    "map",
+    "null_type",
+];
+
 /// One write as the API server's admission sees it.
-struct Request {
-    operation: &'static str,
+pub(super) struct Request {
+    pub(super) operation: &'static str,
     /// `resourceslices`, `resourceclaims/status`, ...
-    resource: &'static str,
-    username: String,
+    pub(super) resource: &'static str,
+    pub(super) username: String,
     /// The node a pod-bound token names.
-    node: Option<&'static str>,
-    object: Json,
-    old_object: Json,
+    pub(super) node: Option<&'static str>,
+    pub(super) object: Json,
+    pub(super) old_object: Json,
 }
 
 impl Request {
@@ -51,54 +61,9 @@ impl Request {
     }
 }
 
-fn compile(expression: &str) -> Result<cel::Program, String> {
-    Env::stdlib()
-        .compile(expression)
-        .map_err(|e| format!("{expression}: {e}"))
-}
-
-fn evaluate(expression: &str, bindings: &BTreeMap<&str, Json>) -> Result<Json, String> {
-    let program = compile(expression)?;
-    let mut context = Context::with_env(Arc::new(Env::stdlib()));
-    for (name, value) in bindings {
-        let value = cel::to_value(value).map_err(|e| format!("{name}: {e}"))?;
-        context.add_variable_from_value(*name, value);
-    }
-    let value = program
-        .execute(&context)
-        .map_err(|e| format!("{expression}: {e}"))?;
-    to_json(&value).map_err(|e| format!("{expression}: {e}"))
-}
-
-/// A CEL result as JSON (variables are kept as JSON between evaluations).
-fn to_json(value: &cel::Value) -> Result<Json, String> {
-    use cel::objects::Key;
-    Ok(match value {
-        cel::Value::Null => Json::Null,
-        cel::Value::Bool(b) => Json::Bool(*b),
-        cel::Value::Int(i) => json!(i),
-        cel::Value::UInt(u) => json!(u),
-        cel::Value::Float(f) => json!(f),
-        cel::Value::String(s) => Json::String(s.to_string()),
-        cel::Value::List(items) => {
-            Json::Array(items.iter().map(to_json).collect::<Result<_, _>>()?)
-        }
-        cel::Value::Map(map) => {
-            let mut object = serde_json::Map::new();
-            for (key, value) in map.map.iter() {
-                let Key::String(key) = key else {
-                    return Err(format!("a map key that is not a string: {key:?}"));
-                };
-                object.insert(key.to_string(), to_json(value)?);
-            }
-            Json::Object(object)
-        }
-        other => return Err(format!("a value JSON cannot hold: {other:?}")),
-    })
-}
-
-/// What the API server answers: `Err` with the denying policies' messages.
-fn admit(docs: &[Doc], request: &Request) -> Result<(), String> {
+/// What the API server answers: `Err` with the denying policies' messages (each policy's first failing
+/// validation, as the API server shows it).
+pub(super) fn admit(docs: &[Doc], request: &Request) -> Result<(), String> {
     let mut denials = Vec::new();
     for binding in docs
         .iter()
@@ -129,31 +94,31 @@ fn admit(docs: &[Doc], request: &Request) -> Result<(), String> {
                 }
             }
         };
-        let mut bindings: BTreeMap<&str, Json> = BTreeMap::from([
+        let mut bindings = Bindings::new([
             ("request", request.json()),
             ("object", request.object.clone()),
             ("oldObject", request.old_object.clone()),
             ("params", params),
-            ("variables", json!({})),
         ]);
+        let is_true = |value: cel::Value| value == cel::Value::Bool(true);
         // failurePolicy Fail: an error denies.
         let verdict = (|| -> Result<Option<String>, String> {
             for condition in spec.match_conditions.iter().flatten() {
-                if evaluate(&condition.expression, &bindings)? != Json::Bool(true) {
+                if !is_true(bindings.evaluate(&condition.expression)?) {
                     return Ok(None);
                 }
             }
             for variable in spec.variables.iter().flatten() {
-                let value = evaluate(&variable.expression, &bindings)?;
-                bindings.get_mut("variables").unwrap()[&variable.name] = value;
+                let value = bindings.evaluate(&variable.expression)?;
+                bindings.set_variable(&variable.name, value);
             }
             for validation in spec.validations.iter().flatten() {
-                if evaluate(&validation.expression, &bindings)? != Json::Bool(true) {
+                if !is_true(bindings.evaluate(&validation.expression)?) {
                     let message = match &validation.message_expression {
-                        Some(e) => evaluate(e, &bindings)?
-                            .as_str()
-                            .unwrap_or_default()
-                            .to_string(),
+                        Some(e) => match bindings.evaluate(e)? {
+                            cel::Value::String(message) => message.to_string(),
+                            other => return Err(format!("{e}: not a string: {other:?}")),
+                        },
                         None => validation.message.clone().unwrap_or_default(),
                     };
                     return Ok(Some(message));
@@ -174,7 +139,7 @@ fn admit(docs: &[Doc], request: &Request) -> Result<(), String> {
     }
 }
 
-fn matches(
+pub(super) fn matches(
     spec: &k8s_openapi::api::admissionregistration::v1::ValidatingAdmissionPolicySpec,
     request: &Request,
 ) -> bool {
@@ -445,10 +410,12 @@ fn the_policies_still_apply_after_renaming_the_namespace_and_the_account() {
 fn the_policies_are_bound_and_cover_every_write_the_plugin_may_make() {
     let (objects, _) = manifests();
     let (namespace, account) = plugin_account(&objects);
+    // The policy on users' device configs has its own test (config_admission.rs).
     let bindings: Vec<ValidatingAdmissionPolicyBinding> = objects
         .iter()
         .filter(|d| d.kind() == "ValidatingAdmissionPolicyBinding")
-        .map(|d| d.typed())
+        .map(|d| d.typed::<ValidatingAdmissionPolicyBinding>())
+        .filter(|b| b.spec.policy_name != super::config_admission::POLICY)
         .collect();
     for binding in &bindings {
         assert_eq!(binding.spec.validation_actions, vec!["Deny".to_string()]);
@@ -504,7 +471,7 @@ fn the_policies_are_bound_and_cover_every_write_the_plugin_may_make() {
 }
 
 /// Every expression parses, uses only admission variables, and names only variables defined before it.
-fn check_expressions(
+pub(super) fn check_expressions(
     name: &str,
     spec: &k8s_openapi::api::admissionregistration::v1::ValidatingAdmissionPolicySpec,
 ) {
@@ -515,7 +482,9 @@ fn check_expressions(
         for reference in program.references().variables() {
             // Comprehension variables (`d`, `t`, `f`) are one letter here.
             assert!(
-                ADMISSION_VARIABLES.contains(&reference) || reference.len() == 1,
+                ADMISSION_VARIABLES.contains(&reference)
+                    || TYPE_NAMES.contains(&reference)
+                    || reference.len() == 1,
                 "{name} {what}: unknown variable {reference}"
             );
         }

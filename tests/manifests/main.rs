@@ -2,9 +2,11 @@
 //! every object must survive a round trip through its `k8s-openapi` type without losing a key (so a
 //! misspelled or misplaced field fails), and the plugin's DaemonSet must mount and know what it needs.
 //! `rbac` checks the plugin's grants against the calls in `src/`, `admission` the policies that narrow
-//! its writes.
+//! its writes, `config_admission` the policy that refuses malformed device configs in users' claims.
 
 mod admission;
+mod cel_env;
+mod config_admission;
 mod rbac;
 
 use std::collections::{BTreeMap, BTreeSet};

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # End-to-end run of gpu-dra on a kind cluster with fake GPUs: build and load the image, deploy the fake
-# overlay, run the workloads in e2e/workloads/, then inject an XID fault through the fake profile and
+# overlay, run the workloads in e2e/workloads/ (whole GPUs, NVLink, MIG, a time-sliced GPU, an MPS GPU
+# shared by two pods, one claim shared by two pods), then inject an XID fault through the fake profile and
 # watch the device taint come and go. e2e/down.sh deletes the cluster.
 #
 # Environment: CLUSTER_NAME (gpu-dra-e2e), KIND_NODE_IMAGE (the images in e2e/kind.yaml),
@@ -98,11 +99,11 @@ for pod in $pods; do
   # The container prints its env first thing; give the log a moment to arrive.
   has_device_env() {
     local out
-    out=$(kubectl -n "$WORKLOAD_NS" logs "$pod")
+    out=$(kubectl -n "$WORKLOAD_NS" logs "$pod" --all-containers)
     grep -q '^GPU_DRA_DEVICE_' <<<"$out"
   }
   wait_for 30 "GPU_DRA_DEVICE_ variables in the log of $pod" has_device_env
-  out=$(kubectl -n "$WORKLOAD_NS" logs "$pod")
+  out=$(kubectl -n "$WORKLOAD_NS" logs "$pod" --all-containers)
   printf '%s: %s\n' "$pod" "$(grep -E '^(GPU_DRA_DEVICE_|/dev/nvidia)' <<<"$out" | tr '\n' ' ')"
   # The fake backend backs the device nodes with a stand-in file; containerd must have applied the CDI spec.
   grep -q '^/dev/nvidia' <<<"$out" || fail "$pod has no /dev/nvidia* device node"
@@ -110,6 +111,31 @@ done
 
 n=$(kubectl -n "$WORKLOAD_NS" logs pod/two-gpus-nvlink | grep -c '^GPU_DRA_DEVICE_' || true)
 [ "$n" -eq 2 ] || fail "two-gpus-nvlink sees $n GPU_DRA_DEVICE_ variables, expected 2"
+
+log "checking the shared GPUs"
+logs_of() { kubectl -n "$WORKLOAD_NS" logs "$@"; }
+devices_of() { logs_of "$@" | grep '^GPU_DRA_DEVICE_' | sort; }
+node_of() { kubectl -n "$WORKLOAD_NS" get pod "$1" -o jsonpath='{.spec.nodeName}'; }
+# A time-sliced GPU: both containers of the pod get the one GPU, with the interval the claim asked for.
+for ctr in first second; do
+  logs_of time-sliced-gpu -c "$ctr" | grep -qx 'GPU_DRA_SHARING=TimeSlicing/Long' ||
+    fail "container $ctr of time-sliced-gpu lacks GPU_DRA_SHARING=TimeSlicing/Long"
+done
+[ "$(devices_of time-sliced-gpu -c first)" = "$(devices_of time-sliced-gpu -c second)" ] ||
+  fail "the containers of time-sliced-gpu got different GPUs"
+# An MPS GPU shared by two pods through one claim: one daemon, whose pipe directory both pods see.
+[ "$(node_of mps-a)" = "$(node_of mps-b)" ] || fail "mps-a and mps-b run on different nodes"
+[ "$(devices_of mps-a)" = "$(devices_of mps-b)" ] || fail "mps-a and mps-b got different GPUs"
+for pod in mps-a mps-b; do
+  out=$(logs_of "$pod")
+  grep -qx 'GPU_DRA_SHARING=MPS' <<<"$out" || fail "$pod lacks GPU_DRA_SHARING=MPS"
+  grep -qx 'CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps' <<<"$out" || fail "$pod lacks CUDA_MPS_PIPE_DIRECTORY"
+  grep -qx 'nvidia-cuda-mps-control.pid' <<<"$out" || fail "$pod does not see the MPS daemon's pipe directory"
+done
+# One exclusive claim used by two pods: prepared once, the same GPU in both.
+[ "$(devices_of shared-claim-a)" = "$(devices_of shared-claim-b)" ] ||
+  fail "shared-claim-a and shared-claim-b got different GPUs"
+printf 'time-sliced, MPS and shared-claim workloads: ok\n'
 
 log "checking that the MIG claim reports its MIG device UUID"
 mig_uuid_reported() {

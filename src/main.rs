@@ -402,6 +402,7 @@ fn run_plugin(args: PluginArgs) -> Result<()> {
         mig_mode: args.backend.mig_mode,
         startup_api_timeout: Duration::from_secs(args.startup_api_timeout_seconds.max(1)),
         api: gpu_dra::apiclient::ApiTimeouts::default(),
+        mps_stand_in: None,
     };
     let kubeconfig = args.kubeconfig;
     runtime()?.block_on(async move {

@@ -89,6 +89,7 @@ fn claim_on_real_gpus(
         share_id: None,
         admin_access: false,
         mig,
+        sharing: Default::default(),
     };
     let mut devices = vec![
         device("gpu-1", None),

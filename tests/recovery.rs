@@ -27,7 +27,9 @@ fn record(name: &str, state: ClaimState, device: &str, uid: &str) -> ClaimRecord
             share_id: None,
             admin_access: false,
             mig: None,
+            sharing: Default::default(),
         }],
+        mps: None,
     }
 }
 

@@ -155,38 +155,14 @@ pub struct TimeSlicingConfig {
     pub interval: Option<TimeSliceInterval>,
 }
 
-/// A GPU's time slice, as `nvidia-smi compute-policy --set-timeslice` names them (0 to 3).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
-pub enum TimeSliceInterval {
-    #[default]
-    Default,
-    Short,
-    Medium,
-    Long,
-}
+/// A GPU's time slice, as `nvidia-smi compute-policy --set-timeslice` names them (0 to 3); the backend's
+/// type, which sets it.
+pub use crate::gpu::TimeSliceInterval;
 
-impl TimeSliceInterval {
-    pub const ALL: [TimeSliceInterval; 4] = [Self::Default, Self::Short, Self::Medium, Self::Long];
-
-    /// The name on the wire.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Default => "Default",
-            Self::Short => "Short",
-            Self::Medium => "Medium",
-            Self::Long => "Long",
-        }
-    }
-
-    fn from_wire(text: &str) -> Option<Self> {
-        Self::ALL.into_iter().find(|i| i.as_str() == text)
-    }
-}
-
-impl fmt::Display for TimeSliceInterval {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
+fn interval_from_wire(text: &str) -> Option<TimeSliceInterval> {
+    TimeSliceInterval::ALL
+        .into_iter()
+        .find(|i| i.as_str() == text)
 }
 
 /// What a DRA device name of this driver looks like (`devices::names::DeviceName` parses them):

@@ -5,7 +5,8 @@
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::resource::v1::ResourceClaim;
-use kube::Api;
+use kube::core::{params::GetParams, Request};
+use kube::Resource;
 
 use super::{mig, ClaimError, ClaimRef, PreparedDevice, Preparer};
 use crate::gpu::Inventory;
@@ -21,7 +22,7 @@ impl Preparer {
     pub(super) async fn fetch_within_budget(
         &self,
         claim: &ClaimRef,
-    ) -> Result<ResourceClaim, ClaimError> {
+    ) -> Result<FetchedClaim, ClaimError> {
         match tokio::time::timeout(self.claim_read_budget, self.fetch(claim)).await {
             Ok(result) => result,
             Err(_elapsed) => {
@@ -35,14 +36,23 @@ impl Preparer {
     }
 
     /// GETs the ResourceClaim, retrying briefly on errors that may pass (server errors, throttling,
-    /// transport), and checks that it is the claim the kubelet means and that it is allocated.
-    async fn fetch(&self, claim: &ClaimRef) -> Result<ResourceClaim, ClaimError> {
-        let api: Api<ResourceClaim> = Api::namespaced(self.client.clone(), &claim.namespace);
+    /// transport), and checks that it is the claim the kubelet means and that it is allocated. The
+    /// body is read as text so that opaque configs are decoded from what the server sent: a config
+    /// with a duplicate key must be refused, not read with one of its values.
+    async fn fetch(&self, claim: &ClaimRef) -> Result<FetchedClaim, ClaimError> {
         let started = Instant::now();
         let mut attempt = 1;
-        let found = loop {
-            match api.get(&claim.name).await {
-                Ok(found) => break found,
+        let (found, raw_configs) = loop {
+            match self.get_claim_text(claim).await {
+                Ok(text) => match parse_claim(&text) {
+                    Ok(parsed) => break parsed,
+                    Err(reason) => {
+                        return Err(ClaimError::Invalid {
+                            claim: claim.to_string(),
+                            reason: format!("the API server's answer cannot be read: {reason}"),
+                        })
+                    }
+                },
                 Err(kube::Error::Api(status)) if status.is_not_found() => {
                     return Err(ClaimError::NotFound {
                         claim: claim.to_string(),
@@ -87,7 +97,17 @@ impl Preparer {
                 claim: claim.to_string(),
             });
         }
-        Ok(found)
+        Ok(FetchedClaim {
+            claim: found,
+            raw_configs,
+        })
+    }
+
+    async fn get_claim_text(&self, claim: &ClaimRef) -> Result<String, kube::Error> {
+        let request = Request::new(ResourceClaim::url_path(&(), Some(&claim.namespace)))
+            .get(&claim.name, &GetParams::default())
+            .map_err(kube::Error::BuildRequest)?;
+        self.client.request_text(request).await
     }
 
     /// This driver's devices in this node's pool from the claim's allocation, grouped by device, each
@@ -131,6 +151,7 @@ impl Preparer {
                     share_id: result.share_id.clone(),
                     admin_access: result.admin_access == Some(true),
                     mig: None,
+                    sharing: Default::default(),
                 }),
             }
         }
@@ -143,6 +164,18 @@ impl Preparer {
         }
         Ok(devices)
     }
+}
+
+/// A ResourceClaim as the API server sent it, with the raw JSON text of each opaque config's
+/// parameters in `status.allocation.devices.config` (same order; `None` where an entry has none).
+pub(super) struct FetchedClaim {
+    pub claim: ResourceClaim,
+    pub raw_configs: Vec<Option<String>>,
+}
+
+fn parse_claim(text: &str) -> Result<(ResourceClaim, Vec<Option<String>>), serde_json::Error> {
+    let claim: ResourceClaim = serde_json::from_str(text)?;
+    Ok((claim, super::configs::raw_allocation_parameters(text)))
 }
 
 /// The device results of a claim's allocation (all drivers, all pools); empty when not allocated.

@@ -11,6 +11,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use thiserror::Error;
 
+use crate::api::config::SharingSettings;
 use crate::fsutil::write_atomically;
 
 /// The format (major) version this build writes; a file with a higher one is refused rather than misread
@@ -77,6 +78,9 @@ pub struct PreparedDevice {
     /// The MIG device behind a MIG device name, once known (created, or found in static mode).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mig: Option<PreparedMig>,
+    /// How the device is shared, from the claim's configs (absent: exclusive).
+    #[serde(default, skip_serializing_if = "SharingSettings::is_exclusive")]
+    pub sharing: SharingSettings,
 }
 
 /// A MIG device a claim uses.
@@ -101,6 +105,9 @@ pub struct ClaimRecord {
     pub name: String,
     pub state: ClaimState,
     pub devices: Vec<PreparedDevice>,
+    /// The claim's MPS control daemon, while it runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mps: Option<super::mps::MpsDaemonRecord>,
 }
 
 /// The checkpoint's content.
@@ -224,7 +231,9 @@ mod tests {
                     share_id: None,
                     admin_access: false,
                     mig: None,
+                    sharing: Default::default(),
                 }],
+                mps: None,
             },
         );
         data

@@ -92,26 +92,34 @@ pub fn resolve(
         })?;
         ours.push((entry, config));
     }
-    // Precedence order, lowest first: class configs, then claim configs, each in list order.
-    ours.sort_by_key(|(entry, _)| !entry.from_class);
-
+    // Precedence, highest first: claim configs before class configs; within one source a config
+    // that names the request before one for all requests; then the later entry before the earlier.
+    // (Upstream's scheduler copies class configs naming the requests that use the class, so a
+    // claim's config for all requests still overrides its class.)
     devices
         .iter()
         .map(|&(request, device, is_mig)| {
-            let named = ours
-                .iter()
-                .rev()
-                .find(|(entry, _)| names_request(entry, request));
-            let chosen = match named {
-                Some((entry, config)) if config.is_mig() != is_mig => {
-                    return Err(kind_mismatch(entry, config, device, is_mig))
+            let mut chosen = None;
+            for from_class in [false, true] {
+                let source = || {
+                    ours.iter()
+                        .rev()
+                        .filter(|(e, _)| e.from_class == from_class)
+                };
+                if let Some((entry, config)) = source().find(|(e, _)| names_request(e, request)) {
+                    if config.is_mig() != is_mig {
+                        return Err(kind_mismatch(entry, config, device, is_mig));
+                    }
+                    chosen = Some((entry, config));
+                    break;
                 }
-                Some(chosen) => Some(chosen),
-                None => ours
-                    .iter()
-                    .rev()
-                    .find(|(entry, config)| entry.requests.is_empty() && config.is_mig() == is_mig),
-            };
+                if let Some((entry, config)) =
+                    source().find(|(e, config)| e.requests.is_empty() && config.is_mig() == is_mig)
+                {
+                    chosen = Some((entry, config));
+                    break;
+                }
+            }
             Ok(match chosen {
                 Some((entry, config)) => ResolvedSharing {
                     settings: config.effective(),

@@ -142,11 +142,18 @@ fn a_config_naming_the_request_beats_one_for_all_requests() {
             (sliced(TimeSliceInterval::Long), Some(1))
         ]
     );
-    // A class config names the requests of its class, so it beats a claim config for all requests.
+    // The scheduler copies a class config naming the requests of its class; the claim's config for
+    // all requests still overrides it, because claim configs come before class configs.
     let entries = [
         entry(0, true, &["gpu"], &short),
         entry(1, false, &[], &long),
     ];
+    assert_eq!(
+        resolved(&entries, &[GPU]),
+        [(sliced(TimeSliceInterval::Long), Some(1))]
+    );
+    // Within the class's configs a named one beats one for all requests as well.
+    let entries = [entry(0, true, &["gpu"], &short), entry(1, true, &[], &long)];
     assert_eq!(
         resolved(&entries, &[GPU]),
         [(sliced(TimeSliceInterval::Short), Some(0))]
@@ -320,10 +327,10 @@ fn entries_come_from_the_claims_allocation() {
             (2, false, vec![], "gpu.dra.dev"),
         ]
     );
-    // The decoded claim kept the last "strategy"; the class config names the request and wins.
+    // The decoded claim kept the last "strategy"; the claim's config beats the class's.
     assert_eq!(
         resolved(&entries, &[GPU]),
-        [(sliced(TimeSliceInterval::Default), Some(0))]
+        [(SharingSettings::Exclusive, Some(2))]
     );
 
     // The raw text of the same body shows the repeated key.

@@ -102,7 +102,7 @@ impl DriverEdits {
         devices: &[PreparedDevice],
         inventory: &Inventory,
     ) -> Result<(), crate::cdi::CdiError> {
-        write_spec_with(cdi, uid, devices, inventory, self)
+        write_spec_with(cdi, uid, devices, inventory, self, None)
     }
 
     /// Adds the toolkit's CDI id for the device to its ids when the toolkit's spec names it (by GPU
@@ -128,6 +128,7 @@ pub(super) fn write_spec_with(
     devices: &[PreparedDevice],
     inventory: &Inventory,
     driver: &DriverEdits,
+    mps: Option<&ContainerEdits>,
 ) -> Result<(), crate::cdi::CdiError> {
     let our_kind = format!("{}=", cdi.kind());
     let uses_toolkit = |device: &PreparedDevice| {
@@ -157,16 +158,23 @@ pub(super) fn write_spec_with(
             (device.device.clone(), edits)
         })
         .collect();
-    let common = match &driver.host {
+    let mut common = match &driver.host {
         Some(host) if !devices.iter().all(uses_toolkit) => host.clone(),
         _ => ContainerEdits::default(),
     };
+    // The claim's MPS daemon (its pipe and shm directories and the client environment) goes to every
+    // container that gets any of the claim's devices.
+    if let Some(mps) = mps {
+        common.env.extend(mps.env.iter().cloned());
+        common.mounts.extend(mps.mounts.iter().cloned());
+    }
     cdi.write_claim_spec_with(uid, &common, &edits).map(|_| ())
 }
 
-/// What a container that gets `device` needs: its device files and the driver's control files, and an
-/// environment variable naming the GPU or MIG device, so the workload (and a person) can see what it
-/// was given.
+/// What a container that gets `device` needs: its device files and the driver's control files, and
+/// environment variables naming the GPU or MIG device and how it is shared (`GPU_DRA_SHARING`:
+/// `Exclusive`, `TimeSlicing/<interval>` or `MPS`), so the workload (and a person) can see what it was
+/// given.
 pub fn container_edits(inventory: &Inventory, device: &PreparedDevice) -> ContainerEdits {
     let mut edits = ContainerEdits::default();
     let Some(gpu) = find_gpu(inventory, &device.device) else {
@@ -186,7 +194,10 @@ pub fn container_edits(inventory: &Inventory, device: &PreparedDevice) -> Contai
             ..Default::default()
         })
         .collect();
-    edits.env = vec![format!("{}={uuid}", device_variable(&device.device))];
+    edits.env = vec![
+        format!("{}={uuid}", device_variable(&device.device)),
+        format!("GPU_DRA_SHARING={}", device.sharing.env_value()),
+    ];
     edits
 }
 
@@ -219,6 +230,7 @@ mod tests {
             share_id: None,
             admin_access: false,
             mig: None,
+            sharing: Default::default(),
         }
     }
 
@@ -272,7 +284,7 @@ mod tests {
         );
         assert_eq!(devices[1].cdi_device_ids.len(), 1);
 
-        write_spec_with(&cdi, uid, &devices, &inventory, &driver).unwrap();
+        write_spec_with(&cdi, uid, &devices, &inventory, &driver, None).unwrap();
         let spec = cdi.read_claim_spec(uid).unwrap().unwrap();
         // The toolkit's device brings its own nodes; ours only names the GPU.
         let first = &spec.devices[0].container_edits;
@@ -283,7 +295,7 @@ mod tests {
         assert_eq!(spec.container_edits.mounts, vec![libcuda]);
 
         // When the toolkit names every device, the driver files come from it alone.
-        write_spec_with(&cdi, uid, &devices[..1], &inventory, &driver).unwrap();
+        write_spec_with(&cdi, uid, &devices[..1], &inventory, &driver, None).unwrap();
         let spec = cdi.read_claim_spec(uid).unwrap().unwrap();
         assert!(spec.container_edits.mounts.is_empty());
     }
@@ -303,7 +315,7 @@ mod tests {
             ..Default::default()
         };
         let host_paths = |inventory: &Inventory| {
-            write_spec_with(&cdi, uid, &devices, inventory, &driver).unwrap();
+            write_spec_with(&cdi, uid, &devices, inventory, &driver, None).unwrap();
             let spec = cdi.read_claim_spec(uid).unwrap().unwrap();
             spec.devices[0]
                 .container_edits

@@ -13,6 +13,7 @@ pub mod mps;
 pub mod names;
 mod rebuild;
 mod recovery;
+mod sharing;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
@@ -88,6 +89,16 @@ pub enum ClaimError {
         device: String,
         owner: String,
     },
+    #[error("ResourceClaim {claim}: {reason}")]
+    Config { claim: String, reason: String },
+    #[error("ResourceClaim {claim}: device {device} cannot be shared as asked: {reason}")]
+    SharingConflict {
+        claim: String,
+        device: String,
+        reason: String,
+    },
+    #[error("ResourceClaim {claim}: sharing: {reason}")]
+    Sharing { claim: String, reason: String },
     #[error("ResourceClaim {claim}: writing CDI spec: {source}")]
     Cdi {
         claim: String,
@@ -121,6 +132,12 @@ pub struct Recovery {
     /// Claim UIDs whose CDI spec could not be matched to a claim prepared here; the spec (and, in
     /// dynamic MIG mode, every MIG device) is left in place until the kubelet prepares or unprepares it.
     pub left_in_place: Vec<String>,
+    /// Claims whose MPS daemon was still running and was taken over.
+    pub mps_daemons_taken_over: Vec<String>,
+    /// Claims whose MPS daemon had died (with the old plugin's container) and was started again.
+    pub mps_daemons_restarted: Vec<String>,
+    /// MPS daemons (by claim UID) no kept claim owned; stopped and their directories removed.
+    pub mps_daemons_cleaned_up: Vec<String>,
 }
 
 /// A checkpoint that could not be used: why, and where it went.
@@ -154,6 +171,8 @@ pub struct ClaimsConfig {
     /// How long one prepare may spend reading its ResourceClaim (retries included) before that claim
     /// gets a per-claim error; well inside the kubelet's 45 s deadline for the whole call.
     pub claim_read_budget: Duration,
+    /// The claims' MPS control daemons.
+    pub mps: mps::MpsDaemons,
 }
 
 /// The claim state machine of one plugin instance.
@@ -174,6 +193,10 @@ pub struct Preparer {
     /// The revision last written to disk; held while writing, so concurrent changes share one write.
     persisted: tokio::sync::Mutex<u64>,
     claim_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    mps: Arc<mps::MpsDaemons>,
+    /// The sharing mode last set on each GPU (by UUID); held while modes change, so that changes for
+    /// different claims run one at a time.
+    gpu_modes: tokio::sync::Mutex<HashMap<String, crate::gpu::GpuSharingMode>>,
 }
 
 impl Preparer {
@@ -207,6 +230,8 @@ impl Preparer {
             }),
             persisted: tokio::sync::Mutex::new(0),
             claim_locks: Mutex::new(HashMap::new()),
+            mps: Arc::new(config.mps),
+            gpu_modes: tokio::sync::Mutex::new(HashMap::new()),
         });
         let recovery = preparer.recover_at_start().await?;
         Ok((preparer, recovery))
@@ -277,9 +302,10 @@ impl Preparer {
                 return Ok(record.devices.clone());
             }
         }
-        let resource_claim = self.fetch_within_budget(claim).await?;
+        let fetched = self.fetch_within_budget(claim).await?;
         let inventory = self.inventory.borrow().clone();
-        let mut devices = self.allocated_devices(claim, &resource_claim, &inventory)?;
+        let mut devices = self.allocated_devices(claim, &fetched.claim, &inventory)?;
+        self.resolve_sharing(claim, &fetched, &mut devices)?;
 
         self.reserve(claim, &inventory, &devices)?;
         // The `started` record is written while the MIG devices are created and the CDI spec is
@@ -314,7 +340,8 @@ impl Preparer {
         Ok(devices)
     }
 
-    /// Creates (or finds) the claim's MIG devices, then writes its CDI spec, which names them.
+    /// Creates (or finds) the claim's MIG devices, sets the GPUs' sharing modes and starts the claim's
+    /// MPS daemon, then writes its CDI spec, which names them.
     async fn make_devices(
         &self,
         claim: &ClaimRef,
@@ -329,6 +356,23 @@ impl Preparer {
                 device,
                 reason,
             })?;
+        self.sync_gpu_modes(inventory, devices, None)
+            .await
+            .map_err(|reason| ClaimError::Sharing {
+                claim: claim.to_string(),
+                reason,
+            })?;
+        let mps = self.start_mps(claim, devices, inventory).await?;
+        let mps_edits =
+            match mps {
+                Some(record) => Some(self.mps.container_edits(&record).map_err(|error| {
+                    ClaimError::Sharing {
+                        claim: claim.to_string(),
+                        reason: error.to_string(),
+                    }
+                })?),
+                None => None,
+            };
         for device in devices.iter_mut() {
             self.driver_edits.reference_toolkit(inventory, device);
         }
@@ -338,7 +382,14 @@ impl Preparer {
         let inventory = inventory.clone();
         let driver = self.driver_edits.clone();
         tokio::task::spawn_blocking(move || {
-            write_spec_with(&cdi, &uid, &snapshot, &inventory, &driver)
+            write_spec_with(
+                &cdi,
+                &uid,
+                &snapshot,
+                &inventory,
+                &driver,
+                mps_edits.as_ref(),
+            )
         })
         .await
         .map_err(|join| internal(&claim.to_string(), join))?
@@ -350,15 +401,21 @@ impl Preparer {
 
     async fn unprepare_one(&self, claim: &ClaimRef) -> Result<(), ClaimError> {
         check_ref(claim)?;
-        let held = lock(&self.state)
-            .data
-            .claims
-            .get(&claim.uid)
-            .map(|record| record.devices.clone());
+        let held = lock(&self.state).data.claims.get(&claim.uid).cloned();
         let known = held.is_some();
-        if let Some(devices) = held {
-            // MIG devices go first: if one cannot be destroyed the claim stays recorded and the
-            // kubelet's retry tries again.
+        if let Some(record) = held {
+            let devices = record.devices.clone();
+            // The MPS daemon and MIG devices go first, then the GPUs' sharing modes: if one of them
+            // fails the claim stays recorded and the kubelet's retry tries again.
+            if let Err(reason) = self.stop_mps(&record).await {
+                return Err(ClaimError::Sharing {
+                    claim: claim.to_string(),
+                    reason,
+                });
+            }
+            if let Some(held) = lock(&self.state).data.claims.get_mut(&claim.uid) {
+                held.mps = None;
+            }
             if let Some(reason) = mig::destroy_created(&self.backend, &devices).await {
                 return Err(ClaimError::Mig {
                     claim: claim.to_string(),
@@ -368,6 +425,16 @@ impl Preparer {
                         .map(|d| d.device.clone())
                         .unwrap_or_default(),
                     reason,
+                });
+            }
+            let inventory = self.inventory.borrow().clone();
+            if let Err(reason) = self
+                .sync_gpu_modes(&inventory, &devices, Some(&claim.uid))
+                .await
+            {
+                return Err(ClaimError::Sharing {
+                    claim: claim.to_string(),
+                    reason: format!("resetting the GPU: {reason}"),
                 });
             }
             self.release(claim);
@@ -410,9 +477,24 @@ impl Preparer {
     ) -> Result<(), ClaimError> {
         let mut state = lock(&self.state);
         for device in devices.iter().filter(|d| !d.admin_access) {
+            if let Some(reason) = sharing::interval_conflict(&state.data.claims, &claim.uid, device)
+            {
+                return Err(ClaimError::SharingConflict {
+                    claim: claim.to_string(),
+                    device: device.device.clone(),
+                    reason,
+                });
+            }
             let holder = state.data.claims.iter().find_map(|(uid, record)| {
                 let held = record.devices.iter().find(|held| {
-                    !held.admin_access && mig::conflict(inventory, &held.device, &device.device)
+                    // Shares of a device published with allowMultipleAllocations (each has a
+                    // shareID) go to several claims; the scheduler has counted their capacity.
+                    let both_shares = held.device == device.device
+                        && held.share_id.is_some()
+                        && device.share_id.is_some();
+                    !held.admin_access
+                        && !both_shares
+                        && mig::conflict(inventory, &held.device, &device.device)
                 });
                 (*uid != claim.uid)
                     .then_some(held)
@@ -439,6 +521,7 @@ impl Preparer {
                 name: claim.name.clone(),
                 state: ClaimState::Started,
                 devices: devices.to_vec(),
+                mps: None,
             },
         );
         // A spec left in place by a rebuild is this claim's again from here on.
@@ -469,7 +552,20 @@ impl Preparer {
     /// freed, checkpoint updated. Failures here are logged; the restart recovery finishes the job if
     /// the plugin dies meanwhile.
     async fn roll_back(&self, claim: &ClaimRef, devices: &[PreparedDevice]) {
+        let held = lock(&self.state).data.claims.get(&claim.uid).cloned();
+        if let Some(record) = held {
+            if let Err(error) = self.stop_mps(&record).await {
+                warn!(%error, "stopping the MPS daemon during roll-back");
+            }
+        }
         mig::destroy_created(&self.backend, devices).await;
+        let inventory = self.inventory.borrow().clone();
+        if let Err(error) = self
+            .sync_gpu_modes(&inventory, devices, Some(&claim.uid))
+            .await
+        {
+            warn!(%error, "resetting the GPU's sharing mode during roll-back");
+        }
         if let Err(error) = self.cdi.remove_claim_spec(&claim.uid) {
             warn!(%error, "removing CDI spec during roll-back");
         }

@@ -118,6 +118,9 @@ impl Preparer {
             name: claim_ref.name,
             state: ClaimState::Completed,
             devices,
+            // A rebuilt claim's MPS daemon is not known here; its directory is kept (see
+            // `sweep_mps`) and the daemon goes with the next sweep after the claim is gone.
+            mps: None,
         })
     }
 }

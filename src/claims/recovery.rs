@@ -143,15 +143,25 @@ impl Preparer {
                         recovery.rolled_back.push(uid);
                         continue;
                     }
+                    self.restore_mps(&uid, &mut record, &mut recovery);
                     // /var/run/cdi is tmpfs: after a reboot the spec is gone and is written again;
                     // one that a power cut left unreadable is replaced the same way.
                     if rewrite || !matches!(self.cdi.read_claim_spec(&uid), Ok(Some(_))) {
+                        let mps = match record.mps.as_ref().map(|d| self.mps.container_edits(d)) {
+                            Some(Ok(edits)) => Some(edits),
+                            Some(Err(error)) => {
+                                warn!(claim = %describe(&uid, &record), %error, "the MPS daemon's CDI edits cannot be made; the spec is written without them");
+                                None
+                            }
+                            None => None,
+                        };
                         write_spec_with(
                             &self.cdi,
                             &uid,
                             &record.devices,
                             &inventory,
                             &self.driver_edits,
+                            mps.as_ref(),
                         )
                         .map_err(|source| ClaimError::Cdi {
                             claim: describe(&uid, &record),
@@ -190,6 +200,10 @@ impl Preparer {
                 })?;
             recovery.orphan_specs_removed.push(uid);
         }
+        if !degraded {
+            recovery.mps_daemons_cleaned_up = self.sweep_mps(&data);
+        }
+        self.converge_gpu_modes(&data, &inventory);
         if *self.mig_mode.borrow() == MigMode::Dynamic {
             if degraded || !data.left_in_place.is_empty() {
                 warn!(

@@ -29,6 +29,7 @@ pub use mig::{
     ComputeShare, MigDestroyed, MigInfo, MigInstance, MigPlacement, MigProfile, MigRequest,
     NO_COMPUTE_INSTANCE,
 };
+pub use nvidia_smi::find_driver_binary;
 pub use nvml::{NvmlBackend, NvmlOptions};
 pub use profiles::{
     builtin_profile, builtin_profile_names, FakeFault, FakeFaultKind, FakeGpuSpec, FakeProfile,
@@ -159,7 +160,6 @@ pub enum GpuError {
     schemars::JsonSchema,
 )]
 pub enum TimeSliceInterval {
-    /// The driver's default interval.
     #[default]
     Default,
     Short,

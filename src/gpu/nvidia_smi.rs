@@ -64,6 +64,24 @@ pub(super) struct NvidiaSmi {
     timeout: Duration,
 }
 
+/// A driver binary (`nvidia-cuda-mps-control`, ...) under `driver_root` as this process sees it, looked
+/// for where `nvidia-smi` is, with the library directory it needs on `LD_LIBRARY_PATH` (`None` for the
+/// driver root `/`).
+pub fn find_driver_binary(driver_root: &Path, name: &str) -> Option<(PathBuf, Option<PathBuf>)> {
+    let binary = BINARY_DIRS
+        .iter()
+        .find_map(|dir| resolve_in_root(driver_root, &Path::new(dir).join(name)))?;
+    let library_dir = (driver_root != Path::new("/"))
+        .then(|| {
+            library_candidates(driver_root)
+                .into_iter()
+                .find(|lib| lib.exists())
+                .and_then(|lib| lib.parent().map(Path::to_path_buf))
+        })
+        .flatten();
+    Some((binary, library_dir))
+}
+
 impl NvidiaSmi {
     /// Finds `nvidia-smi` under `driver_root` (the path this process sees the root at). Symlinks are
     /// followed as the host would follow them: an absolute target is taken below the driver root.

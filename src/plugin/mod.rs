@@ -80,6 +80,9 @@ pub struct PluginConfig {
     /// Timeouts towards the API server: the client's, the watches', and the per-claim budget of a
     /// prepare. The client built by [`kube_client`] must be made with the same values.
     pub api: ApiTimeouts,
+    /// The program that plays MPS control daemons on the fake backend (`<it> fake
+    /// mps-control-daemon`); `None`: this binary.
+    pub mps_stand_in: Option<PathBuf>,
 }
 
 impl PluginConfig {
@@ -107,6 +110,7 @@ impl PluginConfig {
             mig_mode: MigMode::Static,
             startup_api_timeout: startup::DEFAULT_STARTUP_API_TIMEOUT,
             api: ApiTimeouts::default(),
+            mps_stand_in: None,
         }
     }
 
@@ -296,6 +300,7 @@ pub async fn start(
             driver_edits: driver_edits(&config, &inventory)?,
             startup_api_timeout: config.startup_api_timeout,
             claim_read_budget: config.api.claim_read,
+            mps: mps_daemons(&config, &plugin_dir)?,
         },
         client.clone(),
         backend.clone(),
@@ -522,6 +527,39 @@ fn driver_edits(config: &PluginConfig, inventory: &Inventory) -> Result<DriverEd
         .map_err(|e| PluginError::DriverFiles(e.to_string()))?;
     DriverEdits::discover(&root, &inventory.driver_version, &config.cdi_root)
         .map_err(|e| PluginError::DriverFiles(e.to_string()))
+}
+
+/// The claims' MPS control daemons, under `<plugin-dir>/mps` (the DaemonSet mounts the plugins
+/// directory at the host's own path, so the CDI mounts name the same path): NVIDIA's
+/// `nvidia-cuda-mps-control` from the driver root, or the stand-in on the fake backend.
+fn mps_daemons(
+    config: &PluginConfig,
+    plugin_dir: &std::path::Path,
+) -> Result<claims::mps::MpsDaemons, PluginError> {
+    let program = match &config.backend {
+        BackendChoice::Nvml { driver_root, .. } => {
+            let (control, library_dir) =
+                crate::gpu::find_driver_binary(driver_root, "nvidia-cuda-mps-control")
+                    .unwrap_or_else(|| (driver_root.join("usr/bin/nvidia-cuda-mps-control"), None));
+            claims::mps::MpsProgram::Nvidia {
+                control,
+                library_path: library_dir.map(|dir| dir.display().to_string()),
+            }
+        }
+        BackendChoice::Fake { .. } => claims::mps::MpsProgram::StandIn {
+            exe: match &config.mps_stand_in {
+                Some(exe) => exe.clone(),
+                None => std::env::current_exe().map_err(|source| PluginError::Directory {
+                    path: "the running binary (for the fake MPS daemon)".to_string(),
+                    source,
+                })?,
+            },
+        },
+    };
+    Ok(claims::mps::MpsDaemons::new(
+        plugin_dir.join("mps"),
+        program,
+    ))
 }
 
 async fn stopped(mut shutdown: watch::Receiver<bool>) {

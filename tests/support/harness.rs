@@ -63,6 +63,7 @@ impl Harness {
         let root = dir.path();
         let config = PluginConfig {
             rescan_interval: Duration::from_millis(100),
+            mps_stand_in: stand_in_beside_test_binary(),
             ..PluginConfig::fake_node_under(root, DRIVER, NODE, profile)
         };
         Harness { api, dir, config }
@@ -258,4 +259,16 @@ impl Harness {
 /// `spec.devices` of a claim for `count` whole GPUs.
 fn gpus_request(count: i64) -> serde_json::Value {
     serde_json::json!({"requests": [{"name": "gpus", "exactly": {"deviceClassName": DRIVER, "count": count}}]})
+}
+
+/// The gpu-dra binary cargo builds beside a test binary (`target/<profile>/deps/<test>` →
+/// `target/<profile>/gpu-dra`), which plays the fake MPS daemons; `None` (this binary) when the
+/// harness runs inside gpu-dra itself, as in the demo.
+pub fn stand_in_beside_test_binary() -> Option<std::path::PathBuf> {
+    let exe = std::env::current_exe().ok()?;
+    if exe.file_name().is_some_and(|name| name == "gpu-dra") {
+        return None;
+    }
+    let beside = exe.parent()?.parent()?.join("gpu-dra");
+    beside.exists().then_some(beside)
 }

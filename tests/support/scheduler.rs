@@ -5,8 +5,9 @@
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::core::v1::{NodeSelector, NodeSelectorRequirement, NodeSelectorTerm};
 use k8s_openapi::api::resource::v1::{
-    AllocationResult, DeviceAllocationResult, DeviceClass, ResourceClaim,
-    ResourceClaimConsumerReference, ResourceClaimStatus, ResourceSlice,
+    AllocationResult, DeviceAllocationConfiguration, DeviceAllocationResult, DeviceClass,
+    DeviceRequestAllocationResult, ResourceClaim, ResourceClaimConsumerReference,
+    ResourceClaimSpec, ResourceClaimStatus, ResourceSlice,
 };
 use kube::api::{Api, ListParams, PostParams};
 use thiserror::Error;
@@ -63,6 +64,7 @@ pub async fn allocate(
     let spec = claim.spec.clone().ok_or_else(|| AllocationError::NoSpec {
         claim: label.clone(),
     })?;
+    let class_list = classes.clone();
     let simulation = Simulation {
         claim: NamedClaim {
             name: label.clone(),
@@ -91,11 +93,12 @@ pub async fn allocate(
         }
     };
 
+    let config = allocation_configs(&simulation.claim.spec, &class_list, &results);
     claim.status = Some(ResourceClaimStatus {
         allocation: Some(AllocationResult {
             devices: Some(DeviceAllocationResult {
                 results: Some(results),
-                config: None,
+                config: (!config.is_empty()).then_some(config),
             }),
             node_selector: Some(node_selector(node)),
             ..Default::default()
@@ -111,6 +114,101 @@ pub async fn allocate(
     Ok(claims
         .replace_status(name, &PostParams::default(), &claim)
         .await?)
+}
+
+/// The configs the scheduler copies into the allocation, as upstream's allocator does: for each request
+/// (the chosen subrequest of a `firstAvailable` one) its class's configs, once per class, naming the
+/// requests that use the class; then the claim's configs, each once per request it names (once when it
+/// names none).
+fn allocation_configs(
+    spec: &ResourceClaimSpec,
+    classes: &[DeviceClass],
+    results: &[DeviceRequestAllocationResult],
+) -> Vec<DeviceAllocationConfiguration> {
+    let requests = spec
+        .devices
+        .as_ref()
+        .and_then(|d| d.requests.clone())
+        .unwrap_or_default();
+    // The name a request's results carry (`main/sub` for a chosen subrequest) and its class.
+    let chosen: Vec<(String, Option<String>)> = requests
+        .iter()
+        .map(
+            |request| match (&request.exactly, &request.first_available) {
+                (Some(exactly), _) => (
+                    request.name.clone(),
+                    Some(exactly.device_class_name.clone()),
+                ),
+                (None, Some(subs)) => {
+                    let prefix = format!("{}/", request.name);
+                    let picked = results
+                        .iter()
+                        .find_map(|r| r.request.strip_prefix(&prefix).map(str::to_string));
+                    let class = picked.as_ref().and_then(|name| {
+                        subs.iter()
+                            .find(|s| &s.name == name)
+                            .map(|s| s.device_class_name.clone())
+                    });
+                    (
+                        picked.map_or(request.name.clone(), |p| format!("{prefix}{p}")),
+                        class,
+                    )
+                }
+                (None, None) => (request.name.clone(), None),
+            },
+        )
+        .collect();
+    let mut config: Vec<DeviceAllocationConfiguration> = Vec::new();
+    let mut class_ranges: std::collections::BTreeMap<String, (usize, usize)> = Default::default();
+    for (name, class) in &chosen {
+        let Some(class) = class else { continue };
+        if let Some((start, end)) = class_ranges.get(class) {
+            for entry in &mut config[*start..*end] {
+                entry
+                    .requests
+                    .get_or_insert_with(Vec::new)
+                    .push(name.clone());
+            }
+            continue;
+        }
+        let start = config.len();
+        if let Some(found) = classes
+            .iter()
+            .find(|c| c.metadata.name.as_deref() == Some(class))
+        {
+            for entry in found.spec.iter().flat_map(|s| s.config.iter().flatten()) {
+                config.push(DeviceAllocationConfiguration {
+                    source: "FromClass".to_string(),
+                    requests: Some(vec![name.clone()]),
+                    opaque: entry.opaque.clone(),
+                });
+            }
+        }
+        class_ranges.insert(class.clone(), (start, config.len()));
+    }
+    for entry in spec
+        .devices
+        .as_ref()
+        .and_then(|d| d.config.clone())
+        .unwrap_or_default()
+    {
+        let named = entry.requests.clone().unwrap_or_default();
+        let from_claim = || DeviceAllocationConfiguration {
+            source: "FromClaim".to_string(),
+            requests: entry.requests.clone(),
+            opaque: entry.opaque.clone(),
+        };
+        if named.is_empty() {
+            config.push(from_claim());
+            continue;
+        }
+        for (request, (chosen_name, _)) in requests.iter().zip(&chosen) {
+            if named.contains(&request.name) || named.contains(chosen_name) {
+                config.push(from_claim());
+            }
+        }
+    }
+    config
 }
 
 /// Devices of `node` in pools that are complete at their newest generation, in the order the

@@ -12,8 +12,7 @@ use serde_json::{Map, Number, Value};
 
 use super::{
     ByteQuantity, ConfigError, DeviceConfig, GpuConfig, MigConfig, MpsConfig, Sharing,
-    SharingStrategy, TimeSliceInterval, TimeSlicingConfig, CONFIG_API_VERSION, GPU_CONFIG_KIND,
-    MIG_CONFIG_KIND,
+    SharingStrategy, TimeSlicingConfig, CONFIG_API_VERSION, GPU_CONFIG_KIND, MIG_CONFIG_KIND,
 };
 use crate::devices::names::DeviceName;
 
@@ -130,7 +129,7 @@ fn decode_time_slicing(value: &Value, path: &Path) -> Result<TimeSlicingConfig, 
     unknown_fields(object, &["interval"], path)?;
     let interval_path = path.field("interval");
     let interval = string(object.get("interval"), &interval_path)?
-        .map(|text| TimeSliceInterval::from_wire(text).ok_or_else(|| interval_path.error(INTERVAL)))
+        .map(|text| super::interval_from_wire(text).ok_or_else(|| interval_path.error(INTERVAL)))
         .transpose()?;
     Ok(TimeSlicingConfig { interval })
 }

@@ -1,0 +1,406 @@
+//! Sharing at prepare and unprepare. Which sharing each device of a claim gets comes from the claim's
+//! opaque configs (`configs.rs`, upstream's precedence). What that asks of a whole GPU (a time-slice
+//! interval, or the exclusive-process compute mode that MPS needs on a GPU only one claim has) is set
+//! through the backend, from what every recorded claim needs, so the last claim to go resets it. A claim
+//! with MPS devices gets its own MPS control daemon (`mps.rs`), recorded with the claim.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use tracing::{info, warn};
+
+use super::allocation::FetchedClaim;
+use super::checkpoint::CheckpointData;
+use super::configs;
+use super::mps::{MpsDaemonRecord, MpsDaemonSpec, MpsDevice, TakeOver};
+use super::{lock, ClaimError, ClaimRecord, ClaimRef, PreparedDevice, Preparer, Recovery};
+use crate::api::config::{MpsSettings, SharingSettings};
+use crate::devices::DeviceName;
+use crate::gpu::{GpuSharingMode, Inventory};
+
+impl Preparer {
+    /// Sets each device's `sharing` from the claim's configs. A device several requests of the claim
+    /// share must get the same sharing from all of them. Devices with admin access are left as they
+    /// are (they watch, they do not run work). A device published for MPS sharing by memory
+    /// (`allowMultipleAllocations`, so the scheduler gave the claim a `shareID`) is shared with other
+    /// claims: it defaults to MPS, with the claim's memory share as its pinned-memory limit, and a
+    /// config asking for it exclusively is refused.
+    pub(super) fn resolve_sharing(
+        &self,
+        claim: &ClaimRef,
+        fetched: &FetchedClaim,
+        devices: &mut [PreparedDevice],
+    ) -> Result<(), ClaimError> {
+        let results: Vec<_> = super::allocation_results(&fetched.claim)
+            .iter()
+            .filter(|r| r.driver == self.driver && r.pool == self.pool)
+            .collect();
+        let to_configure: Vec<(&str, &str, bool)> = results
+            .iter()
+            .map(|r| {
+                let is_mig = matches!(DeviceName::parse(&r.device), Some(DeviceName::Mig { .. }));
+                (r.request.as_str(), r.device.as_str(), is_mig)
+            })
+            .collect();
+        let entries = configs::allocation_config_entries(&fetched.claim, &fetched.raw_configs);
+        let resolved =
+            configs::resolve(&self.driver, &entries, &to_configure).map_err(|error| {
+                ClaimError::Config {
+                    claim: claim.to_string(),
+                    reason: error.to_string(),
+                }
+            })?;
+        let mut chosen: BTreeMap<&str, (SharingSettings, &str)> = BTreeMap::new();
+        for (result, resolved) in results.iter().zip(resolved) {
+            let shared = result.share_id.is_some();
+            let settings = match (&resolved.settings, resolved.source, shared) {
+                (SharingSettings::Exclusive, None, true) => {
+                    SharingSettings::Mps(MpsSettings::default())
+                }
+                (SharingSettings::Exclusive, Some(index), true) => {
+                    return Err(ClaimError::Config {
+                        claim: claim.to_string(),
+                        reason: format!(
+                            "config[{index}]: device {} is shared with other claims (published for MPS sharing by memory); it cannot be Exclusive",
+                            result.device
+                        ),
+                    })
+                }
+                (settings, _, _) => settings.clone(),
+            };
+            let settings = match (settings, memory_share(result)) {
+                (SharingSettings::Mps(mut mps), Some(share)) if shared => {
+                    let limit = mps
+                        .per_device_pinned_memory_limit_bytes
+                        .get(&result.device)
+                        .copied()
+                        .or(mps.pinned_memory_limit_bytes)
+                        .map_or(share, |asked| asked.min(share));
+                    mps.per_device_pinned_memory_limit_bytes
+                        .insert(result.device.clone(), limit);
+                    SharingSettings::Mps(mps)
+                }
+                (settings, _) => settings,
+            };
+            match chosen.get(result.device.as_str()) {
+                Some((earlier, request)) if *earlier != settings => {
+                    return Err(ClaimError::Config {
+                        claim: claim.to_string(),
+                        reason: format!(
+                            "device {} is allocated to requests {request} and {} with different sharing ({} and {})",
+                            result.device,
+                            result.request,
+                            earlier.env_value(),
+                            settings.env_value()
+                        ),
+                    })
+                }
+                Some(_) => {}
+                None => {
+                    chosen.insert(&result.device, (settings, &result.request));
+                }
+            }
+        }
+        for device in devices.iter_mut().filter(|d| !d.admin_access) {
+            if let Some((settings, _)) = chosen.get(device.device.as_str()) {
+                device.sharing = settings.clone();
+            }
+        }
+        Ok(())
+    }
+
+    /// Sets the sharing mode of each whole GPU under `devices` to what the recorded claims, other than
+    /// `without`, need of it, where that differs from what was set last. Mode changes of all claims
+    /// run one at a time, so two claims never race on one GPU.
+    pub(super) async fn sync_gpu_modes(
+        &self,
+        inventory: &Inventory,
+        devices: &[PreparedDevice],
+        without: Option<&str>,
+    ) -> Result<(), String> {
+        let gpus: BTreeSet<u32> = devices
+            .iter()
+            .filter_map(|d| whole_gpu_minor(&d.device))
+            .collect();
+        let mut applied = self.gpu_modes.lock().await;
+        for minor in gpus {
+            let Some(gpu) = inventory.gpus.iter().find(|g| g.minor == minor) else {
+                continue;
+            };
+            let wanted = {
+                let state = lock(&self.state);
+                desired_mode(&state.data.claims, minor, without)
+            };
+            if applied.get(&gpu.uuid) == Some(&wanted) {
+                continue;
+            }
+            let backend = self.backend.clone();
+            let uuid = gpu.uuid.clone();
+            let mode = wanted.clone();
+            tokio::task::spawn_blocking(move || backend.set_sharing(&uuid, &mode))
+                .await
+                .map_err(|e| e.to_string())?
+                .map_err(|e| format!("setting gpu-{minor} to {}: {e}", describe_mode(&wanted)))?;
+            info!(gpu = %format!("gpu-{minor}"), mode = %describe_mode(&wanted), "GPU sharing mode set");
+            applied.insert(gpu.uuid.clone(), wanted);
+        }
+        Ok(())
+    }
+
+    /// Starts the claim's MPS control daemon when any of its devices uses MPS; records it with the
+    /// claim at once, so that a roll-back or unprepare stops it.
+    pub(super) async fn start_mps(
+        &self,
+        claim: &ClaimRef,
+        devices: &[PreparedDevice],
+        inventory: &Inventory,
+    ) -> Result<Option<MpsDaemonRecord>, ClaimError> {
+        let spec = match mps_spec(&claim.uid, devices, inventory) {
+            Ok(Some(spec)) => spec,
+            Ok(None) => return Ok(None),
+            Err(reason) => {
+                return Err(ClaimError::Config {
+                    claim: claim.to_string(),
+                    reason,
+                })
+            }
+        };
+        let daemons = self.mps.clone();
+        let record = tokio::task::spawn_blocking(move || daemons.start(&spec))
+            .await
+            .map_err(|e| super::internal(&claim.to_string(), e))?
+            .map_err(|error| ClaimError::Sharing {
+                claim: claim.to_string(),
+                reason: format!("starting the MPS control daemon: {error}"),
+            })?;
+        if let Some(held) = lock(&self.state).data.claims.get_mut(&claim.uid) {
+            held.mps = Some(record.clone());
+        }
+        info!(pid = record.pid, "MPS control daemon started");
+        Ok(Some(record))
+    }
+
+    /// Stops the claim's MPS control daemon, if it has one.
+    pub(super) async fn stop_mps(&self, record: &ClaimRecord) -> Result<(), String> {
+        let Some(daemon) = record.mps.clone() else {
+            return Ok(());
+        };
+        let daemons = self.mps.clone();
+        tokio::task::spawn_blocking(move || daemons.stop(&daemon))
+            .await
+            .map_err(|e| e.to_string())?
+            .map_err(|e| format!("stopping the MPS control daemon: {e}"))
+    }
+}
+
+impl Preparer {
+    /// At start, for a kept claim with an MPS daemon: takes the daemon over if it still runs, starts it
+    /// again in the same directories if it died (so that the claim's new containers work again). A
+    /// daemon that cannot be started again is reported and forgotten; the claim stays prepared.
+    pub(super) fn restore_mps(&self, uid: &str, record: &mut ClaimRecord, recovery: &mut Recovery) {
+        let Some(daemon) = record.mps.clone() else {
+            return;
+        };
+        match self.mps.take_over(&daemon) {
+            Ok(TakeOver::TakenOver) => {
+                info!(claim = %super::describe(uid, record), pid = daemon.pid, "MPS control daemon taken over");
+                recovery.mps_daemons_taken_over.push(uid.to_string());
+            }
+            Ok(TakeOver::Restarted(started)) => {
+                warn!(claim = %super::describe(uid, record), pid = started.pid, "MPS control daemon had stopped; started again");
+                record.mps = Some(started);
+                recovery.mps_daemons_restarted.push(uid.to_string());
+            }
+            Err(error) => {
+                warn!(claim = %super::describe(uid, record), %error, "MPS control daemon had stopped and cannot be started again; the claim's containers cannot use MPS");
+                record.mps = None;
+            }
+        }
+    }
+
+    /// Stops the MPS daemons of claims that are no longer prepared and removes their directories.
+    /// Every kept claim's directory stays, also one without a daemon record (rebuilt after the
+    /// checkpoint was set aside), as do those of claims whose CDI spec is left in place.
+    pub(super) fn sweep_mps(&self, data: &CheckpointData) -> Vec<String> {
+        let keep: BTreeSet<String> = data
+            .claims
+            .keys()
+            .chain(&data.left_in_place)
+            .cloned()
+            .collect();
+        let cleaned = self.mps.sweep(&keep);
+        for uid in &cleaned {
+            info!(claim_uid = %uid, "MPS control daemon of a claim no longer prepared stopped");
+        }
+        cleaned
+    }
+
+    /// At start, sets every GPU to the sharing mode its recorded claims need (the default when none),
+    /// where the backend reports another: a crash between an unprepare and the reset leaves no GPU
+    /// time-sliced for good. Failures are logged; the next prepare or unprepare on the GPU retries.
+    pub(super) fn converge_gpu_modes(&self, data: &CheckpointData, inventory: &Inventory) {
+        let mut applied = self.gpu_modes.blocking_lock();
+        for gpu in &inventory.gpus {
+            let wanted = desired_mode(&data.claims, gpu.minor, None);
+            let current = match self.backend.sharing(&gpu.uuid) {
+                Ok(current) => current,
+                Err(error) => {
+                    warn!(gpu = %format!("gpu-{}", gpu.minor), %error, "reading the GPU's sharing mode failed");
+                    continue;
+                }
+            };
+            if current != wanted {
+                if let Err(error) = self.backend.set_sharing(&gpu.uuid, &wanted) {
+                    warn!(gpu = %format!("gpu-{}", gpu.minor), %error, "setting the GPU's sharing mode at start failed");
+                    continue;
+                }
+                info!(gpu = %format!("gpu-{}", gpu.minor), mode = %describe_mode(&wanted), "GPU sharing mode restored");
+            }
+            applied.insert(gpu.uuid.clone(), wanted);
+        }
+    }
+}
+
+/// The sharing mode a GPU needs for the claims recorded on it, leaving out `without`: a time-slice
+/// interval if a claim time-slices it, the exclusive-process compute mode if a claim that has the GPU
+/// to itself runs MPS on it, the default otherwise. (Claims sharing a GPU by memory each run their own
+/// MPS daemon, which needs the default compute mode.)
+pub(super) fn desired_mode(
+    claims: &BTreeMap<String, ClaimRecord>,
+    minor: u32,
+    without: Option<&str>,
+) -> GpuSharingMode {
+    let mut mode = GpuSharingMode::Default;
+    for device in claims
+        .iter()
+        .filter(|(uid, _)| Some(uid.as_str()) != without)
+        .flat_map(|(_, record)| &record.devices)
+        .filter(|d| !d.admin_access && is_whole_gpu(&d.device, minor))
+    {
+        match &device.sharing {
+            SharingSettings::TimeSlicing { interval } => {
+                return GpuSharingMode::TimeSlice(*interval)
+            }
+            SharingSettings::Mps(_) if device.share_id.is_none() => {
+                mode = GpuSharingMode::ExclusiveProcess
+            }
+            _ => {}
+        }
+    }
+    mode
+}
+
+/// Why `device` cannot be time-sliced as it asks: another claim on the same GPU asked for another
+/// interval. `None` when it fits.
+pub(super) fn interval_conflict(
+    claims: &BTreeMap<String, ClaimRecord>,
+    claim_uid: &str,
+    device: &PreparedDevice,
+) -> Option<String> {
+    let SharingSettings::TimeSlicing { interval } = &device.sharing else {
+        return None;
+    };
+    let minor = whole_gpu_minor(&device.device)?;
+    claims
+        .iter()
+        .filter(|(uid, _)| uid.as_str() != claim_uid)
+        .find_map(|(uid, record)| {
+            record
+                .devices
+                .iter()
+                .filter(|d| !d.admin_access && is_whole_gpu(&d.device, minor))
+                .find_map(|held| match &held.sharing {
+                    SharingSettings::TimeSlicing { interval: theirs } if theirs != interval => {
+                        Some(format!(
+                            "gpu-{minor} is time-sliced with interval {theirs} for claim {}/{} ({uid}); this claim asks for {interval}, and a GPU has one interval",
+                            record.namespace, record.name
+                        ))
+                    }
+                    _ => None,
+                })
+        })
+}
+
+fn is_whole_gpu(device: &str, minor: u32) -> bool {
+    whole_gpu_minor(device) == Some(minor)
+}
+
+/// The minor of a whole GPU's device name; `None` for MIG devices and names that are not ours.
+fn whole_gpu_minor(device: &str) -> Option<u32> {
+    match DeviceName::parse(device)? {
+        DeviceName::Gpu { minor } => Some(minor),
+        DeviceName::Mig { .. } => None,
+    }
+}
+
+/// The claim's MPS daemon: every device that uses MPS, with its pinned-memory limit (its own entry of
+/// the per-device map, else the default). The active-thread percentage is the daemon's, so the
+/// claim's MPS configs must agree on it.
+fn mps_spec(
+    claim_uid: &str,
+    devices: &[PreparedDevice],
+    inventory: &Inventory,
+) -> Result<Option<MpsDaemonSpec>, String> {
+    let mut spec = MpsDaemonSpec {
+        claim_uid: claim_uid.to_string(),
+        devices: Vec::new(),
+        active_thread_percentage: None,
+    };
+    let mut percentage_from: Option<&str> = None;
+    for device in devices {
+        let SharingSettings::Mps(mps) = &device.sharing else {
+            continue;
+        };
+        if let Some(percentage) = mps.active_thread_percentage {
+            match (spec.active_thread_percentage, percentage_from) {
+                (Some(earlier), Some(from)) if earlier != percentage => {
+                    return Err(format!(
+                        "the claim's MPS devices ask for different active-thread percentages ({from}: {earlier}, {}: {percentage}); one MPS daemon serves the claim, so they must agree",
+                        device.device
+                    ))
+                }
+                _ => {
+                    spec.active_thread_percentage = Some(percentage);
+                    percentage_from = Some(&device.device);
+                }
+            }
+        }
+        let uuid = match &device.mig {
+            Some(mig) => mig.uuid.clone(),
+            None => super::edits::find_gpu(inventory, &device.device)
+                .map(|gpu| gpu.uuid.clone())
+                .ok_or_else(|| format!("device {} is not on this node", device.device))?,
+        };
+        spec.devices.push(MpsDevice {
+            device: device.device.clone(),
+            uuid,
+            pinned_memory_limit_bytes: mps
+                .per_device_pinned_memory_limit_bytes
+                .get(&device.device)
+                .copied()
+                .or(mps.pinned_memory_limit_bytes),
+        });
+    }
+    Ok((!spec.devices.is_empty()).then_some(spec))
+}
+
+/// The memory a shared device's allocation result consumes (its `consumedCapacity`), in bytes.
+fn memory_share(
+    result: &k8s_openapi::api::resource::v1::DeviceRequestAllocationResult,
+) -> Option<u64> {
+    let quantity = result.consumed_capacity.as_ref()?.get("memory")?;
+    let bytes = crate::api::config::ByteQuantity::parse(&quantity.0).map(|q| q.bytes());
+    if bytes.is_none() {
+        warn!(device = %result.device, quantity = %quantity.0, "unreadable consumed memory in an allocation result");
+    }
+    bytes
+}
+
+fn describe_mode(mode: &GpuSharingMode) -> String {
+    match mode {
+        GpuSharingMode::Default => {
+            "the default (no time-slice setting, compute mode Default)".into()
+        }
+        GpuSharingMode::TimeSlice(interval) => format!("time-slice interval {interval}"),
+        GpuSharingMode::ExclusiveProcess => "compute mode ExclusiveProcess (for MPS)".into(),
+    }
+}

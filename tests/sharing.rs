@@ -60,7 +60,13 @@ fn container_view(node: &Harness, uid: &str) -> (Vec<String>, Vec<(String, Strin
         .expect("spec readable")
         .expect("claim has a CDI spec");
     let device = &spec.devices[0].container_edits;
-    let env = spec.container_edits.env.iter().chain(&device.env).cloned().collect();
+    let env = spec
+        .container_edits
+        .env
+        .iter()
+        .chain(&device.env)
+        .cloned()
+        .collect();
     let mounts = spec
         .container_edits
         .mounts
@@ -74,7 +80,13 @@ fn container_view(node: &Harness, uid: &str) -> (Vec<String>, Vec<(String, Strin
 fn gpu_uuid(node: &Harness, device: &str) -> String {
     let minor: u32 = device.trim_start_matches("gpu-").parse().unwrap();
     let inventory = node.fake_backend().inventory().unwrap();
-    inventory.gpus.iter().find(|g| g.minor == minor).unwrap().uuid.clone()
+    inventory
+        .gpus
+        .iter()
+        .find(|g| g.minor == minor)
+        .unwrap()
+        .uuid
+        .clone()
 }
 
 fn modes(node: &Harness) -> BTreeMap<String, GpuSharingMode> {
@@ -82,8 +94,14 @@ fn modes(node: &Harness) -> BTreeMap<String, GpuSharingMode> {
 }
 
 fn process_runs(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .is_ok_and(|stat| !stat.rsplit(')').next().unwrap_or("").trim_start().starts_with('Z'))
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        !stat
+            .rsplit(')')
+            .next()
+            .unwrap_or("")
+            .trim_start()
+            .starts_with('Z')
+    })
 }
 
 async fn wait_gone(pid: u32) {
@@ -118,7 +136,8 @@ async fn time_slicing_sets_the_interval_until_the_claim_goes() {
     let _plugin = node.start_plugin().await;
     let kubelet = node.kubelet().await;
     node.wait_for_slices().await;
-    let sliced = gpu_config(json!({"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}}));
+    let sliced =
+        gpu_config(json!({"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}}));
     let claim = node
         .allocated_claim_with("sliced", one_gpu_with(sliced))
         .await
@@ -127,14 +146,21 @@ async fn time_slicing_sets_the_interval_until_the_claim_goes() {
     let devices = prepare(&kubelet, &claim).await.expect("prepared");
     let uuid = gpu_uuid(&node, &devices[0]);
     let (env, _) = container_view(&node, &claim.uid);
-    assert!(env.contains(&"GPU_DRA_SHARING=TimeSlicing/Long".to_string()), "{env:?}");
+    assert!(
+        env.contains(&"GPU_DRA_SHARING=TimeSlicing/Long".to_string()),
+        "{env:?}"
+    );
     assert_eq!(
         modes(&node),
         BTreeMap::from([(uuid, GpuSharingMode::TimeSlice(TimeSliceInterval::Long))])
     );
 
     unprepare(&kubelet, &claim).await;
-    assert!(modes(&node).is_empty(), "the GPU is back to its default: {:?}", modes(&node));
+    assert!(
+        modes(&node).is_empty(),
+        "the GPU is back to its default: {:?}",
+        modes(&node)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -143,7 +169,8 @@ async fn an_mps_claim_gets_its_own_daemon_with_its_limits_and_mounts() {
     let plugin = node.start_plugin().await;
     let kubelet = node.kubelet().await;
     node.wait_for_slices().await;
-    let limits = json!({"defaultActiveThreadPercentage": 50, "defaultPinnedDeviceMemoryLimit": "10Gi"});
+    let limits =
+        json!({"defaultActiveThreadPercentage": 50, "defaultPinnedDeviceMemoryLimit": "10Gi"});
     let claim = node
         .allocated_claim_with("mps", one_gpu_with(mps(limits)))
         .await
@@ -154,12 +181,24 @@ async fn an_mps_claim_gets_its_own_daemon_with_its_limits_and_mounts() {
     assert!(process_runs(pid), "daemon {pid} runs");
     let dir = mps_dir(&node, &claim.uid);
     let log = read(&dir.join("log/control.log"));
-    assert!(log.contains("set_default_active_thread_percentage 50"), "{log}");
-    assert!(log.contains("set_default_device_pinned_mem_limit 0 10240M"), "{log}");
-    assert!(log.contains(&gpu_uuid(&node, &devices[0])), "the daemon serves the claim's GPU: {log}");
+    assert!(
+        log.contains("set_default_active_thread_percentage 50"),
+        "{log}"
+    );
+    assert!(
+        log.contains("set_default_device_pinned_mem_limit 0 10240M"),
+        "{log}"
+    );
+    assert!(
+        log.contains(&gpu_uuid(&node, &devices[0])),
+        "the daemon serves the claim's GPU: {log}"
+    );
 
     let (env, mounts) = container_view(&node, &claim.uid);
-    for wanted in ["GPU_DRA_SHARING=MPS", "CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps"] {
+    for wanted in [
+        "GPU_DRA_SHARING=MPS",
+        "CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps",
+    ] {
         assert!(env.contains(&wanted.to_string()), "{wanted} in {env:?}");
     }
     let pipe = dir.join("pipe").display().to_string();
@@ -169,7 +208,10 @@ async fn an_mps_claim_gets_its_own_daemon_with_its_limits_and_mounts() {
     );
     assert!(mounts.iter().any(|(_, to)| to == "/dev/shm"), "{mounts:?}");
     let uuid = gpu_uuid(&node, &devices[0]);
-    assert_eq!(modes(&node).get(&uuid), Some(&GpuSharingMode::ExclusiveProcess));
+    assert_eq!(
+        modes(&node).get(&uuid),
+        Some(&GpuSharingMode::ExclusiveProcess)
+    );
 
     // A second pod of the same claim: prepared once, the same daemon.
     assert_eq!(prepare(&kubelet, &claim).await.unwrap(), devices);
@@ -257,7 +299,10 @@ async fn configs_that_cannot_apply_fail_the_claim_and_prepare_nothing() {
             .await
             .unwrap();
         let error = prepare(&kubelet, &claim).await.expect_err("refused");
-        assert!(error.contains(&format!("ResourceClaim default/{name}")), "{error}");
+        assert!(
+            error.contains(&format!("ResourceClaim default/{name}")),
+            "{error}"
+        );
         assert!(error.contains(wanted), "{wanted:?} in {error}");
     }
     assert!(node.cdi_files().is_empty(), "{:?}", node.cdi_files());
@@ -272,7 +317,8 @@ async fn a_class_config_applies_unless_the_claim_overrides_it() {
     let _plugin = node.start_plugin().await;
     let kubelet = node.kubelet().await;
     node.wait_for_slices().await;
-    let short = gpu_config(json!({"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Short"}}));
+    let short =
+        gpu_config(json!({"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Short"}}));
     node.api.insert(
         "deviceclasses",
         json!({
@@ -284,7 +330,8 @@ async fn a_class_config_applies_unless_the_claim_overrides_it() {
             }
         }),
     );
-    let request = json!([{"name": "gpu", "exactly": {"deviceClassName": "time-sliced.gpu.dra.dev"}}]);
+    let request =
+        json!([{"name": "gpu", "exactly": {"deviceClassName": "time-sliced.gpu.dra.dev"}}]);
     let from_class = node
         .allocated_claim_with("from-class", json!({"requests": request}))
         .await
@@ -300,7 +347,10 @@ async fn a_class_config_applies_unless_the_claim_overrides_it() {
     prepare(&kubelet, &from_class).await.expect("prepared");
     prepare(&kubelet, &overridden).await.expect("prepared");
     let (env, _) = container_view(&node, &from_class.uid);
-    assert!(env.contains(&"GPU_DRA_SHARING=TimeSlicing/Short".to_string()), "{env:?}");
+    assert!(
+        env.contains(&"GPU_DRA_SHARING=TimeSlicing/Short".to_string()),
+        "{env:?}"
+    );
     let (env, _) = container_view(&node, &overridden.uid);
     assert!(env.contains(&"GPU_DRA_SHARING=MPS".to_string()), "{env:?}");
     unprepare(&kubelet, &overridden).await;
@@ -325,7 +375,11 @@ fn shared_claim(node: &Harness, name: &str, memory: &str, config: Option<Value>)
             }}}
         }),
     );
-    ClaimRef::new("default", name, stored["metadata"]["uid"].as_str().unwrap().to_string())
+    ClaimRef::new(
+        "default",
+        name,
+        stored["metadata"]["uid"].as_str().unwrap().to_string(),
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -340,23 +394,44 @@ async fn shares_of_one_gpu_go_to_several_claims_with_one_interval_and_their_memo
     let long = shared_claim(&node, "long", "20Gi", Some(interval("Long")));
     let short = shared_claim(&node, "short", "20Gi", Some(interval("Short")));
     let by_memory = shared_claim(&node, "by-memory", "30Gi", None);
-    let exclusive = shared_claim(&node, "exclusive", "10Gi", Some(gpu_config(json!({"strategy": "Exclusive"}))));
+    let exclusive = shared_claim(
+        &node,
+        "exclusive",
+        "10Gi",
+        Some(gpu_config(json!({"strategy": "Exclusive"}))),
+    );
 
     prepare(&kubelet, &long).await.expect("the first share");
-    let error = prepare(&kubelet, &short).await.expect_err("another interval");
-    assert!(error.contains("gpu-0 is time-sliced with interval Long for claim default/long"), "{error}");
+    let error = prepare(&kubelet, &short)
+        .await
+        .expect_err("another interval");
+    assert!(
+        error.contains("gpu-0 is time-sliced with interval Long for claim default/long"),
+        "{error}"
+    );
     // No config on a share: MPS, limited to the claim's share of the memory.
     prepare(&kubelet, &by_memory).await.expect("an MPS share");
     let log = read(&mps_dir(&node, &by_memory.uid).join("log/control.log"));
-    assert!(log.contains("set_default_device_pinned_mem_limit 0 30720M"), "{log}");
-    let error = prepare(&kubelet, &exclusive).await.expect_err("a share is never exclusive");
+    assert!(
+        log.contains("set_default_device_pinned_mem_limit 0 30720M"),
+        "{log}"
+    );
+    let error = prepare(&kubelet, &exclusive)
+        .await
+        .expect_err("a share is never exclusive");
     assert!(error.contains("shared with other claims"), "{error}");
     // Shares keep the default compute mode, so every claim's daemon can run beside the others.
     let uuid = gpu_uuid(&node, "gpu-0");
-    assert_eq!(modes(&node).get(&uuid), Some(&GpuSharingMode::TimeSlice(TimeSliceInterval::Long)));
+    assert_eq!(
+        modes(&node).get(&uuid),
+        Some(&GpuSharingMode::TimeSlice(TimeSliceInterval::Long))
+    );
 
     unprepare(&kubelet, &long).await;
-    assert!(modes(&node).is_empty(), "the last time-sliced share reset the GPU");
+    assert!(
+        modes(&node).is_empty(),
+        "the last time-sliced share reset the GPU"
+    );
     let pid = daemon_pid(&plugin, &by_memory.uid);
     unprepare(&kubelet, &by_memory).await;
     wait_gone(pid).await;
@@ -382,8 +457,14 @@ async fn a_gpu_whose_mode_cannot_be_set_fails_the_claim_and_rolls_back() {
         .await
         .unwrap();
     let error = prepare(&kubelet, &claim).await.expect_err("mode refused");
-    assert!(error.contains("compute mode change refused by the driver"), "{error}");
+    assert!(
+        error.contains("compute mode change refused by the driver"),
+        "{error}"
+    );
     assert!(node.cdi_files().is_empty());
     assert!(plugin.preparer.prepared_claims().is_empty());
-    assert!(!mps_dir(&node, &claim.uid).exists(), "no daemon was started");
+    assert!(
+        !mps_dir(&node, &claim.uid).exists(),
+        "no daemon was started"
+    );
 }

@@ -135,7 +135,7 @@ impl Preparer {
             }
             let backend = self.backend.clone();
             let uuid = gpu.uuid.clone();
-            let mode = wanted.clone();
+            let mode = wanted;
             tokio::task::spawn_blocking(move || backend.set_sharing(&uuid, &mode))
                 .await
                 .map_err(|e| e.to_string())?

@@ -364,3 +364,30 @@ fn all_mode_leaves_out_devices_without_room() {
     let devices: Vec<&str> = results.iter().map(|r| r.device.as_str()).collect();
     assert_eq!(devices, ["gpu-0"]);
 }
+
+#[test]
+fn shares_left_on_a_gpu_published_exclusive_again_keep_it_from_a_whole_claim() {
+    // The admin dropped the policy while two claims hold shares: the GPU is exclusive now, and a claim
+    // for it whole would take the memory the shares use.
+    let slices = slices(json!([exclusive_gpu("gpu-0")]), None);
+    let share = |id: &str| DeviceRequestAllocationResult {
+        request: "gpu".into(),
+        driver: DRIVER.into(),
+        pool: NODE.into(),
+        device: "gpu-0".into(),
+        share_id: Some(id.into()),
+        consumed_capacity: Some(BTreeMap::from([(
+            "memory".to_string(),
+            k8s_openapi::apimachinery::pkg::api::resource::Quantity("5Gi".into()),
+        )])),
+        ..Default::default()
+    };
+    let held = in_use([&share("a"), &share("b")]);
+    let text = allocate_requests(&slices, &held, vec![request("gpu", None)])
+        .expect_err("the shares still use 10Gi")
+        .to_string();
+    assert!(
+        text.contains("gpu-0 needs 80Gi of capacity memory, which has 70Gi left"),
+        "{text}"
+    );
+}

@@ -139,7 +139,8 @@ struct SelectorsAllocateArgs {
     /// The node's labels, for slices with a node selector: K=V,K=V.
     #[arg(long, value_delimiter = ',')]
     node_labels: Vec<String>,
-    /// Devices allocated to other claims: [{"driver", "pool", "device"}].
+    /// What other claims hold: [{"driver", "pool", "device"}], with "shareID" and
+    /// "consumedCapacity" for a share of a device that allows multiple allocations.
     #[arg(long)]
     in_use: Option<PathBuf>,
     #[arg(short = 'o', long, value_enum, default_value = "table")]

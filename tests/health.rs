@@ -292,7 +292,7 @@ async fn the_policy_changes_effects_while_the_plugin_runs() {
             fatal_effect: TaintEffect::NoExecute,
             ..Default::default()
         },
-        mig_mode: None,
+        ..Default::default()
     });
     node.devices_where(|d| {
         taints(d, "gpu-0")

@@ -302,3 +302,76 @@ fn check_without_slices_uses_the_nodes_devices() {
     );
     assert!(table.contains("class mig.gpu.dra.dev: 0 of 8"), "{table}");
 }
+
+#[test]
+fn in_use_shares_leave_the_rest_of_a_shared_gpu_to_the_claim() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let write = |name: &str, value: Value| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, value.to_string()).expect("write");
+        path.display().to_string()
+    };
+    let slices = write(
+        "slices.json",
+        serde_json::json!({
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
+            "metadata": {"name": "node-a-gpu"},
+            "spec": {
+                "driver": "gpu.dra.dev", "nodeName": "node-a",
+                "pool": {"name": "node-a", "generation": 1, "resourceSliceCount": 1},
+                "devices": [{
+                    "name": "gpu-0", "allowMultipleAllocations": true,
+                    "attributes": {"type": {"string": "gpu"}, "sharing": {"string": "MPS"}},
+                    "capacity": {"memory": {"value": "80Gi", "requestPolicy":
+                        {"default": "1Gi", "validRange": {"min": "1Gi", "step": "1Gi"}}}},
+                }],
+            },
+        }),
+    );
+    let in_use = write(
+        "in-use.json",
+        serde_json::json!([{
+            "driver": "gpu.dra.dev", "pool": "node-a", "device": "gpu-0",
+            "shareID": "0b9c3e52-5f0e-4d6a-9a43-6d0f3c1f2b7e",
+            "consumedCapacity": {"memory": "70Gi"},
+        }]),
+    );
+    let claim = |memory: &str| {
+        write(
+            &format!("claim-{memory}.json"),
+            serde_json::json!({
+                "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+                "metadata": {"name": "mps", "namespace": "default"},
+                "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+                    "deviceClassName": "gpu.dra.dev",
+                    "capacity": {"requests": {"memory": memory}},
+                }}]}},
+            }),
+        )
+    };
+    let slices = Path::new(&slices);
+
+    let fits = allocate(&claim("9.5Gi"), slices, &["--in-use", &in_use]);
+    assert_eq!(code(&fits), 0, "{}", text(&fits.stderr));
+    let json: Value = serde_json::from_slice(&fits.stdout).expect("JSON");
+    let result = &json["results"][0];
+    assert_eq!(result["device"], "gpu-0");
+    assert_eq!(
+        result["consumedCapacity"],
+        serde_json::json!({"memory": "10Gi"})
+    );
+    assert_eq!(
+        result["shareID"].as_str().map(str::len),
+        Some(36),
+        "{result}"
+    );
+
+    let refused = allocate(&claim("20Gi"), slices, &["--in-use", &in_use]);
+    assert_eq!(code(&refused), 1, "{}", text(&refused.stderr));
+    let json: Value = serde_json::from_slice(&refused.stdout).expect("JSON");
+    let reason = json["reason"].as_str().unwrap_or_default();
+    assert!(
+        reason.contains("gpu-0 needs 20Gi of capacity memory, which has 10Gi left"),
+        "{reason}"
+    );
+}

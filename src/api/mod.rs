@@ -1,9 +1,11 @@
-//! gpu-dra's own API types: the cluster-scoped `GpuNodePolicy` CRD (`policy`), the watcher that applies
-//! it on one node (`watcher`), the CRD manifest generated from the types (`crd_yaml`, checked
-//! against `crd/gpu.dra.dev_gpunodepolicies.yaml` by a test), and the opaque device configs
-//! `GpuConfig` / `MigConfig` (`config`, with JSON schemas under `crd/` checked the same way).
+//! gpu-dra's own API types: the cluster-scoped `GpuNodePolicy` CRD (`policy`, with its `spec.sharing`
+//! in `mps_shares`), the watcher that applies it on one node (`watcher`), the CRD manifest generated
+//! from the types (`crd_yaml`, checked against `crd/gpu.dra.dev_gpunodepolicies.yaml` by a test), and
+//! the opaque device configs `GpuConfig` / `MigConfig` (`config`, with JSON schemas under `crd/`
+//! checked the same way).
 
 pub mod config;
+pub mod mps_shares;
 pub mod policy;
 pub mod watcher;
 
@@ -16,7 +18,8 @@ pub use config::{
 };
 pub use policy::{
     select, GpuNodePolicy, GpuNodePolicySpec, GpuNodePolicyStatus, HealthSpec, LabelSelector,
-    LabelSelectorRequirement, MigModeSpec, PolicyCondition, SelectorOperator, TaintEffect,
+    LabelSelectorRequirement, MigModeSpec, MpsMemoryShares, PolicyCondition, SelectorOperator,
+    ShareSizes, SharingSpec, TaintEffect,
 };
 pub use watcher::{EffectivePolicy, PolicyWatcher};
 

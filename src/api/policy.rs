@@ -1,6 +1,6 @@
 //! The `GpuNodePolicy` custom resource (gpu.dra.dev/v1alpha1, cluster-scoped): which nodes it selects,
-//! how GPU health events become taints there, and the MIG mode. `validate` names every problem by field
-//! path; `select` picks the policy in force for a node's labels.
+//! how GPU health events become taints there, the MIG mode, and whether GPUs are published for sharing.
+//! `validate` names every problem by field path; `select` picks the policy in force for a node's labels.
 
 use std::borrow::Cow;
 use std::cmp::Ordering;
@@ -8,6 +8,8 @@ use std::collections::{BTreeMap, HashSet};
 use std::fmt;
 
 use kube::{CustomResource, ResourceExt};
+
+pub use super::mps_shares::{MpsMemoryShares, QuantityText, ShareSizes, SharingSpec};
 use schemars::{json_schema, JsonSchema, Schema, SchemaGenerator};
 use serde::{Deserialize, Serialize};
 
@@ -44,7 +46,7 @@ pub const REASON_SUPERSEDED: &str = "Superseded";
         type_ = "date",
         json_path = ".metadata.creationTimestamp"
     ),
-    doc = "An admin policy for GPU nodes: health taints and MIG mode for the nodes it selects."
+    doc = "An admin policy for GPU nodes: health taints, MIG mode and GPU sharing for the nodes it selects."
 )]
 #[serde(rename_all = "camelCase")]
 pub struct GpuNodePolicySpec {
@@ -57,6 +59,9 @@ pub struct GpuNodePolicySpec {
     /// How the driver manages MIG: none, static or dynamic.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mig_mode: Option<MigModeSpec>,
+    /// Whether and how whole GPUs are published for sharing among claims.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sharing: Option<SharingSpec>,
     /// Among several policies that select a node, the highest priority wins; ties go to the oldest
     /// policy, then to the name that sorts first.
     #[serde(default)]
@@ -247,6 +252,10 @@ impl GpuNodePolicySpec {
         }
         if let Some(problem) = self.mig_mode.as_ref().and_then(MigModeSpec::problem) {
             problems.push(format!("spec.migMode: {problem}"));
+        }
+        if let Some(sharing) = &self.sharing {
+            let dynamic = self.mig_mode == Some(MigModeSpec::Dynamic);
+            problems.extend(sharing.problems("spec.sharing", dynamic));
         }
         if problems.is_empty() {
             Ok(())

@@ -233,3 +233,55 @@ fn superseded_message_says_why_the_winner_won() {
     assert!(superseded_message(&newer, &winner).ends_with("\"winner\" wins because it is older"));
     assert!(superseded_message(&twin, &winner).ends_with("because its name sorts first"));
 }
+
+#[test]
+fn mps_memory_shares_name_their_field_and_refuse_dynamic_mig() {
+    let valid = policy(
+        "mps",
+        T0,
+        json!({
+            "migMode": "static",
+            "sharing": { "mpsMemoryShares": { "minimum": "2Gi", "step": 1073741824 } },
+        }),
+    );
+    assert_eq!(valid.spec.validate(), Ok(()));
+    let shares = valid
+        .spec
+        .sharing
+        .as_ref()
+        .and_then(|s| s.mps_memory_shares.as_ref())
+        .map(|m| m.sizes("spec.sharing.mpsMemoryShares"));
+    assert_eq!(
+        shares,
+        Some(Ok(ShareSizes {
+            minimum_bytes: 2 << 30,
+            step_bytes: 1 << 30
+        }))
+    );
+    let defaults = policy("d", T0, json!({ "sharing": { "mpsMemoryShares": {} } }));
+    assert_eq!(defaults.spec.validate(), Ok(()));
+
+    let bad = policy(
+        "bad",
+        T0,
+        json!({
+            "migMode": "dynamic",
+            "sharing": { "mpsMemoryShares": { "minimum": "1Gb", "step": "0.5" } },
+        }),
+    );
+    let problems = bad.spec.validate().expect_err("invalid");
+    assert_eq!(problems.len(), 3, "{problems:#?}");
+    assert!(problems[0].starts_with(
+        "spec.sharing.mpsMemoryShares.minimum: \"1Gb\" is not a quantity such as 10Gi"
+    ));
+    assert_eq!(
+        problems[1],
+        "spec.sharing.mpsMemoryShares.step: \"0.5\" must be a whole number of bytes"
+    );
+    assert!(
+        problems[2].starts_with("spec.sharing.mpsMemoryShares: not allowed with migMode dynamic")
+    );
+    // Sharing nothing is no problem with any MIG mode.
+    let empty = policy("e", T0, json!({ "migMode": "dynamic", "sharing": {} }));
+    assert_eq!(empty.spec.validate(), Ok(()));
+}

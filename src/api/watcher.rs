@@ -17,7 +17,7 @@ use tokio::time::Instant;
 
 use super::policy::{
     select, superseded_message, GpuNodePolicy, HealthSpec, MigModeSpec, PolicyCondition,
-    CONDITION_ACCEPTED, REASON_INVALID, REASON_SUPERSEDED, REASON_VALID,
+    SharingSpec, CONDITION_ACCEPTED, REASON_INVALID, REASON_SUPERSEDED, REASON_VALID,
 };
 
 /// First and longest wait before retrying failed status writes.
@@ -33,6 +33,7 @@ pub struct EffectivePolicy {
     pub generation: i64,
     pub health: Option<HealthSpec>,
     pub mig_mode: Option<MigModeSpec>,
+    pub sharing: Option<SharingSpec>,
 }
 
 impl EffectivePolicy {
@@ -42,6 +43,7 @@ impl EffectivePolicy {
             generation: policy.metadata.generation.unwrap_or(0),
             health: policy.spec.health.clone(),
             mig_mode: policy.spec.mig_mode.clone(),
+            sharing: policy.spec.sharing.clone(),
         }
     }
 }

@@ -153,6 +153,7 @@ async fn an_invalid_edit_keeps_the_last_good_generation_in_force() {
                 ..HealthSpec::default()
             }),
             mig_mode: Some(MigModeSpec::Static),
+            sharing: None,
         })
     );
     h.accepted("h100", "True", "Valid", 1).await;

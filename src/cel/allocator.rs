@@ -1,12 +1,13 @@
 //! The scheduler's DRA allocation step as a pure function: which devices of complete, current pools a
-//! ResourceClaim gets, with selectors, shared counters, taints, constraints and first-fit backtracking as in
-//! the Kubernetes allocator, so tests can check that what gpu-dra publishes is allocatable.
+//! ResourceClaim gets, with selectors, shared counters, consumable capacity (`capacity`), taints,
+//! constraints and first-fit backtracking as in the Kubernetes allocator, so tests can check that what
+//! gpu-dra publishes is allocatable.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 
 use k8s_openapi::api::resource::v1::{
-    Device, DeviceAttribute, DeviceClass, DeviceRequest, DeviceRequestAllocationResult,
+    CapacityRequirements, Device, DeviceClass, DeviceRequest, DeviceRequestAllocationResult,
     DeviceSelector, DeviceTaint, DeviceToleration, ResourceClaimSpec, ResourceSlice,
 };
 use thiserror::Error;
@@ -14,8 +15,14 @@ use thiserror::Error;
 use super::quantity::Quantity;
 use super::{CelError, DeviceView, Selector};
 
+mod capacity;
+mod constraints;
 mod node;
+pub use capacity::{in_use, InUse};
 pub use node::Node;
+
+use capacity::{Amount, Capacities, Requests, Shares};
+use constraints::{ConstraintKind, ConstraintState};
 
 /// Search steps (devices tried) before `allocate` gives up, so a pathological claim cannot hang a test.
 pub const DEFAULT_STEP_LIMIT: u64 = 1_000_000;
@@ -49,18 +56,6 @@ impl fmt::Display for Candidate {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}/{}/{}", self.driver, self.pool, self.device)
     }
-}
-
-/// The devices that allocation results hold. Admin-access results are left out: as in the scheduler,
-/// they neither block a device nor consume its counters.
-pub fn in_use<'a>(
-    results: impl IntoIterator<Item = &'a DeviceRequestAllocationResult>,
-) -> BTreeSet<Candidate> {
-    results
-        .into_iter()
-        .filter(|result| result.admin_access != Some(true))
-        .map(Candidate::of_result)
-        .collect()
 }
 
 /// Class name → selector expressions, the form `allocate` takes. A selector without `cel` becomes an
@@ -113,6 +108,15 @@ struct Entry {
     view: DeviceView,
     /// Counters the device takes, or why it cannot take them.
     consumes: Result<Vec<Consumption>, String>,
+    /// Its capacities and request policies, or why they cannot be read.
+    capacities: Result<Capacities, String>,
+}
+
+impl Entry {
+    /// `allowMultipleAllocations`: several claims (and requests) may get the device.
+    fn multiple(&self) -> bool {
+        self.capacities.as_ref().is_ok_and(|c| c.multiple)
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -248,6 +252,7 @@ impl Pools {
                         candidate,
                         device: device.clone(),
                         consumes,
+                        capacities: Capacities::of(device),
                     });
                 }
             }
@@ -272,7 +277,7 @@ impl Pools {
     /// counter) → remaining. Negative when the in-use devices overcommit a counter.
     pub fn remaining_counters(
         &self,
-        in_use: &BTreeSet<Candidate>,
+        in_use: &InUse,
     ) -> BTreeMap<(String, String, String, String), Quantity> {
         let consumed = self.base_consumption(in_use);
         self.counters
@@ -290,9 +295,12 @@ impl Pools {
             .collect()
     }
 
-    fn base_consumption(&self, in_use: &BTreeSet<Candidate>) -> Vec<Quantity> {
+    /// What devices held by other claims consume; a device held in shares takes its counters once.
+    fn base_consumption(&self, in_use: &InUse) -> Vec<Quantity> {
         let mut consumed = vec![Quantity::zero(); self.counters.len()];
-        for candidate in in_use {
+        let held: BTreeSet<&Candidate> =
+            in_use.devices.iter().chain(in_use.shares.keys()).collect();
+        for candidate in held {
             for c in self.consumers.get(candidate).into_iter().flatten() {
                 consumed[c.counter] = consumed[c.counter].add(&c.amount);
             }
@@ -454,12 +462,13 @@ fn on_device(device: Option<&Candidate>) -> String {
 
 /// Allocates `claim` from `pools` like the scheduler, with the default step limit.
 ///
-/// `classes` maps DeviceClass names to their selector expressions; `in_use` holds the devices allocated
-/// to other claims (see [`in_use`]). Results come in request order, then pick order.
+/// `classes` maps DeviceClass names to their selector expressions; `in_use` holds what other claims
+/// were allocated (see [`in_use`]). Results come in request order, then pick order; a share of a device
+/// that allows multiple allocations carries a new `shareID` and its `consumedCapacity`.
 pub fn allocate(
     pools: &Pools,
     classes: &BTreeMap<String, Vec<String>>,
-    in_use: &BTreeSet<Candidate>,
+    in_use: &InUse,
     claim: &ResourceClaimSpec,
 ) -> Result<Vec<DeviceRequestAllocationResult>, AllocationError> {
     allocate_with_step_limit(pools, classes, in_use, claim, DEFAULT_STEP_LIMIT)
@@ -469,7 +478,7 @@ pub fn allocate(
 pub fn allocate_with_step_limit(
     pools: &Pools,
     classes: &BTreeMap<String, Vec<String>>,
-    in_use: &BTreeSet<Candidate>,
+    in_use: &InUse,
     claim: &ResourceClaimSpec,
     step_limit: u64,
 ) -> Result<Vec<DeviceRequestAllocationResult>, AllocationError> {
@@ -484,10 +493,11 @@ pub fn allocate_with_step_limit(
         in_use: pools
             .entries
             .iter()
-            .map(|e| in_use.contains(&e.candidate))
+            .map(|e| in_use.devices.contains(&e.candidate))
             .collect(),
         in_claim: vec![false; pools.entries.len()],
         consumed: pools.base_consumption(in_use),
+        shares: Shares::new(pools.entries.iter().map(|e| &e.candidate), in_use),
         picked: Vec::new(),
         matches: HashMap::new(),
         steps: 0,
@@ -548,7 +558,12 @@ pub fn allocate_with_step_limit(
             .iter()
             .map(|pick| {
                 let alternative = &plan.requests[pick.request].alternatives[pick.alternative];
+                let shared = pick.consumed.as_ref();
                 DeviceRequestAllocationResult {
+                    share_id: shared.map(|_| capacity::new_share_id()),
+                    consumed_capacity: shared
+                        .filter(|c| !c.is_empty())
+                        .map(|c| c.iter().map(|(k, v)| (k.clone(), v.to_api())).collect()),
                     request: alternative.label.clone(),
                     driver: pools.entries[pick.entry].candidate.driver.clone(),
                     pool: pools.entries[pick.entry].candidate.pool.clone(),
@@ -587,6 +602,8 @@ struct Alternative {
     mode: Mode,
     admin: bool,
     tolerations: Vec<DeviceToleration>,
+    /// `capacity.requests`.
+    capacity: Requests,
     /// For `All`: every matching device, fixed before the search as the scheduler does.
     all: Vec<usize>,
 }
@@ -608,9 +625,13 @@ impl Alternative {
 
 /// What the search changes as it picks and drops devices.
 struct State {
+    /// Held whole by another claim.
     in_use: Vec<bool>,
+    /// Taken whole by this claim.
     in_claim: Vec<bool>,
     consumed: Vec<Quantity>,
+    /// Shares of devices that allow multiple allocations (other claims' and this claim's).
+    shares: Shares,
     picked: Vec<Pick>,
     /// Selector results by (request, alternative, device entry).
     matches: HashMap<(usize, usize, usize), bool>,
@@ -659,6 +680,10 @@ struct Pick {
     entry: usize,
     request: usize,
     alternative: usize,
+    /// For a share of a device that allows multiple allocations: what it consumes.
+    consumed: Option<BTreeMap<String, Amount>>,
+    /// Whether this pick took the device's counters (a shared device's first share does).
+    took_counters: bool,
 }
 
 fn prepare_request(
@@ -680,6 +705,7 @@ fn prepare_request(
                 count: exactly.count,
                 admin: exactly.admin_access == Some(true),
                 tolerations: exactly.tolerations.as_deref().unwrap_or_default(),
+                capacity: exactly.capacity.as_ref(),
             },
             classes,
         )?],
@@ -696,6 +722,7 @@ fn prepare_request(
                         count: sub.count,
                         admin: false,
                         tolerations: sub.tolerations.as_deref().unwrap_or_default(),
+                        capacity: sub.capacity.as_ref(),
                     },
                     classes,
                 )
@@ -717,6 +744,7 @@ struct AlternativeSpec<'a> {
     count: Option<i64>,
     admin: bool,
     tolerations: &'a [DeviceToleration],
+    capacity: Option<&'a CapacityRequirements>,
 }
 
 fn prepare_alternative(
@@ -771,6 +799,7 @@ fn prepare_alternative(
         Some("All") => Mode::All,
         Some(other) => return Err(invalid(format!("unsupported allocationMode {other}"))),
     };
+    let capacity = capacity::requests(spec.capacity).map_err(invalid)?;
     Ok(Alternative {
         label,
         base: base.to_string(),
@@ -780,6 +809,7 @@ fn prepare_alternative(
         mode,
         admin: spec.admin,
         tolerations: spec.tolerations.to_vec(),
+        capacity,
         all: Vec::new(),
     })
 }
@@ -803,7 +833,10 @@ fn all_devices(
     }
     let mut all = Vec::new();
     for entry in 0..plan.pools.entries.len() {
-        if selectable(plan, state, r, a, entry)? {
+        // As upstream, a device whose capacity cannot serve the request is not part of "all".
+        if selectable(plan, state, r, a, entry)?
+            && capacity::demand(plan, state, r, a, entry).is_ok()
+        {
             all.push(entry);
         }
     }
@@ -940,12 +973,14 @@ fn take(
 ) -> Result<bool, AllocationError> {
     let alternative = &plan.requests[r].alternatives[a];
     let device = &plan.pools.entries[entry];
+    // Only exclusive picks mark a device taken in this claim; a shared one serves other requests too.
     if state.in_claim[entry] || (!alternative.admin && state.in_use[entry]) {
         return Ok(false);
     }
     // Admin access neither needs nor consumes counters (kubernetes/kubernetes#140729 tracks the
-    // scheduler still checking them).
-    let consumes: &[Consumption] = if alternative.admin {
+    // scheduler still checking them). A shared device's counters are taken by its first share only.
+    let shared = device.multiple();
+    let consumes: &[Consumption] = if alternative.admin || (shared && state.shares.held(entry)) {
         &[]
     } else {
         match &device.consumes {
@@ -956,6 +991,9 @@ fn take(
     if !counters_fit(&plan.pools.counters, &state.consumed, consumes) {
         return Ok(false);
     }
+    let Ok(demand) = capacity::demand(plan, state, r, a, entry) else {
+        return Ok(false);
+    };
     if untolerated_taint(&device.device, &alternative.tolerations).is_some() {
         return Ok(false);
     }
@@ -977,11 +1015,19 @@ fn take(
     for c in consumes {
         state.consumed[c.counter] = state.consumed[c.counter].add(&c.amount);
     }
-    state.in_claim[entry] = true;
+    let consumed = if shared {
+        state.shares.add(entry, &demand, !alternative.admin);
+        Some(demand)
+    } else {
+        state.in_claim[entry] = true;
+        None
+    };
     state.picked.push(Pick {
         entry,
         request: r,
         alternative: a,
+        consumed,
+        took_counters: !consumes.is_empty(),
     });
     Ok(true)
 }
@@ -995,8 +1041,13 @@ fn drop_last(plan: &Plan<'_>, state: &mut State) {
     for constraint in state.constraints.iter_mut().rev() {
         constraint.remove(alternative);
     }
-    state.in_claim[pick.entry] = false;
-    if !alternative.admin {
+    match &pick.consumed {
+        Some(consumed) => state
+            .shares
+            .remove(pick.entry, consumed, !alternative.admin),
+        None => state.in_claim[pick.entry] = false,
+    }
+    if pick.took_counters {
         if let Ok(consumes) = &plan.pools.entries[pick.entry].consumes {
             for c in consumes {
                 state.consumed[c.counter] = state.consumed[c.counter].sub(&c.amount);
@@ -1047,111 +1098,6 @@ fn tolerates(toleration: &DeviceToleration, taint: &DeviceTaint) -> bool {
         }
         "Exists" => true,
         _ => false,
-    }
-}
-
-#[derive(Debug, Clone)]
-enum ConstraintKind {
-    Match(String),
-    Distinct(String),
-}
-
-/// A constraint with the attribute values of the devices picked for it so far.
-#[derive(Debug, Clone)]
-struct ConstraintState {
-    kind: ConstraintKind,
-    /// Requests (`req` or `req/sub`) it applies to; empty means all.
-    requests: Vec<String>,
-    values: Vec<AttributeValue>,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum AttributeValue {
-    Int(i64),
-    Bool(bool),
-    String(String),
-    Version(String),
-}
-
-impl ConstraintState {
-    fn applies(&self, alternative: &Alternative) -> bool {
-        self.requests.is_empty()
-            || self
-                .requests
-                .iter()
-                .any(|name| *name == alternative.base || *name == alternative.label)
-    }
-
-    /// Records the device if it keeps the constraint satisfied.
-    fn add(&mut self, alternative: &Alternative, entry: &Entry) -> bool {
-        if !self.applies(alternative) {
-            return true;
-        }
-        let name = match &self.kind {
-            ConstraintKind::Match(name) | ConstraintKind::Distinct(name) => name,
-        };
-        // A device without the attribute (or with a list value) cannot take part.
-        let Some(value) = lookup_attribute(&entry.device, &entry.candidate.driver, name)
-            .and_then(attribute_value)
-        else {
-            return false;
-        };
-        let fits = match &self.kind {
-            ConstraintKind::Match(_) => self.values.first().is_none_or(|first| *first == value),
-            ConstraintKind::Distinct(_) => !self.values.contains(&value),
-        };
-        if fits {
-            self.values.push(value);
-        }
-        fits
-    }
-
-    /// Forgets the device most recently added for `alternative`.
-    fn remove(&mut self, alternative: &Alternative) {
-        if self.applies(alternative) {
-            self.values.pop();
-        }
-    }
-
-    fn describe(&self) -> String {
-        let (kind, name) = match &self.kind {
-            ConstraintKind::Match(name) => ("matchAttribute", name),
-            ConstraintKind::Distinct(name) => ("distinctAttribute", name),
-        };
-        if self.requests.is_empty() {
-            format!("{kind} {name}")
-        } else {
-            format!("{kind} {name} over {}", self.requests.join(", "))
-        }
-    }
-}
-
-/// A fully qualified attribute: exact key first, then the bare name when the domain is the driver's.
-fn lookup_attribute<'a>(
-    device: &'a Device,
-    driver: &str,
-    name: &str,
-) -> Option<&'a DeviceAttribute> {
-    let attributes = device.attributes.as_ref()?;
-    if let Some(found) = attributes.get(name) {
-        return Some(found);
-    }
-    let (domain, id) = name.split_once('/')?;
-    if domain != driver {
-        return None;
-    }
-    attributes.get(id)
-}
-
-fn attribute_value(attribute: &DeviceAttribute) -> Option<AttributeValue> {
-    if let Some(value) = attribute.int {
-        Some(AttributeValue::Int(value))
-    } else if let Some(value) = attribute.bool {
-        Some(AttributeValue::Bool(value))
-    } else if let Some(value) = &attribute.string {
-        Some(AttributeValue::String(value.clone()))
-    } else {
-        attribute.version.clone().map(AttributeValue::Version)
     }
 }
 
@@ -1247,7 +1193,9 @@ fn shortfall(plan: &Plan<'_>, state: &mut State, r: usize, a: usize) -> Shortfal
                 taint.value.as_deref().unwrap_or_default(),
                 taint.effect
             ))
-        } else if alternative.admin {
+        } else if let Err(reason) = capacity::demand(plan, state, r, a, entry) {
+            Some(format!("{name} {reason}"))
+        } else if alternative.admin || (device.multiple() && state.shares.held(entry)) {
             None
         } else {
             match &device.consumes {

@@ -2,7 +2,7 @@
 //! (or a bare array, as `gpu-dra devices -o json` prints) of items. Errors name the file, the document
 //! (and item) and what was wrong, so a user can find the line to fix.
 
-use std::collections::BTreeSet;
+use std::collections::BTreeMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
 
@@ -14,7 +14,8 @@ use serde::Deserialize;
 use serde_json::Value;
 use thiserror::Error;
 
-use super::allocator::Candidate;
+use super::allocator::{Candidate, InUse};
+use super::quantity::Quantity;
 
 const API_VERSION: &str = "resource.k8s.io/v1";
 
@@ -260,16 +261,60 @@ pub fn load_slices(path: &Path) -> Result<Vec<ResourceSlice>, InputError> {
     non_empty(path, "ResourceSlice", slices)
 }
 
-/// Devices allocated to other claims: `[{"driver", "pool", "device"}]` (YAML or JSON; may be empty).
-pub fn load_in_use(path: &Path) -> Result<BTreeSet<Candidate>, InputError> {
-    let mut in_use = BTreeSet::new();
+/// One `--in-use` entry, in the shape of an allocation result: a device another claim holds whole, or
+/// with `shareID` a share of it that consumes `consumedCapacity`. Other fields of a result are ignored,
+/// so results can be copied from claims; an admin-access one holds nothing, as in the scheduler.
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct InUseEntry {
+    #[serde(flatten)]
+    device: Candidate,
+    #[serde(default, rename = "shareID")]
+    share_id: Option<String>,
+    #[serde(default)]
+    consumed_capacity: BTreeMap<String, String>,
+    #[serde(default)]
+    admin_access: bool,
+}
+
+/// What other claims hold: `[{"driver", "pool", "device", "shareID"?, "consumedCapacity"?}]` (YAML or
+/// JSON; may be empty).
+pub fn load_in_use(path: &Path) -> Result<InUse, InputError> {
+    let mut in_use = InUse::default();
     for (at, value) in load_objects(path)? {
-        let device: Candidate = serde_json::from_value(value).map_err(|e| InputError::Invalid {
+        let invalid = |message: String| InputError::Invalid {
             file: path.to_path_buf(),
             at,
-            message: format!("expected {{\"driver\", \"pool\", \"device\"}}: {e}"),
+            message,
+        };
+        let entry: InUseEntry = serde_json::from_value(value).map_err(|e| {
+            invalid(format!(
+                "expected {{\"driver\", \"pool\", \"device\"}} and optionally \"shareID\" and \"consumedCapacity\": {e}"
+            ))
         })?;
-        in_use.insert(device);
+        if entry.admin_access {
+            continue;
+        }
+        if entry.share_id.is_none() {
+            if !entry.consumed_capacity.is_empty() {
+                return Err(invalid(
+                    "consumedCapacity needs a shareID (an entry without one holds the device whole)"
+                        .into(),
+                ));
+            }
+            in_use.devices.insert(entry.device);
+            continue;
+        }
+        let mut consumed = BTreeMap::new();
+        for (name, text) in entry.consumed_capacity {
+            let quantity = Quantity::parse(&text).map_err(|e| {
+                invalid(format!(
+                    "consumedCapacity[{name}]: {text:?} is not a quantity: {e}"
+                ))
+            })?;
+            consumed.insert(name, quantity);
+        }
+        in_use.add_share(entry.device, consumed);
     }
     Ok(in_use)
 }
@@ -380,7 +425,8 @@ mod tests {
     fn in_use_lists() {
         let list = file(r#"[{"driver": "gpu.dra.dev", "pool": "node-a", "device": "gpu-0"}]"#);
         let in_use = load_in_use(list.path()).expect("in use");
-        assert_eq!(in_use.len(), 1);
+        assert_eq!(in_use.devices.len(), 1);
+        assert!(in_use.shares.is_empty());
         let bad = file(r#"[{"driver": "gpu.dra.dev", "device": "gpu-0"}]"#);
         let error = load_in_use(bad.path()).expect_err("no pool").to_string();
         assert!(
@@ -388,6 +434,52 @@ mod tests {
             "{error}"
         );
         let empty = file("[]");
-        assert!(load_in_use(empty.path()).expect("empty is fine").is_empty());
+        assert_eq!(
+            load_in_use(empty.path()).expect("empty is fine"),
+            InUse::default()
+        );
+    }
+
+    #[test]
+    fn in_use_shares_sum_their_consumed_capacity_per_device() {
+        let gpu = |share: &str, memory: &str| {
+            format!(
+                r#"{{"request": "r", "driver": "gpu.dra.dev", "pool": "node-a", "device": "gpu-0",
+                    "shareID": "{share}", "consumedCapacity": {{"memory": "{memory}"}}}}"#
+            )
+        };
+        let admin = r#"{"driver": "gpu.dra.dev", "pool": "node-a", "device": "gpu-1", "adminAccess": true}"#;
+        let list = file(&format!(
+            "[{}, {}, {admin}]",
+            gpu("a", "40Gi"),
+            gpu("b", "30Gi")
+        ));
+        let in_use = load_in_use(list.path()).expect("in use");
+        assert!(
+            in_use.devices.is_empty(),
+            "shares and admin access hold no device whole"
+        );
+        let (device, consumed) = in_use.shares.iter().next().expect("one shared device");
+        assert_eq!(device.device, "gpu-0");
+        assert_eq!(consumed["memory"], Quantity::parse("70Gi").unwrap());
+
+        let orphan = file(
+            r#"[{"driver": "d", "pool": "p", "device": "x", "consumedCapacity": {"memory": "1Gi"}}]"#,
+        );
+        let error = load_in_use(orphan.path())
+            .expect_err("no shareID")
+            .to_string();
+        assert!(
+            error.contains("consumedCapacity needs a shareID"),
+            "{error}"
+        );
+        let bad = file(&format!("[{}]", gpu("a", "lots")));
+        let error = load_in_use(bad.path())
+            .expect_err("not a quantity")
+            .to_string();
+        assert!(
+            error.contains("consumedCapacity[memory]: \"lots\""),
+            "{error}"
+        );
     }
 }

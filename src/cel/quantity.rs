@@ -300,6 +300,14 @@ impl Quantity {
         whole.to_i64()
     }
 
+    /// The value rounded up to a whole number when that fits an `i64`: apimachinery's `Value()`, which
+    /// the allocator's request-policy arithmetic uses.
+    pub fn ceil_integer(&self) -> Option<i64> {
+        let (whole, rem) = self.nanos.div_mod_floor(&pow10(NANO_EXP));
+        let whole = if rem.is_zero() { whole } else { whole + 1u32 };
+        whole.to_i64()
+    }
+
     /// Whether [`Quantity::as_integer`] succeeds (CEL `isInteger()`).
     pub fn is_integer(&self) -> bool {
         self.as_integer().is_some()

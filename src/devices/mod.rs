@@ -1,11 +1,14 @@
 //! Inventory → DRA devices: device names, attributes, capacities, counter sets and what each device
 //! consumes of them. Pure functions, no I/O. Whole GPUs are `gpu-<minor>`; MIG devices
-//! `gpu-<minor>-mig-<profile>-<start>[-ci<id>]` (see [`names`] and [`mig`]).
+//! `gpu-<minor>-mig-<profile>-<start>[-ci<id>]` (see [`names`] and [`mig`]). Whole GPUs can be
+//! published for MPS sharing by memory ([`sharing`]).
 
 pub mod mig;
 pub mod names;
+pub mod sharing;
 
 pub use names::DeviceName;
+pub use sharing::{share_for_mps, MemoryShares};
 
 use std::collections::BTreeMap;
 

@@ -18,11 +18,17 @@ pub const REASON_DISABLED: &str = "FeatureGateDisabled";
 pub const REASON_ENABLED: &str = "FeatureGateEnabled";
 
 /// The Event's note for a dropped field: the gate, what the node does instead, what the admin can do.
-pub fn disabled_note(field: GatedField, mig_mode: MigMode) -> String {
+/// `mig_mode` and `mps_shares` (a GpuNodePolicy sets `spec.sharing.mpsMemoryShares`) say whether the
+/// node uses the field now.
+pub fn disabled_note(field: GatedField, mig_mode: MigMode, mps_shares: bool) -> String {
     let relevance = match (field, mig_mode) {
         (GatedField::Counters, MigMode::Dynamic) => "",
         (GatedField::Counters, _) => " (it matters only with --mig-mode dynamic)",
         (GatedField::Taints, _) => "",
+        (GatedField::ConsumableCapacity, _) if mps_shares => "",
+        (GatedField::ConsumableCapacity, _) => {
+            " (it matters only where a GpuNodePolicy sets spec.sharing.mpsMemoryShares)"
+        }
     };
     format!(
         "feature gate {} is off on the API server{relevance}: {}",
@@ -35,6 +41,7 @@ pub fn disabled_note(field: GatedField, mig_mode: MigMode) -> String {
 pub async fn report(
     mut kept: watch::Receiver<KeptFields>,
     mig_mode: MigMode,
+    mps_shares: bool,
     events: Arc<NodeEvents>,
     metrics: Arc<Metrics>,
     mut shutdown: watch::Receiver<bool>,
@@ -59,7 +66,7 @@ pub async fn report(
                 events.forget(REASON_DISABLED);
                 events.normal_once(REASON_ENABLED, "Publish", &note).await;
             } else {
-                let note = disabled_note(field, mig_mode);
+                let note = disabled_note(field, mig_mode, mps_shares);
                 warn!(feature_gate = gate, "{note}");
                 events.forget(REASON_ENABLED);
                 events.warn_once(REASON_DISABLED, "Publish", &note).await;
@@ -79,14 +86,25 @@ mod tests {
 
     #[test]
     fn notes_name_the_gate_and_what_to_do() {
-        let counters = disabled_note(GatedField::Counters, MigMode::Dynamic);
+        let counters = disabled_note(GatedField::Counters, MigMode::Dynamic, false);
         assert!(counters.contains("DRAPartitionableDevices"), "{counters}");
         assert!(counters.contains("--mig-mode static"), "{counters}");
         assert!(counters.contains("whole GPUs only"), "{counters}");
-        assert!(disabled_note(GatedField::Counters, MigMode::Static).contains("only with"));
-        let taints = disabled_note(GatedField::Taints, MigMode::Dynamic);
+        assert!(disabled_note(GatedField::Counters, MigMode::Static, false).contains("only with"));
+        let taints = disabled_note(GatedField::Taints, MigMode::Dynamic, false);
         assert!(taints.contains("DRADeviceTaints"), "{taints}");
         assert!(taints.contains("faulty devices out"), "{taints}");
-        assert!(taints.len() <= 1024 && counters.len() <= 1024);
+        let sharing = disabled_note(GatedField::ConsumableCapacity, MigMode::Static, true);
+        assert!(sharing.contains("DRAConsumableCapacity"), "{sharing}");
+        assert!(sharing.contains("exclusive use"), "{sharing}");
+        assert!(!sharing.contains("matters only"), "{sharing}");
+        let unused = disabled_note(GatedField::ConsumableCapacity, MigMode::Static, false);
+        assert!(
+            unused.contains("matters only where a GpuNodePolicy"),
+            "{unused}"
+        );
+        for note in [taints, counters, sharing, unused] {
+            assert!(note.len() <= 1024, "an Event note holds 1 KiB: {note}");
+        }
     }
 }

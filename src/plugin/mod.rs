@@ -270,6 +270,7 @@ pub async fn start(
         .map(NodePolicy::from_effective)
         .unwrap_or_default();
     let mig_mode = start_node_policy.mig_mode.unwrap_or(config.mig_mode);
+    let mps_shares_at_start = start_node_policy.mps_memory_shares.is_some();
     let metrics = Metrics::new();
     let readiness = Arc::new(Readiness::default());
     let liveness = Arc::new(Liveness::default());
@@ -324,6 +325,7 @@ pub async fn start(
     tasks.push(tokio::spawn(feature_gates::report(
         publisher.kept_fields(),
         mig_mode,
+        mps_shares_at_start,
         node_events.clone(),
         metrics.clone(),
         shutdown_rx.clone(),

@@ -11,12 +11,14 @@ use tokio::sync::{mpsc, watch};
 use tracing::{debug, info, warn};
 
 use crate::api::{self, EffectivePolicy};
-use crate::devices::{node_devices, MigMode, NodeDevices};
+use crate::devices::{node_devices, share_for_mps, MemoryShares, MigMode, NodeDevices};
 use crate::gpu::{GpuBackend, GpuEvent, Inventory};
 use crate::health::{Fault, HealthPolicy, HealthState, TaintEffect};
 use crate::kubelet::DeviceHealthReport;
 use crate::observability::Metrics;
-use crate::slices::kept_fields::{effective_mig_mode, withhold_faulty, KeptFields};
+use crate::slices::kept_fields::{
+    effective_mig_mode, effective_mps_shares, withhold_faulty, KeptFields,
+};
 
 use super::startup::FaultStore;
 
@@ -31,6 +33,8 @@ pub struct NodePolicy {
     pub health: HealthPolicy,
     /// `None` keeps the plugin's `--mig-mode`.
     pub mig_mode: Option<MigMode>,
+    /// Whole GPUs published for MPS sharing by memory, with these share sizes.
+    pub mps_memory_shares: Option<MemoryShares>,
 }
 
 impl NodePolicy {
@@ -68,7 +72,20 @@ impl NodePolicy {
             Some(api::MigModeSpec::Dynamic) => Some(MigMode::Dynamic),
             _ => None,
         };
-        NodePolicy { health, mig_mode }
+        let mps_memory_shares = policy
+            .sharing
+            .as_ref()
+            .and_then(|s| s.mps_memory_shares.as_ref())
+            .and_then(|m| m.sizes("spec.sharing.mpsMemoryShares").ok())
+            .map(|sizes| MemoryShares {
+                minimum_bytes: sizes.minimum_bytes,
+                step_bytes: sizes.step_bytes,
+            });
+        NodePolicy {
+            health,
+            mig_mode,
+            mps_memory_shares,
+        }
     }
 }
 
@@ -98,8 +115,9 @@ pub struct MonitorChannels {
     pub devices: watch::Sender<Arc<NodeDevices>>,
     pub health: watch::Sender<Arc<Vec<DeviceHealthReport>>>,
     pub mig_mode: watch::Sender<MigMode>,
-    /// What the API server keeps of counters and taints (from the publisher): dynamic MIG falls back
-    /// to whole GPUs without counters, faulty devices are withheld without taints.
+    /// What the API server keeps of counters, taints and shared devices (from the publisher): dynamic
+    /// MIG falls back to whole GPUs without counters, faulty devices are withheld without taints, GPUs
+    /// are published exclusive without the fields of shared devices.
     pub kept_fields: watch::Receiver<KeptFields>,
 }
 
@@ -209,6 +227,12 @@ impl Monitor {
         let kept = *ch.kept_fields.borrow();
         let mode = effective_mig_mode(policy.mig_mode.unwrap_or(self.default_mig_mode), kept);
         let mut node = node_devices(&inventory, mode);
+        if let Some(shares) = effective_mps_shares(policy.mps_memory_shares, kept) {
+            let too_small = share_for_mps(&mut node, shares);
+            if !too_small.is_empty() {
+                debug!(devices = ?too_small, ?shares, "GPUs published exclusive: their memory has no room for the minimum share plus one step");
+            }
+        }
         // Taints are made for the newest API; the planner fits them to the server's version.
         state.taint(
             &mut node,

@@ -1,16 +1,18 @@
-//! What the API server keeps of a ResourceSlice. A kube-apiserver with `DRAPartitionableDevices` or
-//! `DRADeviceTaints` off (both alpha in 1.34 and 1.35) silently drops counters or taints from every slice
-//! it stores. This module tells from a write's answer which fields were dropped, and decides (purely)
-//! what the node publishes then: nothing that could overlap, nothing faulty that cannot carry a taint.
+//! What the API server keeps of a ResourceSlice. A kube-apiserver with `DRAPartitionableDevices`,
+//! `DRADeviceTaints` or `DRAConsumableCapacity` off (all alpha in 1.34 and 1.35) silently drops counters,
+//! taints or the fields of shared devices from every slice it stores. This module tells from a write's
+//! answer which fields were dropped, and decides (purely) what the node publishes then: nothing that
+//! could overlap, nothing faulty that cannot carry a taint, no GPU shared by memory.
 
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::resource::v1::{
-    Counter, CounterSet, Device, DeviceCounterConsumption, DeviceTaint, ResourceSlice,
+    CapacityRequestPolicy, CapacityRequestPolicyRange, Counter, CounterSet, Device, DeviceCapacity,
+    DeviceCounterConsumption, DeviceTaint, ResourceSlice,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
-use crate::devices::{GpuDevices, MigMode, NodeDevices};
+use crate::devices::{GpuDevices, MemoryShares, MigMode, NodeDevices};
 
 /// The name of the device and counter set in the dry-run probe slice (a valid DNS label).
 const PROBE_NAME: &str = "dry-run-probe";
@@ -22,16 +24,23 @@ pub enum GatedField {
     Counters,
     /// Each device's `taints`.
     Taints,
+    /// Each device's `allowMultipleAllocations` and each capacity's `requestPolicy`: shared devices.
+    ConsumableCapacity,
 }
 
 impl GatedField {
-    pub const ALL: [GatedField; 2] = [GatedField::Counters, GatedField::Taints];
+    pub const ALL: [GatedField; 3] = [
+        GatedField::Counters,
+        GatedField::Taints,
+        GatedField::ConsumableCapacity,
+    ];
 
     /// The kube-apiserver feature gate that must be on for the server to store this field.
     pub fn feature_gate(self) -> &'static str {
         match self {
             GatedField::Counters => "DRAPartitionableDevices",
             GatedField::Taints => "DRADeviceTaints",
+            GatedField::ConsumableCapacity => "DRAConsumableCapacity",
         }
     }
 
@@ -51,16 +60,24 @@ impl GatedField {
                  Enable the DRADeviceTaints feature gate (kube-apiserver, kube-scheduler) and restart this \
                  plugin to publish them with taints instead"
             }
+            GatedField::ConsumableCapacity => {
+                "the API server drops allowMultipleAllocations and the request policies of device \
+                 capacities, so a GPU cannot be published for sharing by memory; this node publishes its \
+                 GPUs for exclusive use, also where a GpuNodePolicy sets spec.sharing.mpsMemoryShares. \
+                 Enable the DRAConsumableCapacity feature gate (kube-apiserver, kube-scheduler, kubelet) \
+                 and restart this plugin to share them"
+            }
         }
     }
 }
 
-/// Whether the API server stores counters and taints. Both are assumed kept until a write or a dry
-/// run shows otherwise.
+/// Whether the API server stores counters, taints and the fields of shared devices. All are assumed
+/// kept until a write or a dry run shows otherwise.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KeptFields {
     pub counters: bool,
     pub taints: bool,
+    pub consumable_capacity: bool,
 }
 
 impl Default for KeptFields {
@@ -68,6 +85,7 @@ impl Default for KeptFields {
         KeptFields {
             counters: true,
             taints: true,
+            consumable_capacity: true,
         }
     }
 }
@@ -77,6 +95,7 @@ impl KeptFields {
         match field {
             GatedField::Counters => self.counters,
             GatedField::Taints => self.taints,
+            GatedField::ConsumableCapacity => self.consumable_capacity,
         }
     }
 
@@ -86,6 +105,7 @@ impl KeptFields {
             match field {
                 GatedField::Counters => self.counters = false,
                 GatedField::Taints => self.taints = false,
+                GatedField::ConsumableCapacity => self.consumable_capacity = false,
             }
         }
         self
@@ -114,6 +134,20 @@ fn uses_taints(slice: &ResourceSlice) -> bool {
         .any(|d| d.taints.as_ref().is_some_and(|t| !t.is_empty()))
 }
 
+/// Whether a device uses the fields `DRAConsumableCapacity` covers.
+fn shares_device(device: &Device) -> bool {
+    device.allow_multiple_allocations.is_some()
+        || device
+            .capacity
+            .iter()
+            .flatten()
+            .any(|(_, c)| c.request_policy.is_some())
+}
+
+fn uses_consumable_capacity(slice: &ResourceSlice) -> bool {
+    slice.spec.devices.iter().flatten().any(shares_device)
+}
+
 /// The gated fields `sent` used that the server's answer `stored` no longer has.
 pub fn dropped(sent: &ResourceSlice, stored: &ResourceSlice) -> Vec<GatedField> {
     let mut dropped = Vec::new();
@@ -122,6 +156,9 @@ pub fn dropped(sent: &ResourceSlice, stored: &ResourceSlice) -> Vec<GatedField> 
     }
     if uses_taints(sent) && !uses_taints(stored) {
         dropped.push(GatedField::Taints);
+    }
+    if uses_consumable_capacity(sent) && !uses_consumable_capacity(stored) {
+        dropped.push(GatedField::ConsumableCapacity);
     }
     dropped
 }
@@ -134,6 +171,15 @@ pub fn effective_mig_mode(requested: MigMode, kept: KeptFields) -> MigMode {
         MigMode::Dynamic if !kept.counters => MigMode::None,
         other => other,
     }
+}
+
+/// The MPS memory shares in force: without the fields of shared devices, GPUs are published (and so
+/// allocated) for exclusive use.
+pub fn effective_mps_shares(
+    requested: Option<MemoryShares>,
+    kept: KeptFields,
+) -> Option<MemoryShares> {
+    requested.filter(|_| kept.consumable_capacity)
 }
 
 /// Whether a device's taints would keep new pods off it (effect `None` only informs).
@@ -181,11 +227,15 @@ pub fn fits(node: &NodeDevices, kept: KeptFields) -> bool {
     let taints = node
         .devices()
         .any(|d| d.taints.as_ref().is_some_and(|t| !t.is_empty()));
-    (kept.counters || !counters) && (kept.taints || !taints)
+    let shared = node.devices().any(shares_device);
+    (kept.counters || !counters)
+        && (kept.taints || !taints)
+        && (kept.consumable_capacity || !shared)
 }
 
-/// A node with one device that uses every gated field: a counter set, a device consuming it and a
-/// taint. Written with `dryRun=All`, the server's answer shows what it keeps without storing anything.
+/// A node with one device that uses every gated field: a counter set, a device consuming it, a taint,
+/// and a capacity with a request policy on a device that allows multiple allocations. Written with
+/// `dryRun=All`, the server's answer shows what it keeps without storing anything.
 pub fn probe_devices(driver: &str) -> NodeDevices {
     let counters: BTreeMap<String, Counter> = [(
         "memory".to_string(),
@@ -207,6 +257,23 @@ pub fn probe_devices(driver: &str) -> NodeDevices {
             effect: "NoSchedule".to_string(),
             ..Default::default()
         }]),
+        allow_multiple_allocations: Some(true),
+        // Valid as the API requires: default and min within the value, min + step not above it.
+        capacity: Some(BTreeMap::from([(
+            "memory".to_string(),
+            DeviceCapacity {
+                value: Quantity("2Gi".to_string()),
+                request_policy: Some(CapacityRequestPolicy {
+                    default: Some(Quantity("1Gi".to_string())),
+                    valid_range: Some(CapacityRequestPolicyRange {
+                        min: Quantity("1Gi".to_string()),
+                        step: Some(Quantity("1Gi".to_string())),
+                        max: None,
+                    }),
+                    valid_values: None,
+                }),
+            },
+        )])),
         ..Default::default()
     };
     NodeDevices {
@@ -252,6 +319,10 @@ mod tests {
         for device in slice.spec.devices.iter_mut().flatten() {
             device.consumes_counters = None;
             device.taints = None;
+            device.allow_multiple_allocations = None;
+            for capacity in device.capacity.iter_mut().flat_map(|c| c.values_mut()) {
+                capacity.request_policy = None;
+            }
         }
         slice
     }
@@ -286,7 +357,7 @@ mod tests {
     fn without_counters_dynamic_mig_falls_back_to_whole_gpus() {
         let no_counters = KeptFields {
             counters: false,
-            taints: true,
+            ..KeptFields::default()
         };
         assert_eq!(
             effective_mig_mode(MigMode::Dynamic, no_counters),
@@ -312,8 +383,8 @@ mod tests {
     #[test]
     fn without_taints_faulty_devices_are_withheld_and_informational_taints_cleared() {
         let no_taints = KeptFields {
-            counters: true,
             taints: false,
+            ..KeptFields::default()
         };
         let mut devices = node(MigMode::None);
         devices.gpus[2].devices[0].taints = Some(vec![taint("None"), taint("NoExecute")]);
@@ -346,5 +417,38 @@ mod tests {
             "DRAPartitionableDevices"
         );
         assert_eq!(GatedField::Taints.feature_gate(), "DRADeviceTaints");
+        assert_eq!(
+            GatedField::ConsumableCapacity.feature_gate(),
+            "DRAConsumableCapacity"
+        );
+    }
+
+    #[test]
+    fn without_consumable_capacity_gpus_are_published_exclusive() {
+        let no_sharing = KeptFields {
+            consumable_capacity: false,
+            ..KeptFields::default()
+        };
+        let shares = MemoryShares {
+            minimum_bytes: 1 << 30,
+            step_bytes: 1 << 30,
+        };
+        assert_eq!(effective_mps_shares(Some(shares), no_sharing), None);
+        assert_eq!(
+            effective_mps_shares(Some(shares), KeptFields::default()),
+            Some(shares)
+        );
+        let mut shared = node(MigMode::None);
+        devices::share_for_mps(&mut shared, shares);
+        assert!(fits(&shared, KeptFields::default()));
+        assert!(!fits(&shared, no_sharing));
+        assert!(fits(&node(MigMode::None), no_sharing));
+
+        // A server that drops the fields answers with a slice that lacks them.
+        let sent = desired_slices("d", "n", "u", &shared, ServerVersion::OLDEST);
+        assert_eq!(
+            dropped(&sent[0], &stripped(&sent[0])),
+            [GatedField::ConsumableCapacity]
+        );
     }
 }

@@ -134,12 +134,28 @@ fn canonicalize(quantity: &mut String) {
     }
 }
 
-/// A device with its quantities in canonical form and server-set taint times dropped.
+/// A device with its quantities (capacities, their request policies, counters) in canonical form and
+/// server-set taint times dropped.
 fn comparable(device: &Device) -> Device {
     let mut device = device.clone();
     if let Some(capacity) = device.capacity.as_mut() {
         for value in capacity.values_mut() {
             canonicalize(&mut value.value.0);
+            if let Some(policy) = value.request_policy.as_mut() {
+                let range = policy.valid_range.as_mut();
+                for quantity in policy
+                    .default
+                    .iter_mut()
+                    .chain(policy.valid_values.iter_mut().flatten())
+                    .chain(range.into_iter().flat_map(|r| {
+                        std::iter::once(&mut r.min)
+                            .chain(r.max.iter_mut())
+                            .chain(r.step.iter_mut())
+                    }))
+                {
+                    canonicalize(&mut quantity.0);
+                }
+            }
         }
     }
     for consumption in device.consumes_counters.iter_mut().flatten() {
@@ -162,6 +178,7 @@ mod tests {
     use crate::gpu::{FakeBackend, GpuBackend};
     use crate::slices::publisher::desired_slices;
     use crate::slices::ServerVersion;
+    use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
     const V1_35: ServerVersion = ServerVersion { minor: 35 };
 
@@ -202,6 +219,28 @@ mod tests {
         }
         let plan = reconcile(std::slice::from_ref(&have), &desired, "node-a");
         assert!(plan.is_noop);
+    }
+
+    #[test]
+    fn request_policies_compare_by_value_and_a_new_one_is_a_change() {
+        let mut node = h100_devices();
+        let shares = crate::devices::MemoryShares {
+            minimum_bytes: 1 << 30,
+            step_bytes: 1 << 30,
+        };
+        let unshared = desired_slices("gpu.dra.dev", "node-a", "uid-1", &node, V1_35);
+        crate::devices::share_for_mps(&mut node, shares);
+        let desired = desired_slices("gpu.dra.dev", "node-a", "uid-1", &node, V1_35);
+        let mut have = stored(desired[0].clone(), "s1", 3);
+        for device in have.spec.devices.as_mut().unwrap() {
+            let memory = device.capacity.as_mut().unwrap().get_mut("memory").unwrap();
+            let policy = memory.request_policy.as_mut().unwrap();
+            policy.default = Some(Quantity("1073741824".into()));
+            policy.valid_range.as_mut().unwrap().step = Some(Quantity("1024Mi".into()));
+        }
+        assert!(reconcile(std::slice::from_ref(&have), &desired, "node-a").is_noop);
+        let before = stored(unshared[0].clone(), "s1", 3);
+        assert!(!reconcile(std::slice::from_ref(&before), &desired, "node-a").is_noop);
     }
 
     #[test]

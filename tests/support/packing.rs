@@ -10,7 +10,7 @@ use k8s_openapi::api::resource::v1::{ResourceClaimSpec, ResourceSlice};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use super::allocator::{self, Candidate, Pools};
+use super::allocator::{self, Candidate, InUse, Pools};
 use crate::devices::{node_devices, MigMode, NodeDevices};
 use crate::gpu::{FakeBackend, GpuBackend};
 use crate::slices::{desired_slices, ServerVersion};
@@ -130,7 +130,7 @@ pub fn simulate(profile: &str, order: Order, mix: &Mix, seed: u64) -> Outcome {
             })
             .map(|(p, _)| p.as_str())
             .unwrap_or(&mix.large);
-        let in_use: BTreeSet<Candidate> = held.iter().cloned().collect();
+        let in_use = InUse::from(held.iter().cloned().collect::<BTreeSet<Candidate>>());
         match allocator::allocate(&pools, &classes, &in_use, &specs[profile]) {
             Ok(results) => held.extend(results.iter().map(Candidate::of_result)),
             Err(_) => outcome.refused += 1,
@@ -138,7 +138,7 @@ pub fn simulate(profile: &str, order: Order, mix: &Mix, seed: u64) -> Outcome {
     }
     outcome.held = held.len();
     loop {
-        let in_use: BTreeSet<Candidate> = held.iter().cloned().collect();
+        let in_use = InUse::from(held.iter().cloned().collect::<BTreeSet<Candidate>>());
         match allocator::allocate(&pools, &classes, &in_use, &specs[mix.large.as_str()]) {
             Ok(results) => {
                 held.extend(results.iter().map(Candidate::of_result));

@@ -13,7 +13,7 @@ use kube::api::{Api, ListParams, PostParams};
 use thiserror::Error;
 
 pub use super::allocator::Candidate;
-use super::allocator::{self, Pools};
+use super::allocator::{self, InUse, Pools};
 use crate::cel::input::NamedClaim;
 use crate::cel::selectors::simulate::{simulate, Decision, Simulation, SimulationError};
 
@@ -226,10 +226,9 @@ pub async fn published_devices(
         .collect())
 }
 
-/// Devices already allocated to some claim (admin access excepted, as in the scheduler).
-async fn allocated_devices(
-    client: &kube::Client,
-) -> Result<std::collections::BTreeSet<Candidate>, kube::Error> {
+/// What other claims hold, as the scheduler gathers it from their allocation results: devices held
+/// whole, and shares of shared devices with the capacity they consume (admin access excepted).
+async fn allocated_devices(client: &kube::Client) -> Result<InUse, kube::Error> {
     let claims: Api<ResourceClaim> = Api::all(client.clone());
     let items = claims.list(&ListParams::default()).await?.items;
     Ok(allocator::in_use(

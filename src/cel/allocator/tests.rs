@@ -7,7 +7,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde_json::{json, Value};
 
 use super::{
-    allocate, allocate_with_step_limit, in_use, AllocationError, Candidate, Node, Pools,
+    allocate, allocate_with_step_limit, in_use, AllocationError, Candidate, InUse, Node, Pools,
     SelectorOrigin,
 };
 use crate::cel::quantity::Quantity;
@@ -89,15 +89,16 @@ fn exactly(name: &str, class: &str, more: Value) -> Value {
     json!({ "name": name, "exactly": exactly })
 }
 
-fn used(names: &[&str]) -> BTreeSet<Candidate> {
-    names
+fn used(names: &[&str]) -> InUse {
+    let devices: BTreeSet<Candidate> = names
         .iter()
         .map(|name| Candidate {
             driver: DRIVER.into(),
             pool: NODE.into(),
             device: name.to_string(),
         })
-        .collect()
+        .collect();
+    InUse::from(devices)
 }
 
 /// (request, device) of each result.
@@ -114,7 +115,7 @@ fn devices_of(results: &[DeviceRequestAllocationResult]) -> Vec<String> {
 
 fn run(
     slices: &[ResourceSlice],
-    in_use: &BTreeSet<Candidate>,
+    in_use: &InUse,
     devices: Value,
 ) -> Result<Vec<DeviceRequestAllocationResult>, AllocationError> {
     let pools = Pools::from_slices(slices, Some(&Node::named(NODE)));
@@ -156,7 +157,7 @@ fn first_fit_follows_slice_names_then_device_order() {
 
     let results = run(
         &slices,
-        &BTreeSet::new(),
+        &InUse::default(),
         json!({"requests": [exactly("gpus", "gpu", json!({"count": 3}))]}),
     )
     .expect("allocated");
@@ -209,7 +210,7 @@ fn a_device_is_allocated_once_per_claim() {
     let slices = one_slice(gpus(&["A", "A"]));
     let results = run(
         &slices,
-        &BTreeSet::new(),
+        &InUse::default(),
         json!({"requests": [exactly("a", "gpu", json!({})), exactly("b", "gpu", json!({}))]}),
     )
     .expect("allocated");
@@ -220,7 +221,7 @@ fn a_device_is_allocated_once_per_claim() {
 
     let error = run(
         &slices,
-        &BTreeSet::new(),
+        &InUse::default(),
         json!({"requests": [exactly("a", "gpu", json!({"count": 2})), exactly("b", "gpu", json!({}))]}),
     )
     .expect_err("three devices from two");
@@ -297,7 +298,7 @@ fn counters_keep_a_whole_gpu_and_its_partitions_apart() {
         // Whole GPU and a partition in one claim: each fits alone, not both.
         let error = run(
             &slices,
-            &BTreeSet::new(),
+            &InUse::default(),
             json!({"requests": [exactly("gpu", "gpu", json!({})), mig_request("mig", "1g.10gb")]}),
         )
         .expect_err(layout);
@@ -362,7 +363,7 @@ fn counters_keep_a_whole_gpu_and_its_partitions_apart() {
         // Overlapping partitions within one claim: two 1g fit, the 2g never joins them.
         let results = run(
             &slices,
-            &BTreeSet::new(),
+            &InUse::default(),
             json!({"requests": [exactly("migs", "mig", json!({"count": 2}))]}),
         )
         .expect(layout);
@@ -373,7 +374,7 @@ fn counters_keep_a_whole_gpu_and_its_partitions_apart() {
         );
         let error = run(
             &slices,
-            &BTreeSet::new(),
+            &InUse::default(),
             json!({"requests": [exactly("migs", "mig", json!({"count": 3}))]}),
         )
         .expect_err(layout);
@@ -383,7 +384,7 @@ fn counters_keep_a_whole_gpu_and_its_partitions_apart() {
         );
         let error = run(
             &slices,
-            &BTreeSet::new(),
+            &InUse::default(),
             json!({"requests": [mig_request("small", "1g.10gb"), mig_request("big", "2g.20gb")]}),
         )
         .expect_err(layout);
@@ -424,7 +425,7 @@ fn consuming_an_unknown_counter_makes_the_device_unallocatable() {
     })];
     let error = run(
         &one_slice(devices),
-        &BTreeSet::new(),
+        &InUse::default(),
         json!({"requests": [exactly("mig", "mig", json!({}))]}),
     )
     .expect_err("no counter set");
@@ -441,7 +442,7 @@ fn all_mode_takes_every_matching_device() {
     let slices = one_slice(gpus(&["A", "A", "B"]));
     let results = run(
         &slices,
-        &BTreeSet::new(),
+        &InUse::default(),
         json!({"requests": [exactly("all", "gpu", json!({"allocationMode": "All"}))]}),
     )
     .expect("allocated");
@@ -470,7 +471,7 @@ fn all_mode_takes_every_matching_device() {
     // At least one device.
     let error = run(
         &slices,
-        &BTreeSet::new(),
+        &InUse::default(),
         json!({"requests": [exactly("all", "mig", json!({"allocationMode": "All"}))]}),
     )
     .expect_err("no MIG devices");
@@ -490,7 +491,7 @@ fn all_mode_takes_every_matching_device() {
     ));
     let error = run(
         &slices,
-        &BTreeSet::new(),
+        &InUse::default(),
         json!({"requests": [exactly("all", "gpu", json!({"allocationMode": "All"}))]}),
     )
     .expect_err("incomplete pool");
@@ -511,7 +512,7 @@ fn first_available_falls_back_in_order() {
             {"name": "one", "deviceClassName": "gpu"},
         ],
     }]});
-    let results = run(&slices, &BTreeSet::new(), request.clone()).expect("allocated");
+    let results = run(&slices, &InUse::default(), request.clone()).expect("allocated");
     assert_eq!(
         picks(&results),
         [
@@ -562,7 +563,7 @@ fn admin_access_ignores_use_and_counters_but_not_the_claim() {
     // Still only once per claim.
     let error = run(
         &slices,
-        &BTreeSet::new(),
+        &InUse::default(),
         json!({"requests": [admin("a"), admin("b")]}),
     )
     .expect_err("twice in one claim");
@@ -580,7 +581,7 @@ fn admin_access_ignores_use_and_counters_but_not_the_claim() {
         admin_access: Some(true),
         ..Default::default()
     };
-    assert!(in_use([&admin_result]).is_empty());
+    assert_eq!(in_use([&admin_result]), InUse::default());
 }
 
 #[test]
@@ -593,7 +594,7 @@ fn taints_block_unless_tolerated() {
     let first = |tolerations: Value| {
         run(
             &slices,
-            &BTreeSet::new(),
+            &InUse::default(),
             json!({"requests": [exactly("gpu", "gpu", json!({"tolerations": tolerations}))]}),
         )
         .map(|results| devices_of(&results))
@@ -685,7 +686,7 @@ fn match_attribute_backtracks_to_a_domain_with_enough_free_gpus() {
         .remove("nvlinkDomain");
     let results = run(
         &one_slice(devices),
-        &BTreeSet::new(),
+        &InUse::default(),
         json!({"requests": [exactly("gpu", "gpu", json!({}))], "constraints": constraint}),
     )
     .expect("allocated");
@@ -711,14 +712,14 @@ fn distinct_attribute_spreads_devices() {
     let constraint = json!([{"distinctAttribute": "gpu.dra.dev/nvlinkDomain"}]);
     let results = run(
         &slices,
-        &BTreeSet::new(),
+        &InUse::default(),
         json!({"requests": [exactly("gpus", "gpu", json!({"count": 2}))], "constraints": constraint}),
     )
     .expect("allocated");
     assert_eq!(devices_of(&results), ["gpu-0", "gpu-2"]);
     let error = run(
         &slices,
-        &BTreeSet::new(),
+        &InUse::default(),
         json!({"requests": [exactly("gpus", "gpu", json!({"count": 3}))], "constraints": constraint}),
     )
     .expect_err("only two domains");
@@ -734,7 +735,7 @@ fn selectors_filter_and_errors_name_expression_and_device() {
     let selected = |expression: &str| {
         run(
             &slices,
-            &BTreeSet::new(),
+            &InUse::default(),
             json!({"requests": [exactly("gpu", "gpu.dra.dev", json!({"selectors": [{"cel": {"expression": expression}}]}))]}),
         )
     };
@@ -792,7 +793,7 @@ fn selectors_filter_and_errors_name_expression_and_device() {
     // A class selector that rules a device out first keeps the request's erroring selector away.
     let results = run(
         &slices,
-        &BTreeSet::new(),
+        &InUse::default(),
         json!({"requests": [exactly("mig", "mig", json!({"selectors": [{"cel": {"expression": unknown}}]}))]}),
     )
     .expect_err("no MIG devices");
@@ -808,11 +809,11 @@ fn selectors_filter_and_errors_name_expression_and_device() {
 #[test]
 fn malformed_claims_are_refused() {
     let slices = one_slice(gpus(&["A"]));
-    let error = run(&slices, &BTreeSet::new(), json!({"requests": []})).expect_err("no requests");
+    let error = run(&slices, &InUse::default(), json!({"requests": []})).expect_err("no requests");
     assert!(matches!(error, AllocationError::NoRequests));
     let error = run(
         &slices,
-        &BTreeSet::new(),
+        &InUse::default(),
         json!({"requests": [exactly("gpu", "no-such-class", json!({}))]}),
     )
     .expect_err("unknown class");
@@ -822,7 +823,7 @@ fn malformed_claims_are_refused() {
     );
     let error = run(
         &slices,
-        &BTreeSet::new(),
+        &InUse::default(),
         json!({"requests": [exactly("gpu", "gpu", json!({"count": 33}))]}),
     )
     .expect_err("too many");
@@ -866,7 +867,7 @@ fn incomplete_pools_and_old_generations_are_ignored() {
     let error = allocate(
         &pools,
         &classes(),
-        &BTreeSet::new(),
+        &InUse::default(),
         &claim(json!({"requests": [exactly("gpus", "gpu", json!({"count": 2}))]})),
     )
     .expect_err("only one device");
@@ -923,13 +924,13 @@ fn the_search_is_bounded() {
         "requests": [exactly("gpus", "gpu", json!({"count": 3}))],
         "constraints": [{"distinctAttribute": "gpu.dra.dev/nvlinkDomain"}],
     }));
-    let error = allocate_with_step_limit(&pools, &classes(), &BTreeSet::new(), &spec, 100)
+    let error = allocate_with_step_limit(&pools, &classes(), &InUse::default(), &spec, 100)
         .expect_err("step limit");
     assert!(
         matches!(error, AllocationError::StepLimit { limit: 100 }),
         "{error}"
     );
-    let error = allocate(&pools, &classes(), &BTreeSet::new(), &spec).expect_err("impossible");
+    let error = allocate(&pools, &classes(), &InUse::default(), &spec).expect_err("impossible");
     assert!(
         matches!(error, AllocationError::Unsatisfiable { .. }),
         "{error}"
@@ -993,7 +994,7 @@ fn class_selectors_run_first_and_their_errors_name_the_class() {
     // No count: ExactCount of one device.
     let spec = claim(json!({"requests": [exactly("gpu", "typo", json!({
         "selectors": [{"cel": {"expression": "device.driver == \"other\""}}]}))]}));
-    let error = allocate(&pools, &classes, &BTreeSet::new(), &spec).expect_err("class error");
+    let error = allocate(&pools, &classes, &InUse::default(), &spec).expect_err("class error");
     assert!(
         error.to_string().starts_with(
             "class typo: selector #0 on device gpu.dra.dev/node-a/gpu-0: CEL runtime error:"
@@ -1001,7 +1002,7 @@ fn class_selectors_run_first_and_their_errors_name_the_class() {
         "{error}"
     );
     let spec = claim(json!({"requests": [exactly("gpu", "gpu", json!({}))]}));
-    let results = allocate(&pools, &classes, &BTreeSet::new(), &spec).expect("one GPU");
+    let results = allocate(&pools, &classes, &InUse::default(), &spec).expect("one GPU");
     assert_eq!(picks(&results), [("gpu".to_string(), "gpu-0".to_string())]);
 }
 
@@ -1014,7 +1015,7 @@ fn match_attribute_finds_qualified_and_driver_domain_names() {
     let slices = one_slice(vec![qualified, gpu(1, "A"), gpu(2, "B")]);
     let results = run(
         &slices,
-        &BTreeSet::new(),
+        &InUse::default(),
         json!({"requests": [exactly("gpus", "gpu", json!({"count": 2}))],
                "constraints": [{"matchAttribute": "gpu.dra.dev/nvlinkDomain"}]}),
     )

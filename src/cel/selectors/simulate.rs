@@ -7,7 +7,7 @@ use k8s_openapi::api::resource::v1::{DeviceClass, DeviceRequestAllocationResult,
 use serde_json::json;
 use thiserror::Error;
 
-use crate::cel::allocator::{self, AllocationError, Candidate, Node, Pools};
+use crate::cel::allocator::{self, AllocationError, InUse, Node, Pools};
 use crate::cel::input::NamedClaim;
 
 /// What the simulation is given.
@@ -19,7 +19,8 @@ pub struct Simulation {
     /// The node's name; `None` takes the one node the slices name.
     pub node: Option<String>,
     pub node_labels: BTreeMap<String, String>,
-    pub in_use: BTreeSet<Candidate>,
+    /// What other claims hold (`--in-use`).
+    pub in_use: InUse,
 }
 
 /// The scheduler's answer for the node.
@@ -119,8 +120,9 @@ impl Decision {
     }
 
     /// `{"allocated": true, "results": [{"request", "driver", "pool", "device"}]}` (plus `adminAccess`
-    /// and `tolerations` on a result only where the request sets them, as in `status.allocation`), or
-    /// `{"allocated": false, "reason": "..."}`.
+    /// and `tolerations` on a result only where the request sets them, and `shareID` and
+    /// `consumedCapacity` on a share of a device that allows multiple allocations, as in
+    /// `status.allocation`), or `{"allocated": false, "reason": "..."}`.
     pub fn to_json(&self) -> String {
         let value = match self {
             Decision::Allocated { results, .. } => json!({"allocated": true, "results": results}),
@@ -140,6 +142,19 @@ impl Decision {
                     text += &format!("  {}: {}/{}/{}", r.request, r.driver, r.pool, r.device);
                     if r.admin_access == Some(true) {
                         text += " (admin access)";
+                    }
+                    if let Some(share) = &r.share_id {
+                        let consumed: Vec<String> = r
+                            .consumed_capacity
+                            .iter()
+                            .flatten()
+                            .map(|(name, q)| format!("{name} {}", q.0))
+                            .collect();
+                        text += &format!(" (share {share}");
+                        if !consumed.is_empty() {
+                            text += &format!(": {}", consumed.join(", "));
+                        }
+                        text.push(')');
                     }
                     text.push('\n');
                 }

@@ -1,4 +1,4 @@
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceSlice};
 use serde_json::{json, Value};
@@ -175,7 +175,7 @@ fn simulation(requests: Value) -> Simulation {
         slices: slices(),
         node: None,
         node_labels: BTreeMap::new(),
-        in_use: BTreeSet::new(),
+        in_use: Default::default(),
     }
 }
 
@@ -192,7 +192,7 @@ fn allocate_decides_like_the_scheduler() {
     );
 
     let mut busy = simulation(two);
-    busy.in_use.insert(Candidate {
+    busy.in_use.devices.insert(Candidate {
         driver: DRIVER.into(),
         pool: "node-a".into(),
         device: "gpu-1".into(),

@@ -509,7 +509,12 @@ fn selectors_check(args: SelectorsCheckArgs) -> Result<i32> {
         }
         slices
     };
-    let report = selectors::check(&classes, &claims, &selectors::slice_devices(&slices));
+    let report = selectors::check(
+        &args.driver_name,
+        &classes,
+        &claims,
+        &selectors::slice_devices(&slices),
+    );
     match args.output {
         CheckOutput::Table => print!("{}", report.to_table()),
         CheckOutput::Json => print!("{}", report.to_json()),

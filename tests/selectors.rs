@@ -375,3 +375,72 @@ fn in_use_shares_leave_the_rest_of_a_shared_gpu_to_the_claim() {
         "{reason}"
     );
 }
+
+#[test]
+fn check_reports_malformed_configs_naming_object_entry_and_field() {
+    let (_dir, slices) = node_slices();
+    let slices = slices.to_str().expect("path");
+    let bad_class = fixture("class-bad-config.yaml");
+    let bad_claims = fixture("claims-bad-config.yaml");
+    let args = |output: &'static str| {
+        vec![
+            "selectors",
+            "check",
+            "--class",
+            CLASSES,
+            "--class",
+            bad_class.as_str(),
+            "--claim",
+            bad_claims.as_str(),
+            "--slices",
+            slices,
+            "-o",
+            output,
+        ]
+    };
+
+    let output = gpu_dra(&args("table"));
+    assert_eq!(code(&output), 2, "{}", text(&output.stderr));
+    let table = text(&output.stdout);
+    for line in [
+        "  config error: DeviceClass shared.gpu.dra.dev: config[1] (GpuConfig): sharing.mpsConfig.defaultActiveThreadPercentage: must be between 1 and 100",
+        "  config error: claim ml/mps: config[0] (GpuConfig): sharing.mpsConfig.defaultPinnedDeviceMemoryLimit: must be a positive quantity of bytes such as 10Gi",
+        "  config error: claim ml/sliced: config[0]: apiVersion: must be gpu.dra.dev/v1alpha1",
+        "  config error: claim ml/sliced: config[1] (MigConfig): sharing.timeSlicingConfig: not allowed in MigConfig (MIG devices have no time-slice interval)",
+        "CONFIG errors: claims that carry these configs (theirs or their class's) fail to prepare",
+    ] {
+        assert!(table.contains(&format!("{line}\n")), "{line}\n---\n{table}");
+    }
+    assert!(!table.contains("nic.example.com"), "{table}");
+    assert!(!table.contains("claim ml/fine: config"), "{table}");
+    // Selectors are still checked: the class matches its GPUs.
+    assert!(table.contains("class shared.gpu.dra.dev: 8 of "), "{table}");
+
+    let output = gpu_dra(&args("json"));
+    assert_eq!(code(&output), 2);
+    let json: Value = serde_json::from_slice(&output.stdout).expect("JSON");
+    assert_eq!(json["exitCode"], 2);
+    let errors: Vec<(Value, Value, Value)> = json["subjects"]
+        .as_array()
+        .expect("subjects")
+        .iter()
+        .flat_map(|s| s["errors"].as_array().cloned().unwrap_or_default())
+        .map(|e| {
+            (
+                e["config"].clone(),
+                e["blocking"].clone(),
+                e["message"].clone(),
+            )
+        })
+        .collect();
+    assert_eq!(errors.len(), 4, "{errors:?}");
+    assert_eq!(
+        errors[0],
+        (
+            Value::from(1),
+            Value::from(false),
+            Value::from("DeviceClass shared.gpu.dra.dev: config[1] (GpuConfig): sharing.mpsConfig.defaultActiveThreadPercentage: must be between 1 and 100")
+        )
+    );
+    assert_eq!(errors[3].0, 1);
+}

@@ -427,3 +427,7 @@ pub fn config_schema_file(kind: &str) -> Option<String> {
 #[cfg(test)]
 #[path = "config_tests.rs"]
 mod tests;
+
+#[cfg(test)]
+#[path = "config_fuzz_tests.rs"]
+mod fuzz;

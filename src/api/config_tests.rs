@@ -347,14 +347,42 @@ fn text_that_is_not_json_says_so() {
 }
 
 #[test]
-fn odd_names_are_escaped_and_cut_short_in_paths() {
+fn odd_names_are_quoted_and_cut_short_in_paths() {
     let long = "x".repeat(200);
     let text =
         format!(r#"{{"apiVersion": "gpu.dra.dev/v1alpha1", "kind": "GpuConfig", "{long}": 1}}"#);
-    assert_eq!(error(&text), format!("{}…: unknown field", "x".repeat(64)));
     assert_eq!(
-        error(r#"{"apiVersion": "gpu.dra.dev/v1alpha1", "kind": "GpuConfig", "a\nb": 1}"#),
-        "a\\nb: unknown field"
+        error(&text),
+        format!("\"{}…\": unknown field", "x".repeat(64))
+    );
+    let unknown = |name: &str| {
+        let text = format!(
+            r#"{{"apiVersion": "gpu.dra.dev/v1alpha1", "kind": "GpuConfig", "sharing": {{"strategy": "MPS", {name}: 1}}}}"#
+        );
+        error(&text)
+    };
+    assert_eq!(unknown(r#""a\nb""#), r#"sharing."a\nb": unknown field"#);
+    assert_eq!(unknown(r#""""#), r#"sharing."": unknown field"#);
+    assert_eq!(
+        unknown(r#""mps.Config""#),
+        r#"sharing."mps.Config": unknown field"#
+    );
+    assert_eq!(
+        unknown(r#""mps_config""#),
+        "sharing.mps_config: unknown field"
+    );
+    // At the top, an empty name is not the object itself.
+    assert_eq!(
+        error(r#"{"apiVersion": "gpu.dra.dev/v1alpha1", "kind": "GpuConfig", "": 1}"#),
+        r#""": unknown field"#
+    );
+    // Device names are plain; odd map keys are quoted too.
+    assert_eq!(
+        error(&config(
+            "GpuConfig",
+            r#"{"strategy": "MPS", "mpsConfig": {"defaultPerDevicePinnedMemoryLimit": {"gpu 0]": "1Gi"}}}"#
+        )),
+        r#"sharing.mpsConfig.defaultPerDevicePinnedMemoryLimit["gpu 0]"]: not a device name of this driver (gpu-<minor> or gpu-<minor>-mig-...)"#
     );
 }
 

@@ -1,6 +1,7 @@
 //! `gpu-dra selectors check`: which devices each DeviceClass and each claim request selects, which it
 //! does not and the first selector that said no, and CEL errors, which block scheduling as in the
-//! scheduler. The allocation simulator (`selectors allocate`) lives in [`simulate`].
+//! scheduler; also malformed `GpuConfig` / `MigConfig` configs of this driver, which fail prepare.
+//! The allocation simulator (`selectors allocate`) lives in [`simulate`].
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -11,6 +12,7 @@ use serde::Serialize;
 use super::allocator::{first_mismatch, Candidate, CompiledSelector, SelectorOrigin};
 use super::input::NamedClaim;
 use super::{CelError, DeviceView};
+use crate::claims::configs::{check_claim_spec, check_device_class, ConfigProblem};
 
 pub mod simulate;
 
@@ -57,8 +59,13 @@ pub fn slice_devices(slices: &[ResourceSlice]) -> Vec<SliceDevice> {
 ///                              "index": 0, "expression": "..."}}],
 ///    "errors": [{"device": "driver/pool/device" | null,   // null: compile error or invalid input
 ///                "selector": {...} | null,
+///                "config": 0 | null,       // the index of a malformed config in spec.config /
+///                                          // spec.devices.config (blocking false: it fails prepare)
 ///                "message": "...", "blocking": true}]}]}
 /// ```
+///
+/// A claim's config errors go to its first request's subject, or to a subject of their own (no class,
+/// no request) when the claim has no request.
 #[derive(Debug, Clone, Default, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct CheckReport {
@@ -95,30 +102,38 @@ pub struct NoMatch {
     pub selector: SelectorRef,
 }
 
-/// Always blocking: in the scheduler an error aborts allocation of every claim that reaches it.
+/// A CEL or input error is blocking: in the scheduler it aborts allocation of every claim that
+/// reaches it. A malformed config is not: the claim is allocated, and then the kubelet plugin refuses
+/// to prepare it.
 #[derive(Debug, Clone, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct CheckError {
     pub device: Option<String>,
     pub selector: Option<SelectorRef>,
+    /// The index of the malformed config, for a config error.
+    pub config: Option<usize>,
     pub message: String,
     pub blocking: bool,
 }
 
 impl Subject {
-    /// `class X` or `claim ns/name request R (class X)`.
+    /// `class X`, `claim ns/name request R (class X)`, or `claim ns/name` (config errors of a claim
+    /// without requests).
     pub fn title(&self) -> String {
         match (&self.claim, &self.request) {
             (Some(claim), Some(request)) => {
                 format!("claim {claim} request {request} (class {})", self.class)
             }
+            (Some(claim), None) => format!("claim {claim}"),
             _ => format!("class {}", self.class),
         }
     }
 }
 
-/// Checks every class of `classes` on its own, then every request of every claim with its class.
+/// Checks every class of `classes` on its own, then every request of every claim with its class; and
+/// the opaque configs of `driver` in both.
 pub fn check(
+    driver: &str,
     classes: &[DeviceClass],
     claims: &[NamedClaim],
     devices: &[SliceDevice],
@@ -134,10 +149,15 @@ pub fn check(
             class: name.clone(),
             ..Subject::default()
         };
+        let problems = check_device_class(driver, class);
+        subject
+            .errors
+            .extend(config_errors(&format!("DeviceClass {name}"), problems));
         evaluate(&mut subject, &class_selectors(&name, class), devices);
         subjects.push(subject);
     }
     for claim in claims {
+        let first_subject = subjects.len();
         for request in claim_requests(claim) {
             let mut subject = Subject {
                 class: request.class.clone(),
@@ -168,6 +188,17 @@ pub fn check(
             }
             evaluate(&mut subject, &groups, devices);
             subjects.push(subject);
+        }
+        let problems = check_claim_spec(driver, &claim.spec);
+        if !problems.is_empty() {
+            if subjects.len() == first_subject {
+                subjects.push(Subject {
+                    claim: Some(claim.name.clone()),
+                    ..Subject::default()
+                });
+            }
+            let errors = config_errors(&format!("claim {}", claim.name), problems);
+            subjects[first_subject].errors.splice(0..0, errors);
         }
     }
     let exit_code = if subjects.iter().any(|s| !s.errors.is_empty()) {
@@ -246,9 +277,24 @@ fn input_error(message: String) -> CheckError {
     CheckError {
         device: None,
         selector: None,
+        config: None,
         message,
         blocking: true,
     }
+}
+
+/// `<object>: config[<i>] (<Kind>): <path>: <reason>` for each problem.
+fn config_errors(object: &str, problems: Vec<ConfigProblem>) -> Vec<CheckError> {
+    problems
+        .into_iter()
+        .map(|problem| CheckError {
+            device: None,
+            selector: None,
+            config: Some(problem.index),
+            message: format!("{object}: {problem}"),
+            blocking: false,
+        })
+        .collect()
 }
 
 /// Runs the groups in order on every device, stopping at the first selector that does not say true.
@@ -307,6 +353,7 @@ fn evaluate(subject: &mut Subject, groups: &Groups, devices: &[SliceDevice]) {
                 subject.errors.push(CheckError {
                     device,
                     selector: Some(selector),
+                    config: None,
                     message,
                     blocking: true,
                 });
@@ -326,13 +373,17 @@ impl CheckReport {
     pub fn to_table(&self) -> String {
         let mut out = String::new();
         for subject in &self.subjects {
-            let _ = writeln!(
-                out,
-                "{}: {} of {} devices match",
-                subject.title(),
-                subject.matching,
-                subject.devices
-            );
+            if subject.request.is_none() && subject.claim.is_some() {
+                let _ = writeln!(out, "{}: no requests", subject.title());
+            } else {
+                let _ = writeln!(
+                    out,
+                    "{}: {} of {} devices match",
+                    subject.title(),
+                    subject.matching,
+                    subject.devices
+                );
+            }
             if !subject.matches.is_empty() {
                 let names: Vec<&str> = subject.matches.iter().map(String::as_str).collect();
                 let _ = writeln!(out, "  match: {}", shorten(&names));
@@ -355,29 +406,42 @@ impl CheckReport {
                 );
             }
             for error in subject.errors.iter().take(TABLE_LIST) {
-                let _ = writeln!(out, "  BLOCKING error: {}", error.message);
+                let label = if error.blocking {
+                    "BLOCKING error"
+                } else {
+                    "config error"
+                };
+                let _ = writeln!(out, "  {label}: {}", error.message);
             }
             if subject.errors.len() > TABLE_LIST {
                 let _ = writeln!(
                     out,
-                    "  ... and {} more BLOCKING errors (-o json lists them all)",
+                    "  ... and {} more errors (-o json lists them all)",
                     subject.errors.len() - TABLE_LIST
                 );
             }
-            if subject.errors.is_empty() && subject.matching == 0 {
+            let has_requests = subject.claim.is_none() || subject.request.is_some();
+            if has_requests && subject.errors.is_empty() && subject.matching == 0 {
                 let _ = writeln!(out, "  NOTHING MATCHES");
             }
             out.push('\n');
         }
-        let _ = writeln!(
-            out,
-            "{}",
-            match self.exit_code {
-                0 => "ok: every class and request matches a device",
-                1 => "problem: a class or request matches no device",
-                _ => "BLOCKING: CEL or input errors; the scheduler aborts allocation on them",
-            }
-        );
+        let errors = || self.subjects.iter().flat_map(|s| &s.errors);
+        if errors().any(|e| e.blocking) {
+            out.push_str(
+                "BLOCKING: CEL or input errors; the scheduler aborts allocation on them\n",
+            );
+        }
+        if errors().any(|e| !e.blocking) {
+            out.push_str(
+                "CONFIG errors: claims that carry these configs (theirs or their class's) fail to prepare\n",
+            );
+        }
+        match self.exit_code {
+            0 => out.push_str("ok: every class and request matches a device\n"),
+            1 => out.push_str("problem: a class or request matches no device\n"),
+            _ => {}
+        }
         out
     }
 

@@ -260,16 +260,24 @@ impl fmt::Display for Path {
 /// Longest name shown in a path, in characters.
 const SHOWN_NAME: usize = 64;
 
+/// A name as a path shows it: as it is when it is plain (letters, digits, `-`, `_`, `/`), else as a
+/// JSON string (`""`, `"a.b"`, `"a\nb"`), so that the path stays readable and unambiguous; cut short
+/// after [`SHOWN_NAME`] characters.
 fn shown(name: &str) -> String {
-    let mut text: String = name
-        .chars()
-        .take(SHOWN_NAME)
-        .flat_map(char::escape_debug)
-        .collect();
-    if name.chars().nth(SHOWN_NAME).is_some() {
-        text.push('…');
+    let plain = !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'/');
+    let mut cut: String = name.chars().take(SHOWN_NAME).collect();
+    let long = cut.len() < name.len();
+    if long {
+        cut.push('…');
     }
-    text
+    if plain && !long {
+        cut
+    } else {
+        Value::String(cut).to_string()
+    }
 }
 
 /// Parses JSON text into a value, refusing a key repeated in one object with the key's path.

@@ -47,7 +47,7 @@ fn class_then_request_selectors_with_the_first_no() {
     let claims = [claim(json!([
         {"name": "big", "exactly": {"deviceClassName": "gpu", "selectors": [{"cel": {"expression": BIG}}]}},
     ]))];
-    let report = check(&classes, &claims, &slice_devices(&slices()));
+    let report = check(DRIVER, &classes, &claims, &slice_devices(&slices()));
     assert_eq!(report.subjects.len(), 2);
     let class_only = &report.subjects[0];
     assert_eq!(class_only.title(), "class gpu");
@@ -116,7 +116,7 @@ fn runtime_and_compile_errors_block_and_are_counted_once() {
             {"name": "b", "deviceClassName": "gpu"}]},
         {"name": "lost", "exactly": {"deviceClassName": "no-such-class"}},
     ]))];
-    let report = check(&classes, &claims, &slice_devices(&slices()));
+    let report = check(DRIVER, &classes, &claims, &slice_devices(&slices()));
     assert_eq!(report.exit_code(), 2);
     let by_title: BTreeMap<String, &super::Subject> =
         report.subjects.iter().map(|s| (s.title(), s)).collect();
@@ -163,7 +163,7 @@ fn a_class_that_matches_nothing_exits_1() {
         "vgpu",
         &[r#"device.attributes["gpu.dra.dev"].type == "vgpu""#],
     )];
-    let report = check(&classes, &[], &slice_devices(&slices()));
+    let report = check(DRIVER, &classes, &[], &slice_devices(&slices()));
     assert_eq!(report.exit_code(), 1);
     assert!(report.to_table().contains("NOTHING MATCHES"));
 }
@@ -257,4 +257,56 @@ fn the_table_lists_a_few_devices_and_counts_the_rest() {
     );
     assert!(!text.contains("gpu-8"), "{text}");
     assert_eq!(super::shorten(&names[..3]), "gpu-0, gpu-1, gpu-2");
+}
+
+#[test]
+fn config_errors_name_the_object_and_do_not_block_allocation() {
+    let mut gpu = class("gpu", &[IS_GPU]);
+    gpu.spec.get_or_insert_with(Default::default).config = Some(
+        serde_json::from_value(json!([{"opaque": {"driver": DRIVER, "parameters":
+            {"apiVersion": "gpu.dra.dev/v1alpha1", "kind": "GpuConfig", "sharing": {}}}}]))
+        .expect("config"),
+    );
+    // A claim without requests has a subject of its own for its config errors.
+    let bare = NamedClaim {
+        name: "ml/bare".into(),
+        spec: serde_json::from_value(json!({"devices": {"config": [
+            {"opaque": {"driver": "nic.example.com", "parameters": {"x": 1}}},
+            {"opaque": {"driver": DRIVER, "parameters": {"kind": "GpuConfig"}}}]}}))
+        .expect("spec"),
+    };
+    let report = check(DRIVER, &[gpu], &[bare], &slice_devices(&slices()));
+    assert_eq!(report.exit_code(), 2);
+    let messages: Vec<(String, Option<usize>, bool, &str)> = report
+        .subjects
+        .iter()
+        .flat_map(|s| {
+            s.errors
+                .iter()
+                .map(move |e| (s.title(), e.config, e.blocking, e.message.as_str()))
+        })
+        .collect();
+    assert_eq!(
+        messages,
+        [
+            (
+                "class gpu".to_string(),
+                Some(0),
+                false,
+                "DeviceClass gpu: config[0] (GpuConfig): sharing.strategy: required"
+            ),
+            (
+                "claim ml/bare".to_string(),
+                Some(1),
+                false,
+                "claim ml/bare: config[1] (GpuConfig): apiVersion: must be gpu.dra.dev/v1alpha1"
+            ),
+        ]
+    );
+    // The class's selectors are still evaluated.
+    assert_eq!(report.subjects[0].matching, 2);
+    let table = report.to_table();
+    assert!(table.contains("claim ml/bare: no requests\n"), "{table}");
+    assert!(!table.contains("BLOCKING"), "{table}");
+    assert!(!table.contains("NOTHING MATCHES"), "{table}");
 }

@@ -241,11 +241,8 @@ impl JsonSchema for ByteQuantity {
         // Kubernetes' quantity syntax without a sign: the value must be a positive whole number of bytes.
         json_schema!({
             "description": "A positive whole number of bytes, as a Kubernetes quantity such as 10Gi.",
-            "anyOf": [
-                {"type": "integer", "minimum": 1},
-                {"type": "string",
-                 "pattern": "^\\+?(([0-9]+(\\.[0-9]*)?)|(\\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\\+|-)?(([0-9]+(\\.[0-9]*)?)|(\\.[0-9]+))))?$"}
-            ]
+            "type": "string",
+            "pattern": "^\\+?(([0-9]+(\\.[0-9]*)?)|(\\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\\+|-)?(([0-9]+(\\.[0-9]*)?)|(\\.[0-9]+))))?$"
         })
     }
 }

@@ -55,12 +55,13 @@ pub fn decode_config(json_text: &str) -> Result<DeviceConfig, ConfigError> {
 pub fn decode_config_value(value: &Value) -> Result<DeviceConfig, ConfigError> {
     let root = Path::default();
     let object = object(value, &root)?;
+    // apiVersion and kind of another type are simply not ours: the same message as a wrong value.
     let api_version = root.field("apiVersion");
-    if string(object.get("apiVersion"), &api_version)? != Some(CONFIG_API_VERSION) {
+    if object.get("apiVersion").and_then(Value::as_str) != Some(CONFIG_API_VERSION) {
         return Err(api_version.error(API_VERSION));
     }
     let kind = root.field("kind");
-    let is_mig = match string(object.get("kind"), &kind)? {
+    let is_mig = match object.get("kind").and_then(Value::as_str) {
         Some(GPU_CONFIG_KIND) => false,
         Some(MIG_CONFIG_KIND) => true,
         _ => return Err(kind.error(KIND)),
@@ -159,7 +160,7 @@ fn decode_mps(value: &Value, path: &Path) -> Result<MpsConfig, ConfigError> {
 
     let limit_path = path.field(LIMIT_FIELD);
     let default_pinned_device_memory_limit = present(object.get(LIMIT_FIELD))
-        .map(|value| byte_quantity(value).ok_or_else(|| limit_path.error(QUANTITY)))
+        .map(|value| quantity_field(value, &limit_path))
         .transpose()?;
 
     let per_device_path = path.field(PER_DEVICE_FIELD);
@@ -170,7 +171,7 @@ fn decode_mps(value: &Value, path: &Path) -> Result<MpsConfig, ConfigError> {
             if DeviceName::parse(device).is_none() {
                 return Err(device_path.error(DEVICE_NAME));
             }
-            let limit = byte_quantity(limit).ok_or_else(|| device_path.error(QUANTITY))?;
+            let limit = quantity_field(limit, &device_path)?;
             default_per_device_pinned_memory_limit.insert(device.clone(), limit);
         }
     }
@@ -182,14 +183,19 @@ fn decode_mps(value: &Value, path: &Path) -> Result<MpsConfig, ConfigError> {
     })
 }
 
-/// A quantity field: a string in Kubernetes quantity syntax, or a JSON integer (as Kubernetes
-/// accepts both), of at least one whole byte.
-pub(super) fn byte_quantity(value: &Value) -> Option<ByteQuantity> {
+/// A quantity field: a string in Kubernetes quantity syntax of at least one whole byte. A bare JSON
+/// number is refused, as the admission policy refuses it: `10Gi` and `1073741824` say what they
+/// mean, a number in YAML is easily a typo.
+fn quantity_field(value: &Value, path: &Path) -> Result<ByteQuantity, ConfigError> {
     match value {
-        Value::String(text) => ByteQuantity::parse(text),
-        Value::Number(number) => ByteQuantity::parse(&number.as_u64()?.to_string()),
-        _ => None,
+        Value::String(text) => ByteQuantity::parse(text).ok_or_else(|| path.error(QUANTITY)),
+        _ => Err(path.error(MUST_BE_STRING)),
     }
+}
+
+/// A quantity as the types read it (a string of at least one whole byte).
+pub(super) fn byte_quantity(value: &Value) -> Option<ByteQuantity> {
+    value.as_str().and_then(ByteQuantity::parse)
 }
 
 /// An explicit `null` counts as absent, as in Kubernetes' own decoding.

@@ -1,7 +1,7 @@
 //! `gpu-dra demo`: the whole driver on one machine without a cluster or GPUs. It starts the in-process
 //! API server double, the plugin with the fake backend and dynamic MIG, and the kubelet double, then
 //! walks a whole-GPU claim and a MIG claim through publish → allocate → prepare (the MIG device is
-//! created) → CDI spec → unprepare (it is destroyed), injects a GPU fault (taints, health stream) and
+//! created) → CDI spec → unprepare (it is destroyed), shows a time-sliced and an MPS claim, injects a GPU fault (taints, health stream) and
 //! clears it, saying what happens at each step.
 
 use std::io::Write;
@@ -23,9 +23,12 @@ const DRIVER: &str = "gpu.dra.dev";
 const NAMESPACE: &str = "default";
 const CLAIM: &str = "one-gpu";
 const MIG_CLAIM: &str = "small-mig";
+const SLICED_CLAIM: &str = "time-sliced";
+const MPS_CLAIM: &str = "mps";
 
 pub async fn run(out: &mut impl Write) -> Result<()> {
-    let workdir = tempfile::Builder::new().prefix("gpu-dra-demo-").tempdir()?;
+    // Short: MPS daemons' socket paths under it must fit the 107 bytes a unix socket allows.
+    let workdir = tempfile::Builder::new().prefix("gd-").tempdir()?;
     let root = workdir.path();
 
     let api = ApiServer::start()
@@ -189,6 +192,7 @@ pub async fn run(out: &mut impl Write) -> Result<()> {
     }
 
     let mig_uid = demo_mig_claim(out, &api, &kubelet, &plugin).await?;
+    let shared = demo_sharing(out, &api, &kubelet, &plugin, &profile_arg, root).await?;
 
     if let Some(addr) = plugin.http_addr {
         let ready = http_get(addr, "/readyz")
@@ -197,7 +201,7 @@ pub async fn run(out: &mut impl Write) -> Result<()> {
         let metrics = http_get(addr, "/metrics").await.unwrap_or_default();
         step(
             out,
-            9,
+            10,
             &format!("http://{addr}/readyz says: {}", ready.trim()),
         )?;
         for line in metrics.lines().filter(|l| {
@@ -209,9 +213,9 @@ pub async fn run(out: &mut impl Write) -> Result<()> {
     }
 
     let mig_ref = ClaimRef::new(NAMESPACE, MIG_CLAIM, mig_uid.clone());
-    let unprepared = kubelet
-        .unprepare(&[claim_ref.clone(), mig_ref.clone()])
-        .await?;
+    let mut done = vec![claim_ref.clone(), mig_ref.clone()];
+    done.extend(shared.iter().cloned());
+    let unprepared = kubelet.unprepare(&done).await?;
     for answer in unprepared.values() {
         if let Err(error) = answer {
             bail!("unprepare failed: {error}");
@@ -228,11 +232,21 @@ pub async fn run(out: &mut impl Write) -> Result<()> {
     .filter_map(|g| g.mig.as_ref())
     .map(|m| m.instances.len())
     .sum::<usize>();
+    let modes_left = crate::gpu::FakeBackend::with_state_file(
+        NODE,
+        &profile_arg,
+        Some(root.join("fake-gpu-state.json")),
+    )?
+    .sharing_modes()
+    .len();
+    let daemons_left = std::fs::read_dir(plugin.config.plugin_dir().join("mps"))
+        .map(|dir| dir.count())
+        .unwrap_or(0);
     step(
         out,
-        10,
+        11,
         &format!(
-            "NodeUnprepareResources succeeded for both claims; CDI specs removed: {}; MIG devices left: {mig_left}",
+            "NodeUnprepareResources succeeded for all four claims; CDI specs removed: {}; MIG devices left: {mig_left};\n    GPUs not in their default sharing mode: {modes_left}; MPS daemons left: {daemons_left}",
             !spec_path.exists() && !plugin.preparer.cdi_spec_path(&mig_uid).exists()
         ),
     )?;
@@ -247,7 +261,7 @@ pub async fn run(out: &mut impl Write) -> Result<()> {
     let tainted = wait_for_taints(&api.client(), |n| n > 0).await?;
     step(
         out,
-        11,
+        12,
         "Injected XID 79 (GPU fallen off the bus) on gpu-5 by editing the fake profile:",
     )?;
     say(
@@ -277,7 +291,7 @@ pub async fn run(out: &mut impl Write) -> Result<()> {
     let left = wait_for_taints(&api.client(), |n| n == 0).await?;
     step(
         out,
-        12,
+        13,
         &format!("Removed the fault (the GPU recovered): devices with taints: {left}"),
     )?;
 
@@ -285,7 +299,7 @@ pub async fn run(out: &mut impl Write) -> Result<()> {
     plugin.shutdown().await;
     step(
         out,
-        13,
+        14,
         &format!(
             "Plugin stopped; sockets removed: {}",
             sockets.iter().all(|s| !s.exists())
@@ -359,6 +373,98 @@ async fn demo_mig_claim(
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     Ok(uid)
+}
+
+/// Step 9: two claims that share their GPU, set by an opaque `GpuConfig` in the claim: one time-sliced
+/// (interval Long), one with its own MPS daemon. Returns both claims for the unprepare step.
+async fn demo_sharing(
+    out: &mut impl Write,
+    api: &ApiServer,
+    kubelet: &KubeletDouble,
+    plugin: &crate::plugin::RunningPlugin,
+    profile: &str,
+    root: &std::path::Path,
+) -> Result<Vec<ClaimRef>> {
+    let with_config = |sharing: serde_json::Value| {
+        serde_json::json!({
+            "requests": [{"name": "gpu", "exactly": {"deviceClassName": DRIVER}}],
+            "config": [{"opaque": {"driver": DRIVER, "parameters": {
+                "apiVersion": "gpu.dra.dev/v1alpha1", "kind": "GpuConfig", "sharing": sharing}}}]
+        })
+    };
+    let (sliced_uid, _) = create_and_allocate(
+        api,
+        SLICED_CLAIM,
+        with_config(serde_json::json!({"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}})),
+    )
+    .await?;
+    let (mps_uid, _) = create_and_allocate(
+        api,
+        MPS_CLAIM,
+        with_config(serde_json::json!({"strategy": "MPS", "mpsConfig": {
+            "defaultActiveThreadPercentage": 50, "defaultPinnedDeviceMemoryLimit": "20Gi"}})),
+    )
+    .await?;
+    let claims = vec![
+        ClaimRef::new(NAMESPACE, SLICED_CLAIM, sliced_uid.clone()),
+        ClaimRef::new(NAMESPACE, MPS_CLAIM, mps_uid.clone()),
+    ];
+    let prepared = kubelet.prepare(&claims).await?;
+    for claim in &claims {
+        if let Some(Err(error)) = prepared.get(&claim.uid) {
+            bail!("prepare of {} failed: {error}", claim.name);
+        }
+    }
+    step(
+        out,
+        9,
+        "Two claims share their GPU as their opaque GpuConfig asks (any pod or container of the claim gets it):",
+    )?;
+    let cdi = crate::cdi::CdiRegistry::new(&plugin.config.cdi_root, DRIVER);
+    for (name, uid) in [(SLICED_CLAIM, &sliced_uid), (MPS_CLAIM, &mps_uid)] {
+        let spec = cdi
+            .read_claim_spec(uid)?
+            .context("a sharing claim has no CDI spec")?;
+        let env = spec
+            .container_edits
+            .env
+            .iter()
+            .chain(spec.devices.iter().flat_map(|d| &d.container_edits.env))
+            .filter(|e| e.starts_with("GPU_DRA_SHARING") || e.starts_with("CUDA_MPS"))
+            .cloned()
+            .collect::<Vec<_>>()
+            .join(" ");
+        say(out, &format!("{NAMESPACE}/{name}: container env {env}"))?;
+    }
+    let modes = crate::gpu::FakeBackend::with_state_file(
+        NODE,
+        profile,
+        Some(root.join("fake-gpu-state.json")),
+    )?
+    .sharing_modes();
+    for (uuid, mode) in &modes {
+        say(out, &format!("fake GPU {uuid}: {mode}"))?;
+    }
+    if let Some(daemon) = plugin
+        .preparer
+        .prepared_claims()
+        .get(&mps_uid)
+        .and_then(|record| record.mps.clone())
+    {
+        say(
+            out,
+            &format!(
+                "MPS control daemon for {NAMESPACE}/{MPS_CLAIM}: pid {} (a stand-in process on fake GPUs), pipe {}",
+                daemon.pid,
+                daemon.dir.join("pipe").display()
+            ),
+        )?;
+        let log = std::fs::read_to_string(daemon.dir.join("log/control.log")).unwrap_or_default();
+        for line in log.lines().filter(|l| l.contains("set_default")) {
+            say(out, &format!("daemon log: {line}"))?;
+        }
+    }
+    Ok(claims)
 }
 
 /// Creates the claim with `devices` as its `spec.devices` and lets the scheduler double allocate it to a

@@ -241,7 +241,10 @@ async fn mps_daemons_are_taken_over_restarted_or_cleaned_up_across_restarts() {
 
     // Still running: taken over.
     let plugin = node.start_plugin().await;
-    assert_eq!(plugin.recovery.mps_daemons_taken_over, [claim.uid.clone()]);
+    assert_eq!(
+        plugin.recovery.mps_daemons_taken_over,
+        std::slice::from_ref(&claim.uid)
+    );
     assert_eq!(daemon_pid(&plugin, &claim.uid), first);
     plugin.shutdown().await;
 
@@ -253,7 +256,10 @@ async fn mps_daemons_are_taken_over_restarted_or_cleaned_up_across_restarts() {
     .unwrap();
     wait_gone(first).await;
     let plugin = node.start_plugin().await;
-    assert_eq!(plugin.recovery.mps_daemons_restarted, [claim.uid.clone()]);
+    assert_eq!(
+        plugin.recovery.mps_daemons_restarted,
+        std::slice::from_ref(&claim.uid)
+    );
     let second = daemon_pid(&plugin, &claim.uid);
     assert_ne!(second, first);
     assert!(process_runs(second));
@@ -266,7 +272,10 @@ async fn mps_daemons_are_taken_over_restarted_or_cleaned_up_across_restarts() {
     data.claims.remove(&claim.uid);
     file.store(&data).unwrap();
     let plugin = node.start_plugin().await;
-    assert_eq!(plugin.recovery.mps_daemons_cleaned_up, [claim.uid.clone()]);
+    assert_eq!(
+        plugin.recovery.mps_daemons_cleaned_up,
+        std::slice::from_ref(&claim.uid)
+    );
     wait_gone(second).await;
     assert!(!mps_dir(&node, &claim.uid).exists());
     plugin.shutdown().await;

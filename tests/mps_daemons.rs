@@ -182,6 +182,17 @@ fn stop_ends_the_daemon_and_removes_the_directory_and_may_be_repeated() {
 }
 
 #[test]
+fn the_stand_in_leaves_when_its_directory_is_removed() {
+    // A test that drops its temporary directory without unpreparing must not leave a daemon running.
+    let tmp = tempfile::tempdir().unwrap();
+    let daemons = daemons(tmp.path());
+    let mut guard = Guard::new(&daemons);
+    let record = guard.start(&spec(UID_A));
+    std::fs::remove_dir_all(&record.dir).unwrap();
+    wait_until("the stand-in to exit", || process_ended(record.pid));
+}
+
+#[test]
 fn stop_signals_a_daemon_that_no_longer_takes_commands() {
     let tmp = tempfile::tempdir().unwrap();
     let daemons = daemons(tmp.path());

@@ -261,8 +261,15 @@ async fn serve(pipe: &Path, devices: Vec<String>, log: Arc<Log>) -> Result<(), S
         pinned_limits: BTreeMap::new(),
     }));
     let quit = Arc::new(Notify::new());
+    // Unlike the real daemon, the stand-in leaves when its pipe directory goes, so that a test whose
+    // temporary directory is removed never leaves a daemon behind.
+    let mut watchdog = tokio::time::interval(Duration::from_secs(1));
     loop {
         tokio::select! {
+            _ = watchdog.tick() => if !pipe.is_dir() {
+                log.line("Pipe directory removed; exiting");
+                return Ok(());
+            },
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => {
                     tokio::spawn(session(stream, settings.clone(), log.clone(), quit.clone()));

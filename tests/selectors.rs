@@ -271,11 +271,55 @@ fn check_reports_matches_and_exit_codes() {
         .expect("the claim's request");
     assert_eq!(
         request["errors"].as_array().expect("errors").len(),
-        8,
-        "one per GPU"
+        1,
+        "one error for the 8 GPUs"
     );
     assert_eq!(request["errors"][0]["blocking"], true);
     assert_eq!(request["errors"][0]["device"], "gpu.dra.dev/node-a/gpu-0");
+    assert_eq!(
+        request["errors"][0]["devices"][7],
+        "gpu.dra.dev/node-a/gpu-7"
+    );
+    assert_eq!(request["errors"][0]["evaluated"], 8);
+}
+
+#[test]
+fn check_prints_an_error_of_many_devices_once_with_the_nearest_published_name() {
+    let (_dir, slices) = node_slices();
+    let output = gpu_dra(&[
+        "selectors",
+        "check",
+        "--class",
+        CLASSES,
+        "--claim",
+        &fixture("claim-typo.yaml"),
+        "--slices",
+        slices.to_str().expect("path"),
+    ]);
+    assert_eq!(code(&output), 2, "{}", text(&output.stderr));
+    let table = text(&output.stdout);
+    let lines: Vec<&str> = table.lines().collect();
+    let at = lines
+        .iter()
+        .position(|l| l.starts_with("claim ml/typo request h100 (class gpu.dra.dev)"))
+        .unwrap_or_else(|| panic!("no subject for the request:\n{table}"));
+    // The class's selector keeps the 200 MIG devices away; the request's fails on the 8 GPUs it sees.
+    let errors: Vec<&str> = lines[at..]
+        .iter()
+        .take_while(|l| !l.is_empty())
+        .filter(|l| {
+            l.trim_start().starts_with("BLOCKING error") || l.trim_start().starts_with("hint")
+        })
+        .copied()
+        .collect();
+    assert_eq!(
+        errors,
+        [
+            "  BLOCKING error: request h100: selector #0 on all 8 devices: CEL runtime error: no such key: productNam. consider using CEL optional chaining (.? followed by orValue()) or guarding the check with has() for optional fields",
+            "    hint: no device has attribute gpu.dra.dev/productNam: did you mean productName?",
+        ],
+        "{table}"
+    );
 }
 
 #[test]

@@ -334,6 +334,28 @@ fn check_prints_an_error_of_many_devices_once_with_the_nearest_published_name() 
         ],
         "{table}"
     );
+
+    // A class that errors on the 8 full GPUs (no profile) of the 208 devices: a few are named. The
+    // name exists on the MIG devices, so there is no hint.
+    let output = gpu_dra(&[
+        "selectors",
+        "check",
+        "--class",
+        &fixture("class-1g-unguarded.yaml"),
+        "--slices",
+        slices.to_str().expect("path"),
+    ]);
+    assert_eq!(code(&output), 2, "{}", text(&output.stderr));
+    let table = text(&output.stdout);
+    let errors: Vec<&str> = table
+        .lines()
+        .filter(|l| l.contains("BLOCKING error") || l.contains("hint:"))
+        .collect();
+    assert_eq!(
+        errors,
+        ["  BLOCKING error: class 1g.gpu.dra.dev: selector #0 on 8 of 208 devices (gpu.dra.dev/node-a/gpu-0, gpu.dra.dev/node-a/gpu-1, gpu.dra.dev/node-a/gpu-2, ...): CEL runtime error: no such key: profile. consider using CEL optional chaining (.? followed by orValue()) or guarding the check with has() for optional fields"],
+        "{table}"
+    );
 }
 
 #[test]

@@ -134,13 +134,14 @@ fn nearest<'a>(name: &str, candidates: &[&'a str]) -> Vec<&'a str> {
 pub(crate) fn edit_distance(a: &str, b: &str) -> usize {
     let (a, b): (Vec<char>, Vec<char>) = (a.chars().collect(), b.chars().collect());
     // d[i][j]: the distance between the first i characters of a and the first j of b.
-    let mut d = vec![vec![0usize; b.len() + 1]; a.len() + 1];
-    for (i, row) in d.iter_mut().enumerate() {
-        row[0] = i;
-    }
-    for j in 0..=b.len() {
-        d[0][j] = j;
-    }
+    let mut d: Vec<Vec<usize>> = (0..=a.len())
+        .map(|i| {
+            let mut row = vec![0; b.len() + 1];
+            row[0] = i;
+            row
+        })
+        .collect();
+    d[0] = (0..=b.len()).collect();
     for i in 1..=a.len() {
         for j in 1..=b.len() {
             let cost = usize::from(a[i - 1] != b[j - 1]);

@@ -475,10 +475,25 @@ fn exit_with(result: Result<i32>) -> ! {
     match result {
         Ok(code) => std::process::exit(code),
         Err(error) => {
-            eprintln!("error: {error:#}");
+            eprintln!("error: {}", error_text(&error));
             std::process::exit(2)
         }
     }
+}
+
+/// The error and its causes, as anyhow's `{:#}` writes them, but each cause once: the library's errors
+/// write their cause into their own text and also return it as `source()`, which `{:#}` repeats.
+fn error_text(error: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in error.chain().map(ToString::to_string) {
+        if text.is_empty() {
+            text = cause;
+        } else if !text.contains(&cause) {
+            text.push_str(": ");
+            text.push_str(&cause);
+        }
+    }
+    text
 }
 
 fn selectors_check(args: SelectorsCheckArgs) -> Result<i32> {

@@ -1,6 +1,9 @@
 //! The compile-phase checks that cel-go's type checker makes and the `cel` crate (a parser and
 //! interpreter only) does not: undeclared identifiers and functions, fields of `device`, the features
-//! the API server gates, and a best-effort check that the result can be a bool.
+//! the API server gates, and a best-effort check that the result can be a bool. Also the literal
+//! attribute and capacity names an expression looks up, for `selectors check`'s suggestions.
+
+use std::collections::BTreeSet;
 
 use cel::common::ast::{operators, EntryExpr, Expr, IdedExpr, LiteralValue};
 
@@ -358,4 +361,114 @@ pub(crate) fn non_bool_result(expr: &IdedExpr) -> Option<&'static str> {
         },
         _ => None,
     }
+}
+
+/// The map of `device` that a name is looked up in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum DeviceMap {
+    Attributes,
+    Capacity,
+}
+
+/// A lookup with literal keys in `device.attributes` or `device.capacity`: the domain, and the name
+/// when the expression looks one up in it (`.name`, `["name"]`, `.?name`, `[?"name"]`, `has(..)`,
+/// `"name" in ..`).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct DeviceReference {
+    pub map: DeviceMap,
+    pub domain: String,
+    pub name: Option<String>,
+}
+
+/// Every literal lookup in `device.attributes` and `device.capacity` that `expr` makes, sorted. Names
+/// computed at run time, or reached through variables (`cel.bind`), are not seen.
+pub(crate) fn device_references(expr: &IdedExpr) -> Vec<DeviceReference> {
+    let mut found = BTreeSet::new();
+    collect_references(expr, false, &mut found);
+    found.into_iter().collect()
+}
+
+/// The operand and the literal key of `x.key`, `x["key"]`, `x[?"key"]` or `x.?key`.
+fn lookup(expr: &IdedExpr) -> Option<(&IdedExpr, &str)> {
+    match &expr.expr {
+        Expr::Select(s) => Some((&s.operand, s.field.as_str())),
+        Expr::Call(c)
+            if c.target.is_none()
+                && c.args.len() == 2
+                && [
+                    operators::INDEX,
+                    operators::OPT_INDEX,
+                    operators::OPT_SELECT,
+                ]
+                .contains(&c.func_name.as_str()) =>
+        {
+            match &c.args[1].expr {
+                Expr::Literal(LiteralValue::String(key)) => Some((&c.args[0], key.inner())),
+                _ => None,
+            }
+        }
+        _ => None,
+    }
+}
+
+/// `device.attributes[domain]` or `device.capacity[domain]`, while `device` is the variable.
+fn domain_lookup(expr: &IdedExpr, shadowed: bool) -> Option<(DeviceMap, &str)> {
+    let (operand, domain) = lookup(expr)?;
+    let Expr::Select(s) = &operand.expr else {
+        return None;
+    };
+    if shadowed || s.test || !matches!(&s.operand.expr, Expr::Ident(n) if n == "device") {
+        return None;
+    }
+    match s.field.as_str() {
+        "attributes" => Some((DeviceMap::Attributes, domain)),
+        "capacity" => Some((DeviceMap::Capacity, domain)),
+        _ => None,
+    }
+}
+
+fn collect_references(expr: &IdedExpr, shadowed: bool, found: &mut BTreeSet<DeviceReference>) {
+    let mut add = |map, domain: &str, name: Option<&str>| {
+        found.insert(DeviceReference {
+            map,
+            domain: domain.to_owned(),
+            name: name.map(str::to_owned),
+        });
+    };
+    if let Some((map, domain)) = domain_lookup(expr, shadowed) {
+        add(map, domain, None);
+    }
+    if let Some((operand, name)) = lookup(expr) {
+        if let Some((map, domain)) = domain_lookup(operand, shadowed) {
+            add(map, domain, Some(name));
+        }
+    }
+    if let Expr::Call(c) = &expr.expr {
+        if c.func_name == operators::IN && c.args.len() == 2 {
+            if let (Expr::Literal(LiteralValue::String(name)), Some((map, domain))) =
+                (&c.args[0].expr, domain_lookup(&c.args[1], shadowed))
+            {
+                add(map, domain, Some(name.inner()));
+            }
+        }
+    }
+    if let Expr::Comprehension(c) = &expr.expr {
+        // A comprehension variable named `device` hides the device inside the loop.
+        let inner = shadowed
+            || [
+                c.iter_var.as_str(),
+                c.accu_var.as_str(),
+                c.iter_var2.as_deref().unwrap_or_default(),
+            ]
+            .contains(&"device");
+        collect_references(&c.iter_range, shadowed, found);
+        collect_references(&c.accu_init, shadowed, found);
+        for e in [&c.loop_cond, &c.loop_step, &c.result] {
+            collect_references(e, inner, found);
+        }
+        return;
+    }
+    for_each_child(expr, &mut |child| {
+        collect_references(child, shadowed, found)
+    });
 }

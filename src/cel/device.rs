@@ -59,7 +59,7 @@ impl DeviceView {
 type Domains = HashMap<String, HashMap<CelMapKey<'static>, Box<dyn Val>>>;
 
 /// Splits a qualified name at the first '/' into domain and id; a bare name gets `driver`.
-fn split_name<'a>(name: &'a str, driver: &'a str) -> (&'a str, &'a str) {
+pub(crate) fn split_name<'a>(name: &'a str, driver: &'a str) -> (&'a str, &'a str) {
     match name.split_once('/') {
         Some((domain, id)) => (domain, id),
         None => (driver, name),

@@ -30,6 +30,7 @@ use cel::common::value::{CowVal, Val};
 use cel::context::VariableResolver;
 use cel::{Context, Env, ExecutionError, IdedExpr, Value};
 
+pub use check::{DeviceMap, DeviceReference};
 pub use device::DeviceView;
 
 /// Kubernetes' limit on a selector expression (`CELSelectorExpressionMaxLength`).
@@ -85,6 +86,7 @@ pub struct Selector {
     constants: Vec<Box<dyn Val>>,
     estimated_cost: Option<u64>,
     depth: usize,
+    references: Vec<DeviceReference>,
     env: Arc<Env>,
 }
 
@@ -199,9 +201,11 @@ impl Selector {
                 Some(cost)
             }
         };
+        let references = check::device_references(&parsed);
         let instrumented = cost::instrument(parsed);
         Ok(Selector {
             expression: expression.to_owned(),
+            references,
             depth: depth(&instrumented.expr),
             program: instrumented.expr,
             constants: instrumented.constants,
@@ -213,6 +217,11 @@ impl Selector {
     /// The source text.
     pub fn expression(&self) -> &str {
         &self.expression
+    }
+
+    /// The literal attribute and capacity lookups of the expression (domains, and names in them).
+    pub fn references(&self) -> &[DeviceReference] {
+        &self.references
     }
 
     /// Evaluates the selector against `device`: `Ok(true)` / `Ok(false)` for match / no match, and

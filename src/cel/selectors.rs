@@ -10,17 +10,24 @@ use k8s_openapi::api::resource::v1::{Device, DeviceClass, DeviceSelector, Resour
 use serde::Serialize;
 
 use super::allocator::{first_mismatch, Candidate, CompiledSelector, SelectorOrigin};
+use super::device::split_name;
 use super::input::NamedClaim;
 use super::{CelError, DeviceView};
 use crate::claims::configs::{check_claim_spec, check_device_class, ConfigProblem};
+use hints::PublishedNames;
 
+mod hints;
 pub mod simulate;
 
-/// A device to check, with the driver and pool of its slice.
+/// A device to check, with the driver and pool of its slice, and the names it publishes.
 #[derive(Debug, Clone)]
 pub struct SliceDevice {
     pub id: Candidate,
     pub view: DeviceView,
+    /// Attribute names as (domain, id); a bare name has the driver's domain.
+    pub attributes: Vec<(String, String)>,
+    /// Capacity names as (domain, id).
+    pub capacity: Vec<(String, String)>,
 }
 
 /// Every device of `slices`, in slice order (pools and generations are not considered: a check looks
@@ -35,8 +42,24 @@ pub fn slice_devices(slices: &[ResourceSlice]) -> Vec<SliceDevice> {
                     pool: slice.spec.pool.name.clone(),
                     device: device.name.clone(),
                 };
+                let qualified = |name: &String| {
+                    let (domain, id) = split_name(name, &id.driver);
+                    (domain.to_owned(), id.to_owned())
+                };
                 SliceDevice {
                     view: DeviceView::new(&id.driver, device),
+                    attributes: device
+                        .attributes
+                        .iter()
+                        .flatten()
+                        .map(|(n, _)| qualified(n))
+                        .collect(),
+                    capacity: device
+                        .capacity
+                        .iter()
+                        .flatten()
+                        .map(|(n, _)| qualified(n))
+                        .collect(),
                     id,
                 }
             })
@@ -56,14 +79,19 @@ pub fn slice_devices(slices: &[ResourceSlice]) -> Vec<SliceDevice> {
 ///    "matches": ["driver/pool/device", ...],
 ///    "noMatch": [{"device": "driver/pool/device",
 ///                 "selector": {"origin": {"kind": "class"|"request", "name": "..."},
-///                              "index": 0, "expression": "..."}}],
-///    "errors": [{"device": "driver/pool/device" | null,   // null: compile error or invalid input
+///                              "index": 0, "expression": "...",
+///                              "hints": ["..."]}}],  // only when it names something no device has
+///    "errors": [{"device": "driver/pool/device" | null,   // the first of "devices"; null: compile
+///                                                         // error, config or invalid input
+///                "devices": ["driver/pool/device", ...],  // every device with this error
+///                "evaluated": 8 | null,    // devices the selector ran on (runtime errors)
 ///                "selector": {...} | null,
 ///                "config": 0 | null,       // the index of a malformed config in spec.config /
 ///                                          // spec.devices.config (blocking false: it fails prepare)
 ///                "message": "...", "blocking": true}]}]}
 /// ```
 ///
+/// One selector failing with the same error on several devices is one entry of `errors`.
 /// A claim's config errors go to its first request's subject, or to a subject of their own (no class,
 /// no request) when the claim has no request.
 #[derive(Debug, Clone, Default, Serialize)]
@@ -93,6 +121,10 @@ pub struct SelectorRef {
     pub origin: SelectorOrigin,
     pub index: usize,
     pub expression: String,
+    /// Domains and names the expression looks up that no checked device publishes, each with the
+    /// nearest published one where there is one.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub hints: Vec<String>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -108,7 +140,12 @@ pub struct NoMatch {
 #[derive(Debug, Clone, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct CheckError {
+    /// The first of `devices`; none for an error that is no device's (compile, config, input).
     pub device: Option<String>,
+    /// The devices on which the selector failed with this error, in device order.
+    pub devices: Vec<String>,
+    /// How many devices the selector was evaluated on, for a runtime error.
+    pub evaluated: Option<usize>,
     pub selector: Option<SelectorRef>,
     /// The index of the malformed config, for a config error.
     pub config: Option<usize>,
@@ -142,6 +179,7 @@ pub fn check(
         .iter()
         .filter_map(|c| Some((c.metadata.name.as_deref()?, c)))
         .collect();
+    let published = PublishedNames::of(devices);
     let mut subjects = Vec::new();
     for class in classes {
         let name = class.metadata.name.clone().unwrap_or_default();
@@ -153,7 +191,12 @@ pub fn check(
         subject
             .errors
             .extend(config_errors(&format!("DeviceClass {name}"), problems));
-        evaluate(&mut subject, &class_selectors(&name, class), devices);
+        evaluate(
+            &mut subject,
+            &class_selectors(&name, class),
+            devices,
+            &published,
+        );
         subjects.push(subject);
     }
     for claim in claims {
@@ -186,7 +229,7 @@ pub fn check(
                     continue;
                 }
             }
-            evaluate(&mut subject, &groups, devices);
+            evaluate(&mut subject, &groups, devices, &published);
             subjects.push(subject);
         }
         let problems = check_claim_spec(driver, &claim.spec);
@@ -276,6 +319,8 @@ fn claim_requests(claim: &NamedClaim) -> Vec<RequestToCheck<'_>> {
 fn input_error(message: String) -> CheckError {
     CheckError {
         device: None,
+        devices: Vec::new(),
+        evaluated: None,
         selector: None,
         config: None,
         message,
@@ -289,6 +334,8 @@ fn config_errors(object: &str, problems: Vec<ConfigProblem>) -> Vec<CheckError> 
         .into_iter()
         .map(|problem| CheckError {
             device: None,
+            devices: Vec::new(),
+            evaluated: None,
             selector: None,
             config: Some(problem.index),
             message: format!("{object}: {problem}"),
@@ -297,67 +344,147 @@ fn config_errors(object: &str, problems: Vec<ConfigProblem>) -> Vec<CheckError> 
         .collect()
 }
 
+/// A selector's error and the devices it occurred on.
+struct Failure {
+    group: usize,
+    index: usize,
+    error: CelError,
+    devices: Vec<String>,
+}
+
 /// Runs the groups in order on every device, stopping at the first selector that does not say true.
-fn evaluate(subject: &mut Subject, groups: &Groups, devices: &[SliceDevice]) {
+/// A selector that fails with the same error on several devices gives one error; a compile error is the
+/// selector's, not a device's, and names none.
+fn evaluate(
+    subject: &mut Subject,
+    groups: &Groups,
+    devices: &[SliceDevice],
+    published: &PublishedNames,
+) {
     subject.devices = devices.len();
-    let mut compile_errors_seen = Vec::new();
+    let references: Vec<Vec<SelectorRef>> = groups
+        .iter()
+        .map(|(origin, selectors)| {
+            selectors
+                .iter()
+                .enumerate()
+                .map(|(index, selector)| SelectorRef {
+                    origin: origin.clone(),
+                    index,
+                    expression: selector.expression.clone(),
+                    hints: selector
+                        .compiled
+                        .as_ref()
+                        .map(|s| published.hints(s.references()))
+                        .unwrap_or_default(),
+                })
+                .collect()
+        })
+        .collect();
+    // How many devices each selector (group, index) ran on.
+    let mut evaluated: BTreeMap<(usize, usize), usize> = BTreeMap::new();
+    let mut failures: Vec<Failure> = Vec::new();
     for device in devices {
         let name = device.id.to_string();
         let mut outcome = None;
-        for (origin, selectors) in groups {
-            match first_mismatch(selectors, &device.view) {
+        for (group, (_, selectors)) in groups.iter().enumerate() {
+            let result = first_mismatch(selectors, &device.view);
+            let ran = match &result {
+                Ok(None) => selectors.len(),
+                Ok(Some(index)) => index + 1,
+                Err((index, CelError::Compile(_))) => *index,
+                Err((index, CelError::Runtime(_))) => index + 1,
+            };
+            for index in 0..ran {
+                *evaluated.entry((group, index)).or_default() += 1;
+            }
+            match result {
                 Ok(None) => continue,
-                Ok(Some(index)) => outcome = Some(Ok((origin, index))),
-                Err((index, error)) => outcome = Some(Err((origin, index, error))),
+                Ok(Some(index)) => outcome = Some(Ok((group, index))),
+                Err((index, error)) => outcome = Some(Err((group, index, error))),
             }
             break;
         }
-        let reference = |origin: &SelectorOrigin, index: usize| SelectorRef {
-            origin: origin.clone(),
-            index,
-            expression: groups
-                .iter()
-                .find(|(o, _)| o == origin)
-                .and_then(|(_, s)| s.get(index))
-                .map(|s| s.expression.clone())
-                .unwrap_or_default(),
-        };
         match outcome {
             None => {
                 subject.matching += 1;
                 subject.matches.push(name);
             }
-            Some(Ok((origin, index))) => subject.no_match.push(NoMatch {
+            Some(Ok((group, index))) => subject.no_match.push(NoMatch {
                 device: name,
-                selector: reference(origin, index),
+                selector: references[group][index].clone(),
             }),
-            Some(Err((origin, index, error))) => {
-                let selector = reference(origin, index);
-                // A compile error is the selector's, not the device's: reported once.
-                let device = match error {
-                    CelError::Compile(_) => {
-                        if compile_errors_seen.contains(&selector) {
-                            continue;
-                        }
-                        compile_errors_seen.push(selector.clone());
-                        None
-                    }
-                    CelError::Runtime(_) => Some(name.clone()),
-                };
-                let message = match &device {
-                    Some(device) => {
-                        format!("{origin}: selector #{index} on device {device}: CEL {error}")
-                    }
-                    None => format!("{origin}: selector #{index}: CEL {error}"),
-                };
-                subject.errors.push(CheckError {
-                    device,
-                    selector: Some(selector),
-                    config: None,
-                    message,
-                    blocking: true,
+            Some(Err((group, index, error))) => {
+                // The error text names no device (CEL's and a device's conversion errors do not), so
+                // equal texts are one error.
+                let seen = failures
+                    .iter()
+                    .position(|f| (f.group, f.index, &f.error) == (group, index, &error));
+                let at = seen.unwrap_or_else(|| {
+                    failures.push(Failure {
+                        group,
+                        index,
+                        error,
+                        devices: Vec::new(),
+                    });
+                    failures.len() - 1
                 });
+                if matches!(failures[at].error, CelError::Runtime(_)) {
+                    failures[at].devices.push(name);
+                }
             }
+        }
+    }
+    for Failure {
+        group,
+        index,
+        error,
+        devices,
+    } in failures
+    {
+        let origin = &groups[group].0;
+        let (on, evaluated) = match error {
+            CelError::Compile(_) => (String::new(), None),
+            CelError::Runtime(_) => {
+                let evaluated = evaluated.get(&(group, index)).copied().unwrap_or_default();
+                (
+                    format!(" {}", on_devices(&devices, evaluated)),
+                    Some(evaluated),
+                )
+            }
+        };
+        subject.errors.push(CheckError {
+            device: devices.first().cloned(),
+            devices,
+            evaluated,
+            selector: Some(references[group][index].clone()),
+            config: None,
+            message: format!("{origin}: selector #{index}{on}: CEL {error}"),
+            blocking: true,
+        });
+    }
+}
+
+/// Names a table line lists before "...".
+const NAMES_IN_LINE: usize = 3;
+
+/// `on device D` (the only device the selector ran on), `on all N devices`, or `on K of N devices
+/// (D1, D2, D3, ...)`.
+fn on_devices(devices: &[String], evaluated: usize) -> String {
+    match devices {
+        [device] if evaluated == 1 => format!("on device {device}"),
+        _ if devices.len() == evaluated => format!("on all {evaluated} devices"),
+        _ => {
+            let mut names = devices
+                .iter()
+                .take(NAMES_IN_LINE)
+                .map(String::as_str)
+                .collect::<Vec<_>>()
+                .join(", ");
+            if devices.len() > NAMES_IN_LINE {
+                names.push_str(", ...");
+            }
+            format!("on {} of {evaluated} devices ({names})", devices.len())
         }
     }
 }
@@ -395,6 +522,17 @@ impl CheckReport {
                     None => by_selector.push((&miss.selector, vec![&miss.device])),
                 }
             }
+            // A selector's hints follow the first line that names it.
+            let mut hinted: Vec<SelectorRef> = Vec::new();
+            let mut hints = |out: &mut String, selector: Option<&SelectorRef>| {
+                let Some(selector) = selector.filter(|s| !hinted.contains(s)) else {
+                    return;
+                };
+                for hint in &selector.hints {
+                    let _ = writeln!(out, "    hint: {hint}");
+                }
+                hinted.push(selector.clone());
+            };
             for (selector, devices) in by_selector {
                 let _ = writeln!(
                     out,
@@ -404,6 +542,7 @@ impl CheckReport {
                     selector.expression,
                     shorten(&devices)
                 );
+                hints(&mut out, Some(selector));
             }
             for error in subject.errors.iter().take(TABLE_LIST) {
                 let label = if error.blocking {
@@ -412,6 +551,7 @@ impl CheckReport {
                     "config error"
                 };
                 let _ = writeln!(out, "  {label}: {}", error.message);
+                hints(&mut out, error.selector.as_ref());
             }
             if subject.errors.len() > TABLE_LIST {
                 let _ = writeln!(

@@ -586,3 +586,67 @@ fn macros_in_and_error_absorption() {
         Err(CelError::Runtime(_))
     ));
 }
+
+/// The lookups `selectors check` compares with the published names, written as `map domain/name`.
+fn references(expression: &str) -> Vec<String> {
+    Selector::compile(expression)
+        .expect("compiles")
+        .references()
+        .iter()
+        .map(|r| {
+            let map = match r.map {
+                super::DeviceMap::Attributes => "attributes",
+                super::DeviceMap::Capacity => "capacity",
+            };
+            format!("{map} {}/{}", r.domain, r.name.as_deref().unwrap_or("*"))
+        })
+        .collect()
+}
+
+#[test]
+fn references_name_the_domains_and_names_looked_up_in_every_access_form() {
+    let cases: &[(&str, &[&str])] = &[
+        (
+            r#"device.attributes["gpu.dra.dev"].productName == "x""#,
+            &[
+                "attributes gpu.dra.dev/*",
+                "attributes gpu.dra.dev/productName",
+            ],
+        ),
+        (
+            r#"device.capacity["gpu.dra.dev"]["memory"].compareTo(quantity("1Gi")) > 0"#,
+            &["capacity gpu.dra.dev/*", "capacity gpu.dra.dev/memory"],
+        ),
+        (
+            r#"has(device.attributes["a.dev"].x) && device.attributes["a.dev"].?y.orValue(1) == 1"#,
+            &[
+                "attributes a.dev/*",
+                "attributes a.dev/x",
+                "attributes a.dev/y",
+            ],
+        ),
+        (
+            r#"device.attributes[?"a.dev"][?"x"].hasValue() || "y" in device.capacity["b.dev"]"#,
+            &[
+                "attributes a.dev/*",
+                "attributes a.dev/x",
+                "capacity b.dev/*",
+                "capacity b.dev/y",
+            ],
+        ),
+        // Inside a macro, and a key that is computed, not literal: only the domain.
+        (
+            r#"["x"].all(k, device.attributes["a.dev"][k] == 1)"#,
+            &["attributes a.dev/*"],
+        ),
+        // A comprehension variable named `device` is not the device.
+        (
+            r#"[{"attributes": {"a.dev": {"x": 1}}}].all(device, device.attributes["a.dev"].x == 1)"#,
+            &[],
+        ),
+        (r#"device.driver == "gpu.dra.dev""#, &[]),
+    ];
+    for (expression, want) in cases {
+        assert_eq!(references(expression), *want, "{expression}");
+    }
+}

@@ -129,14 +129,19 @@ fn runtime_and_compile_errors_block_and_are_counted_once() {
     assert!(broken.errors[0].device.is_none() && broken.errors[0].blocking);
 
     let odd_a = by_title["claim ml/train request odd/a (class gpu)"];
-    assert_eq!(odd_a.errors.len(), 2, "one runtime error per GPU");
+    assert_eq!(odd_a.errors.len(), 1, "one error for both GPUs");
     assert!(
         odd_a.errors[0].message.starts_with(
-            "request odd/a: selector #0 on device gpu.dra.dev/node-a/gpu-0: CEL runtime error: no such key: cores"
+            "request odd/a: selector #0 on all 2 devices: CEL runtime error: no such key: cores"
         ),
         "{}",
         odd_a.errors[0].message
     );
+    assert_eq!(
+        odd_a.errors[0].devices,
+        ["gpu.dra.dev/node-a/gpu-0", "gpu.dra.dev/node-a/gpu-1"]
+    );
+    assert_eq!(odd_a.errors[0].evaluated, Some(2));
     assert_eq!(
         by_title["claim ml/train request odd/b (class gpu)"].matching,
         2
@@ -152,9 +157,9 @@ fn runtime_and_compile_errors_block_and_are_counted_once() {
         json["subjects"][1]["errors"][0]["selector"]["origin"],
         json!({"kind": "class", "name": "broken"})
     );
-    assert!(report
-        .to_table()
-        .contains("BLOCKING error: request odd/a: selector #0 on device"));
+    assert!(report.to_table().contains(
+        "BLOCKING error: request odd/a: selector #0 on all 2 devices: CEL runtime error"
+    ));
 }
 
 #[test]
@@ -309,4 +314,208 @@ fn config_errors_name_the_object_and_do_not_block_allocation() {
     assert!(table.contains("claim ml/bare: no requests\n"), "{table}");
     assert!(!table.contains("BLOCKING"), "{table}");
     assert!(!table.contains("NOTHING MATCHES"), "{table}");
+}
+
+/// One slice of `devices`, each `(name, attributes, capacity)` in the JSON shape of a Device.
+fn slice_of(devices: &[(&str, Value, Value)]) -> Vec<ResourceSlice> {
+    let devices: Vec<Value> = devices
+        .iter()
+        .map(|(name, attributes, capacity)| {
+            json!({"name": name, "attributes": attributes, "capacity": capacity})
+        })
+        .collect();
+    vec![serde_json::from_value(json!({
+        "metadata": {"name": "node-a-gpu"},
+        "spec": {"driver": DRIVER, "nodeName": "node-a",
+                 "pool": {"name": "node-a", "generation": 1, "resourceSliceCount": 1},
+                 "devices": devices}
+    }))
+    .expect("slice")]
+}
+
+/// The lines of `table` that start (after indentation) with `prefix`.
+fn lines_starting<'a>(table: &'a str, prefix: &str) -> Vec<&'a str> {
+    table
+        .lines()
+        .map(str::trim_start)
+        .filter(|l| l.starts_with(prefix))
+        .collect()
+}
+
+#[test]
+fn an_error_on_some_devices_is_one_line_naming_a_few_of_them() {
+    // Six GPUs without a profile and two MIG devices with one: the class errors on the six.
+    let mut devices: Vec<(String, Value)> = (0..6)
+        .map(|i| (format!("gpu-{i}"), json!({"type": {"string": "gpu"}})))
+        .collect();
+    for i in 0..2 {
+        devices.push((
+            format!("gpu-0-mig-{i}"),
+            json!({"type": {"string": "mig"}, "profile": {"string": "1g.10gb"}}),
+        ));
+    }
+    let devices: Vec<(&str, Value, Value)> = devices
+        .iter()
+        .map(|(n, a)| (n.as_str(), a.clone(), json!({})))
+        .collect();
+    let classes = [class(
+        "small",
+        &[r#"device.attributes["gpu.dra.dev"].profile == "1g.10gb""#],
+    )];
+    let report = check(DRIVER, &classes, &[], &slice_devices(&slice_of(&devices)));
+    let table = report.to_table();
+    assert_eq!(
+        lines_starting(&table, "BLOCKING error"),
+        ["BLOCKING error: class small: selector #0 on 6 of 8 devices (gpu.dra.dev/node-a/gpu-0, gpu.dra.dev/node-a/gpu-1, gpu.dra.dev/node-a/gpu-2, ...): CEL runtime error: no such key: profile. consider using CEL optional chaining (.? followed by orValue()) or guarding the check with has() for optional fields"],
+        "{table}"
+    );
+    // Published by two devices: no hint.
+    assert!(!table.contains("hint:"), "{table}");
+
+    let json: Value = serde_json::from_str(&report.to_json()).expect("JSON");
+    let error = &json["subjects"][0]["errors"][0];
+    assert_eq!(
+        json["subjects"][0]["errors"].as_array().map(Vec::len),
+        Some(1)
+    );
+    assert_eq!(error["device"], "gpu.dra.dev/node-a/gpu-0");
+    assert_eq!(error["devices"].as_array().map(Vec::len), Some(6));
+    assert_eq!(error["devices"][5], "gpu.dra.dev/node-a/gpu-5");
+    assert_eq!(error["evaluated"], 8);
+    assert_eq!(error["blocking"], true);
+}
+
+#[test]
+fn the_devices_an_error_is_counted_against_are_those_the_selector_ran_on() {
+    assert_eq!(
+        super::on_devices(&["d/p/gpu-0".to_string()], 1),
+        "on device d/p/gpu-0"
+    );
+    assert_eq!(
+        super::on_devices(&["d/p/gpu-0".to_string()], 3),
+        "on 1 of 3 devices (d/p/gpu-0)"
+    );
+    let three: Vec<String> = (0..3).map(|i| format!("gpu-{i}")).collect();
+    assert_eq!(super::on_devices(&three, 3), "on all 3 devices");
+    assert_eq!(
+        super::on_devices(&three, 5),
+        "on 3 of 5 devices (gpu-0, gpu-1, gpu-2)"
+    );
+}
+
+/// The table of checking `expression` as a request of claim ml/train (class `gpu`, which takes the two
+/// GPUs of `slices()`).
+fn request_table(expression: &str) -> String {
+    let classes = [class("gpu", &[IS_GPU])];
+    let claims = [claim(json!([
+        {"name": "r", "exactly": {"deviceClassName": "gpu", "selectors": [{"cel": {"expression": expression}}]}},
+    ]))];
+    check(DRIVER, &classes, &claims, &slice_devices(&slices())).to_table()
+}
+
+#[test]
+fn a_name_no_device_publishes_gets_the_nearest_published_one() {
+    let cases = [
+        (
+            r#"device.attributes["gpu.dra.dev"].typ == "gpu""#,
+            "hint: no device has attribute gpu.dra.dev/typ: did you mean type?",
+        ),
+        (
+            r#"device.capacity["gpu.dra.dev"].memroy.compareTo(quantity("1Gi")) > 0"#,
+            "hint: no device has capacity gpu.dra.dev/memroy: did you mean memory?",
+        ),
+        (
+            r#"device.capacity["gpu.dra.de"].memory.compareTo(quantity("1Gi")) > 0"#,
+            "hint: no device has capacities in domain gpu.dra.de: did you mean gpu.dra.dev?",
+        ),
+        // The other map.
+        (
+            r#"device.attributes["gpu.dra.dev"].memory == 1"#,
+            r#"hint: no device has attribute gpu.dra.dev/memory: did you mean device.capacity["gpu.dra.dev"].memory?"#,
+        ),
+        // Nothing near: the fact alone.
+        (
+            r#"device.attributes["gpu.dra.dev"].cudaCores >= 1"#,
+            "hint: no device has attribute gpu.dra.dev/cudaCores",
+        ),
+    ];
+    for (expression, want) in cases {
+        let table = request_table(expression);
+        let errors = lines_starting(&table, "BLOCKING error");
+        assert_eq!(errors.len(), 1, "{table}");
+        assert!(
+            errors[0].starts_with("BLOCKING error: request r: selector #0 on all 2 devices: CEL runtime error: no such key: "),
+            "{table}"
+        );
+        assert_eq!(lines_starting(&table, "hint:"), [want], "{table}");
+    }
+}
+
+#[test]
+fn a_guarded_lookup_of_a_name_no_device_publishes_gets_the_hint_under_no_match() {
+    let expression = r#"has(device.attributes["gpu.dra.dev"].tpye)"#;
+    let table = request_table(expression);
+    let lines: Vec<&str> = table.lines().collect();
+    let at = lines
+        .iter()
+        .position(|l| l.starts_with(&format!("  no match (request r selector #0: {expression})")))
+        .expect(&table);
+    assert_eq!(
+        lines[at + 1],
+        "    hint: no device has attribute gpu.dra.dev/tpye: did you mean type?",
+        "{table}"
+    );
+    assert!(!table.contains("BLOCKING"), "{table}");
+}
+
+#[test]
+fn a_name_published_in_another_domain_is_suggested_there() {
+    let devices = [(
+        "gpu-0",
+        json!({"type": {"string": "gpu"}, "resource.kubernetes.io/pciBusID": {"string": "0000:01:00.0"}}),
+        json!({}),
+    )];
+    let classes = [class(
+        "gpu",
+        &[r#"device.attributes["gpu.dra.dev"].pciBusID != """#],
+    )];
+    let table = check(DRIVER, &classes, &[], &slice_devices(&slice_of(&devices))).to_table();
+    assert_eq!(
+        lines_starting(&table, "BLOCKING error"),
+        ["BLOCKING error: class gpu: selector #0 on device gpu.dra.dev/node-a/gpu-0: CEL runtime error: no such key: pciBusID. consider using CEL optional chaining (.? followed by orValue()) or guarding the check with has() for optional fields"],
+        "{table}"
+    );
+    assert_eq!(
+        lines_starting(&table, "hint:"),
+        [
+            r#"hint: no device has attribute gpu.dra.dev/pciBusID: did you mean device.attributes["resource.kubernetes.io"].pciBusID?"#
+        ],
+        "{table}"
+    );
+    let json: Value = serde_json::from_str(
+        &check(DRIVER, &classes, &[], &slice_devices(&slice_of(&devices))).to_json(),
+    )
+    .expect("JSON");
+    assert_eq!(
+        json["subjects"][0]["errors"][0]["selector"]["hints"][0],
+        r#"no device has attribute gpu.dra.dev/pciBusID: did you mean device.attributes["resource.kubernetes.io"].pciBusID?"#
+    );
+}
+
+#[test]
+fn edit_distance_counts_swaps_as_one() {
+    use super::hints::edit_distance;
+    let cases = [
+        ("productName", "productName", 0),
+        ("productNam", "productName", 1),
+        ("memroy", "memory", 1),
+        ("gpu.dra.de", "gpu.dra.dev", 1),
+        ("type", "uuid", 4),
+        ("", "abc", 3),
+        ("kitten", "sitting", 3),
+    ];
+    for (a, b, want) in cases {
+        assert_eq!(edit_distance(a, b), want, "{a} {b}");
+        assert_eq!(edit_distance(b, a), want, "{b} {a}");
+    }
 }

@@ -15,7 +15,8 @@ use k8s_openapi::api::resource::v1::{
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity as ApiQuantity;
 
-use super::{Candidate, Plan, State};
+use super::search::{Plan, State};
+use super::Candidate;
 use crate::cel::quantity::Quantity;
 
 /// What other claims hold, from their allocation results (see [`in_use`]).

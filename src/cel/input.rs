@@ -15,7 +15,7 @@ use serde_json::Value;
 use thiserror::Error;
 
 use super::allocator::{Candidate, InUse};
-use super::quantity::Quantity;
+use crate::quantity::Quantity;
 
 const API_VERSION: &str = "resource.k8s.io/v1";
 

@@ -17,7 +17,7 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity as ApiQuantity;
 
 use super::search::{Plan, State};
 use super::Candidate;
-use crate::cel::quantity::Quantity;
+use crate::quantity::Quantity;
 
 /// What other claims hold, from their allocation results (see [`in_use`]).
 #[derive(Debug, Clone, Default, PartialEq)]

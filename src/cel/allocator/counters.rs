@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use k8s_openapi::api::resource::v1::Device;
 
 use super::pools::Pools;
-use crate::cel::quantity::Quantity;
+use crate::quantity::Quantity;
 
 #[derive(Debug, Clone)]
 pub(super) struct CounterInfo {

@@ -8,8 +8,8 @@ use k8s_openapi::api::resource::v1::{Device, ResourceSlice};
 use super::capacity::{Capacities, InUse};
 use super::counters::{consumption, Consumption, CounterInfo};
 use super::{Candidate, Node};
-use crate::cel::quantity::Quantity;
 use crate::cel::DeviceView;
+use crate::quantity::Quantity;
 
 /// A pool left out of the candidates, and why.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -14,8 +14,8 @@ use super::counters::{counters_fit, Consumption};
 use super::errors::explain_failure;
 use super::request::{prepare_request, Alternative, Mode, PreparedRequest};
 use super::{first_mismatch, AllocationError, InUse, Pools, SelectorOrigin, MAX_RESULTS};
-use crate::cel::quantity::Quantity;
 use crate::cel::CelError;
+use crate::quantity::Quantity;
 
 /// What the search works from; fixed for one `allocate` call.
 pub(super) struct Plan<'a> {

@@ -10,8 +10,8 @@ use super::{
     allocate, allocate_with_step_limit, in_use, AllocationError, Candidate, InUse, Node, Pools,
     SelectorOrigin,
 };
-use crate::cel::quantity::Quantity;
 use crate::cel::CelError;
+use crate::quantity::Quantity;
 
 const DRIVER: &str = "gpu.dra.dev";
 const NODE: &str = "node-a";

@@ -10,7 +10,7 @@ use super::constraints::ConstraintState;
 use super::counters::counter_shortage;
 use super::request::Mode;
 use super::search::{selectable, untolerated_taint, Plan, State};
-use super::{Candidate, MAX_RESULTS};
+use super::{Candidate, SkippedPool, MAX_RESULTS};
 use crate::cel::CelError;
 
 /// Reasons listed in a "not enough devices" error before the rest are counted.
@@ -47,15 +47,24 @@ pub enum AllocationError {
         /// Why matching devices are not usable, and pools left out; empty or starting with ": ".
         notes: String,
     },
+    /// An `All` alternative while a pool of the node is incomplete or invalid: which devices "all" are
+    /// is not known, so the scheduler refuses (an error, not "does not fit").
     #[error(
-        "request {request} asks for all devices, but pool {driver}/{pool} cannot be used: {reason}"
+        "request {request}: asks for all devices, but resource pool {driver}/{pool} is currently {}",
+        pool_state(*.invalid, .reason)
     )]
     PoolNotReady {
         request: String,
         driver: String,
         pool: String,
         reason: String,
+        invalid: bool,
     },
+    /// Nothing fits, and the node has invalid pools: the scheduler's error for the node (1.35+), with
+    /// each pool and what is wrong with it.
+    #[error("invalid resource pools were encountered: {}", describe_pools(.pools))]
+    InvalidPools { pools: Vec<SkippedPool> },
+    /// A device an `All` alternative must take breaks a constraint: an error, as in the scheduler.
     #[error("request {request}: cannot add device {device} because constraint #{constraint} would not be satisfied")]
     AllModeConstraint {
         request: String,
@@ -85,6 +94,22 @@ impl fmt::Display for SelectorOrigin {
             SelectorOrigin::Request(name) => write!(f, "request {name}"),
         }
     }
+}
+
+fn pool_state(invalid: bool, reason: &str) -> String {
+    if invalid {
+        format!("invalid: {reason}")
+    } else {
+        format!("being updated ({reason})")
+    }
+}
+
+fn describe_pools(pools: &[SkippedPool]) -> String {
+    let pools: Vec<String> = pools
+        .iter()
+        .map(|p| format!("pool {}/{}: {}", p.driver, p.pool, p.reason))
+        .collect();
+    pools.join("; ")
 }
 
 fn on_device(device: Option<&Candidate>) -> String {
@@ -190,11 +215,8 @@ fn shortfall(plan: &Plan<'_>, state: &mut State, r: usize, a: usize) -> Shortfal
         } else if alternative.admin || (device.multiple() && state.shares.held(entry)) {
             None
         } else {
-            match &device.consumes {
-                Err(reason) => Some(format!("{name} {reason}")),
-                Ok(consumes) => counter_shortage(plan.pools, &state.consumed, consumes)
-                    .map(|shortage| format!("{name} needs {shortage}")),
-            }
+            counter_shortage(plan.pools, &state.consumed, &device.consumes)
+                .map(|shortage| format!("{name} needs {shortage}"))
         };
         match blocked {
             Some(note) => result.notes.push(note),

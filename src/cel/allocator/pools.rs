@@ -6,20 +6,26 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use k8s_openapi::api::resource::v1::{Device, ResourceSlice};
 
 use super::capacity::{Capacities, InUse};
-use super::counters::{consumption, Consumption, CounterInfo};
+use super::counters::{consumption, pool_counters, Consumption, CounterInfo};
 use super::{Candidate, Node};
 use crate::cel::DeviceView;
 use crate::quantity::Quantity;
 
-/// A pool left out of the candidates, and why.
+/// A pool of the node left out of the candidates, and why.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SkippedPool {
     pub driver: String,
     pub pool: String,
+    /// For an incomplete pool `incomplete: 1 of 2 slices at generation 3`; for an invalid one what is
+    /// wrong, in upstream's words (`duplicate device name gpu-0`, `counter set gpu-0 not found`).
     pub reason: String,
+    /// Invalid (its slices contradict each other or the API), not merely incomplete. If a claim
+    /// cannot be allocated, an invalid pool of the node turns that into an error, as in the scheduler.
+    pub invalid: bool,
 }
 
-/// Candidate devices and shared counters of the pools that are complete at their newest generation.
+/// Candidate devices and shared counters of the pools of a node that are complete and valid at their
+/// newest generation.
 #[derive(Debug, Clone, Default)]
 pub struct Pools {
     pub(super) entries: Vec<Entry>,
@@ -36,8 +42,8 @@ pub(super) struct Entry {
     pub(super) device: Device,
     /// The device as selectors see it, converted once.
     pub(super) view: DeviceView,
-    /// Counters the device takes, or why it cannot take them.
-    pub(super) consumes: Result<Vec<Consumption>, String>,
+    /// Counters the device takes.
+    pub(super) consumes: Vec<Consumption>,
     /// Its capacities and request policies, or why they cannot be read.
     pub(super) capacities: Result<Capacities, String>,
 }
@@ -49,68 +55,58 @@ impl Entry {
     }
 }
 
+/// What one pool is for the node.
+enum Gathered<'a> {
+    /// No device of its newest generation is for the node.
+    NotTheNodes,
+    Skipped {
+        reason: String,
+        invalid: bool,
+    },
+    /// Its newest generation, complete, by slice name.
+    Current(Vec<&'a ResourceSlice>),
+}
+
 impl Pools {
-    /// Keeps, per (driver, pool), only the slices at the newest generation, and only pools whose count
-    /// of such slices equals `resourceSliceCount`. With `node`, only devices the node can use are
-    /// candidates: slices whose `nodeName`, `allNodes` or `nodeSelector` selects it, and with
-    /// `perDeviceNodeSelection` the devices that select it themselves; counters are shared across the
-    /// whole pool. Without `node`, every device is. Pools come in (driver, pool) order, slices by name.
+    /// The node's view of the slices, as the scheduler gathers pools for a node. Per (driver, pool)
+    /// only the newest generation counts, taken over all slices of the pool, also those for other
+    /// nodes: a pool whose newest generation has no device for the node is not the node's, even if an
+    /// older one had. A pool counts when it is complete (as many slices at that generation as their
+    /// `resourceSliceCount`) and valid: device names unique among the slices for the node, counter set
+    /// names unique in the pool, and every device of the pool, the node's or not, consuming only
+    /// counters its pool publishes. Other pools of the node are [`Pools::skipped`].
+    ///
+    /// With `node`, only devices the node can use are candidates: those of slices whose `nodeName`,
+    /// `allNodes` or `nodeSelector` selects it, and with `perDeviceNodeSelection` the devices that
+    /// select it themselves; counters are shared across the whole pool. Without `node`, every device
+    /// is. Pools come in (driver, pool) order, slices by name.
     pub fn from_slices(slices: &[ResourceSlice], node: Option<&Node>) -> Pools {
-        let mut by_pool: BTreeMap<(String, String), Vec<&ResourceSlice>> = BTreeMap::new();
+        let mut by_pool: BTreeMap<(&str, &str), Vec<&ResourceSlice>> = BTreeMap::new();
         for slice in slices {
-            let key = (slice.spec.driver.clone(), slice.spec.pool.name.clone());
+            let key = (slice.spec.driver.as_str(), slice.spec.pool.name.as_str());
             by_pool.entry(key).or_default().push(slice);
         }
         let mut pools = Pools::default();
         for ((driver, pool), all) in by_pool {
-            let skip = |reason: String| SkippedPool {
-                driver: driver.clone(),
-                pool: pool.clone(),
-                reason,
+            let (reason, invalid) = match gather(all, node) {
+                Gathered::NotTheNodes => continue,
+                Gathered::Skipped { reason, invalid } => (reason, invalid),
+                Gathered::Current(current) => match pools.add_pool(driver, pool, &current, node) {
+                    Ok(()) => continue,
+                    Err(reason) => (reason, true),
+                },
             };
-            let mut targeted = false;
-            let mut invalid = None;
-            for slice in &all {
-                match targets_node(slice, node) {
-                    Ok(yes) => targeted |= yes,
-                    Err(reason) => invalid = Some(reason),
-                }
-            }
-            if let Some(reason) = invalid {
-                pools.skipped.push(skip(reason));
-                continue;
-            }
-            if !targeted {
-                continue; // Another node's pool.
-            }
-            let generation = all
-                .iter()
-                .map(|s| s.spec.pool.generation)
-                .max()
-                .unwrap_or_default();
-            let mut current: Vec<&ResourceSlice> = all
-                .into_iter()
-                .filter(|s| s.spec.pool.generation == generation)
-                .collect();
-            current.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
-            let wanted = current
-                .first()
-                .map(|s| s.spec.pool.resource_slice_count)
-                .unwrap_or_default();
-            if i64::try_from(current.len()).ok() != Some(wanted) {
-                pools.skipped.push(skip(format!(
-                    "incomplete: {} of {wanted} slices at generation {generation}",
-                    current.len()
-                )));
-                continue;
-            }
-            if let Err(reason) = pools.add_pool(&driver, &pool, &current, node) {
-                pools.skipped.push(skip(reason));
-            }
+            pools.skipped.push(SkippedPool {
+                driver: driver.to_string(),
+                pool: pool.to_string(),
+                reason,
+                invalid,
+            });
         }
         pools
     }
 
+    /// Adds the pool's devices for the node and its counters, or says why the pool is invalid.
     fn add_pool(
         &mut self,
         driver: &str,
@@ -118,61 +114,37 @@ impl Pools {
         slices: &[&ResourceSlice],
         node: Option<&Node>,
     ) -> Result<(), String> {
-        // Counter sets may sit beside devices (1.34) or in a slice of their own (1.35+).
-        let mut counters: BTreeMap<(&str, &str), usize> = BTreeMap::new();
-        let mut sets = BTreeSet::new();
-        let mut new_counters = Vec::new();
-        for set in slices
-            .iter()
-            .flat_map(|s| s.spec.shared_counters.iter().flatten())
-        {
-            if !sets.insert(set.name.as_str()) {
-                return Err(format!("invalid: duplicate counter set name {}", set.name));
-            }
-            for (name, counter) in &set.counters {
-                let capacity = Quantity::parse(&counter.value.0).map_err(|e| {
-                    format!("invalid: counter set {} counter {name}: {e}", set.name)
-                })?;
-                counters.insert((&set.name, name), self.counters.len() + new_counters.len());
-                new_counters.push(CounterInfo {
-                    driver: driver.to_string(),
-                    pool: pool.to_string(),
-                    set: set.name.clone(),
-                    name: name.clone(),
-                    capacity,
-                });
-            }
-        }
-
+        let counters = pool_counters(driver, pool, slices, self.counters.len())?;
         let mut names = BTreeSet::new();
         let mut entries = Vec::new();
         let mut consumers = HashMap::new();
         for slice in slices {
+            // Names are checked where the scheduler checks them: among the slices for the node.
+            let for_node = slice_targets_node(slice, node)?;
             for device in slice.spec.devices.iter().flatten() {
-                if !names.insert(device.name.as_str()) {
-                    return Err(format!("invalid: duplicate device name {}", device.name));
+                if for_node && !names.insert(device.name.as_str()) {
+                    return Err(format!("duplicate device name {}", device.name));
                 }
+                let consumes = consumption(device, &counters)
+                    .map_err(|e| format!("device {}: {e}", device.name))?;
                 let candidate = Candidate {
                     driver: driver.to_string(),
                     pool: pool.to_string(),
                     device: device.name.clone(),
                 };
-                let consumes = consumption(device, pool, &sets, &counters);
-                if let Ok(consumes) = &consumes {
-                    consumers.insert(candidate.clone(), consumes.clone());
-                }
-                if device_targets_node(slice, device, node)? {
+                if for_node && device_targets_node(slice, device, node)? {
                     entries.push(Entry {
                         view: DeviceView::new(&candidate.driver, device),
-                        candidate,
+                        candidate: candidate.clone(),
                         device: device.clone(),
-                        consumes,
+                        consumes: consumes.clone(),
                         capacities: Capacities::of(device),
                     });
                 }
+                consumers.insert(candidate, consumes);
             }
         }
-        self.counters.extend(new_counters);
+        self.counters.extend(counters.infos);
         self.entries.extend(entries);
         self.consumers.extend(consumers);
         Ok(())
@@ -224,12 +196,59 @@ impl Pools {
     }
 }
 
-/// Whether the slice has devices for `node` (every slice has without a node filter). A slice of
-/// counters only does not make a pool the node's. Errors name the slice and its invalid selector.
-fn targets_node(slice: &ResourceSlice, node: Option<&Node>) -> Result<bool, String> {
-    if node.is_none() {
-        return Ok(true);
+/// What the pool of `all` (its slices, every generation) is for the node.
+fn gather<'a>(all: Vec<&'a ResourceSlice>, node: Option<&Node>) -> Gathered<'a> {
+    let generation = all
+        .iter()
+        .map(|s| s.spec.pool.generation)
+        .max()
+        .unwrap_or_default();
+    let (mut current, older): (Vec<&ResourceSlice>, Vec<&ResourceSlice>) = all
+        .into_iter()
+        .partition(|s| s.spec.pool.generation == generation);
+    current.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
+    let mut for_node = false;
+    for slice in &current {
+        match slice_targets_node(slice, node) {
+            Ok(yes) => for_node |= yes,
+            Err(reason) => {
+                return Gathered::Skipped {
+                    reason,
+                    invalid: true,
+                }
+            }
+        }
     }
+    let wanted = current
+        .first()
+        .map(|s| s.spec.pool.resource_slice_count)
+        .unwrap_or_default();
+    let complete = i64::try_from(current.len()).ok() == Some(wanted);
+    // An incomplete generation may yet bring slices for the node; it is the node's pool (being
+    // updated) if some slice of it, or of an older generation, is for the node.
+    let was_for_node = || {
+        older
+            .iter()
+            .any(|s| slice_targets_node(s, node).unwrap_or(false))
+    };
+    match (complete, for_node) {
+        (true, true) => Gathered::Current(current),
+        (true, false) => Gathered::NotTheNodes,
+        (false, _) if for_node || was_for_node() => Gathered::Skipped {
+            reason: format!(
+                "incomplete: {} of {wanted} slices at generation {generation}",
+                current.len()
+            ),
+            invalid: false,
+        },
+        (false, _) => Gathered::NotTheNodes,
+    }
+}
+
+/// Whether the slice has devices for `node` (every slice with devices has, without a node filter).
+/// A slice of counters only does not make a pool the node's. Errors name the slice and its invalid
+/// selector.
+fn slice_targets_node(slice: &ResourceSlice, node: Option<&Node>) -> Result<bool, String> {
     let mut any = false;
     for device in slice.spec.devices.iter().flatten() {
         any |= device_targets_node(slice, device, node)?;
@@ -246,7 +265,7 @@ fn device_targets_node(
     let Some(node) = node else { return Ok(true) };
     let spec = &slice.spec;
     let slice_name = slice.metadata.name.as_deref().unwrap_or("(unnamed)");
-    let result = if spec.per_device_node_selection == Some(true) {
+    if spec.per_device_node_selection == Some(true) {
         node.matches(
             device.node_name.as_deref(),
             device.all_nodes,
@@ -254,7 +273,7 @@ fn device_targets_node(
         )
         .map_err(|e| {
             format!(
-                "invalid: ResourceSlice {slice_name} device {}: node selector: {e}",
+                "ResourceSlice {slice_name}: device {}: node selector: {e}",
                 device.name
             )
         })
@@ -264,7 +283,6 @@ fn device_targets_node(
             spec.all_nodes,
             spec.node_selector.as_ref(),
         )
-        .map_err(|e| format!("invalid: ResourceSlice {slice_name}: node selector: {e}"))
-    };
-    result
+        .map_err(|e| format!("ResourceSlice {slice_name}: node selector: {e}"))
+    }
 }

@@ -170,6 +170,12 @@ fn search(
             })
             .collect());
     }
+    // As in the scheduler (1.35+), an invalid pool is skipped while other devices may do, and is the
+    // error when none do: allocating around it might be wrong.
+    let invalid: Vec<_> = pools.skipped.iter().filter(|p| p.invalid).cloned().collect();
+    if !invalid.is_empty() {
+        return Err(AllocationError::InvalidPools { pools: invalid });
+    }
     Err(explain_failure(&plan, &mut state))
 }
 
@@ -188,6 +194,7 @@ fn all_devices(
             driver: pool.driver.clone(),
             pool: pool.pool.clone(),
             reason: pool.reason.clone(),
+            invalid: pool.invalid,
         });
     }
     let mut all = Vec::new();
@@ -342,10 +349,7 @@ fn take(
     let consumes: &[Consumption] = if alternative.admin || (shared && state.shares.held(entry)) {
         &[]
     } else {
-        match &device.consumes {
-            Ok(consumes) => consumes,
-            Err(_) => return Ok(false),
-        }
+        &device.consumes
     };
     if !counters_fit(&plan.pools.counters, &state.consumed, consumes) {
         return Ok(false);
@@ -407,10 +411,8 @@ fn drop_last(plan: &Plan<'_>, state: &mut State) {
         None => state.in_claim[pick.entry] = false,
     }
     if pick.took_counters {
-        if let Ok(consumes) = &plan.pools.entries[pick.entry].consumes {
-            for c in consumes {
-                state.consumed[c.counter] = state.consumed[c.counter].sub(&c.amount);
-            }
+        for c in &plan.pools.entries[pick.entry].consumes {
+            state.consumed[c.counter] = state.consumed[c.counter].sub(&c.amount);
         }
     }
 }

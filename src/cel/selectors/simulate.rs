@@ -35,7 +35,8 @@ pub enum Decision {
     Unallocatable { node: String, reason: String },
 }
 
-/// No decision: the input is invalid or a selector failed, which aborts allocation in the scheduler.
+/// No decision: the input is invalid, a selector failed, the node has invalid pools and nothing else
+/// fits, or an `All` request cannot be decided; the scheduler reports these as errors.
 #[derive(Debug, Error)]
 pub enum SimulationError {
     #[error("claim {claim}: {source}")]
@@ -48,7 +49,7 @@ pub enum SimulationError {
 }
 
 impl SimulationError {
-    /// Exit code of `selectors allocate` (2: invalid input or CEL error).
+    /// Exit code of `selectors allocate` (2: an error).
     pub fn exit_code(&self) -> i32 {
         2
     }
@@ -71,12 +72,11 @@ pub fn simulate(input: &Simulation) -> Result<Decision, SimulationError> {
             node: name,
             results,
         }),
-        // The claim cannot be satisfied here now; everything else is an error the scheduler reports.
+        // The claim cannot be satisfied here now; everything else is an error the scheduler reports
+        // (invalid pools, an `All` request on an incomplete pool or against a constraint, CEL).
         Err(
             error @ (AllocationError::NotEnoughDevices { .. }
-            | AllocationError::Unsatisfiable { .. }
-            | AllocationError::PoolNotReady { .. }
-            | AllocationError::AllModeConstraint { .. }),
+            | AllocationError::Unsatisfiable { .. }),
         ) => Ok(Decision::Unallocatable {
             node: name,
             reason: error.to_string(),

@@ -5,8 +5,9 @@
 //!
 //! Split as upstream's `structured` allocator is: `pools` gathers and validates the node's pools,
 //! `counters` keeps shared counters, `capacity` consumable capacity, `constraints` matchAttribute and
-//! distinctAttribute, `request` prepares the claim's requests, `search` is the backtracking search and
-//! `errors` says why a claim cannot be allocated.
+//! distinctAttribute, `taints` taints and tolerations, `request` prepares the claim's requests,
+//! `search` is the backtracking search, `prune` cuts its hopeless branches and `errors` says why a
+//! claim cannot be allocated.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -21,8 +22,10 @@ mod counters;
 mod errors;
 mod node;
 mod pools;
+mod prune;
 mod request;
 mod search;
+mod taints;
 
 pub use capacity::{in_use, InUse};
 pub use errors::{AllocationError, SelectorOrigin};

@@ -9,7 +9,8 @@ use super::capacity;
 use super::constraints::ConstraintState;
 use super::counters::counter_shortage;
 use super::request::Mode;
-use super::search::{selectable, untolerated_taint, Plan, State};
+use super::search::{selectable, Plan, State};
+use super::taints::untolerated_taint;
 use super::{Candidate, SkippedPool, MAX_RESULTS};
 use crate::cel::CelError;
 

@@ -8,7 +8,7 @@ use k8s_openapi::api::resource::v1::{
 };
 
 use super::capacity::{self, Requests};
-use super::{AllocationError, MAX_RESULTS};
+use super::AllocationError;
 use crate::cel::{CelError, DeviceView, Selector};
 
 pub(super) struct PreparedRequest {
@@ -39,7 +39,19 @@ pub(super) enum Mode {
     All,
 }
 
+impl PreparedRequest {
+    /// The fewest devices any of its alternatives takes.
+    pub(super) fn minimum(&self) -> usize {
+        self.alternatives
+            .iter()
+            .map(Alternative::wanted)
+            .min()
+            .unwrap_or_default()
+    }
+}
+
 impl Alternative {
+    /// Devices it takes: its count, or for `All` every matching device.
     pub(super) fn wanted(&self) -> usize {
         match self.mode {
             Mode::Count(count) => count,
@@ -187,12 +199,9 @@ fn prepare_alternative(
             if count < 1 {
                 return Err(invalid(format!("count {count} is not positive")));
             }
-            let count = usize::try_from(count)
-                .ok()
-                .filter(|c| *c <= MAX_RESULTS)
-                .ok_or(AllocationError::TooManyDevices {
-                    wanted: usize::try_from(count).unwrap_or(usize::MAX),
-                })?;
+            // More than an allocation holds is refused for the claim as a whole, where no other
+            // subrequest takes fewer; a subrequest that asks for that many is passed over.
+            let count = usize::try_from(count).unwrap_or(usize::MAX);
             Mode::Count(count)
         }
         Some("All") => Mode::All,

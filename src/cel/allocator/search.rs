@@ -1,18 +1,19 @@
 //! The search: a depth-first walk over the claim's requests, their alternatives and the devices of
 //! each, first fit with backtracking as the scheduler's allocator does. Devices of one request are
-//! picked in candidate order, so each set of devices is tried once, not in every order.
+//! picked in candidate order, so each set of devices is tried once, not in every order; once a branch
+//! has failed, `prune` cuts branches that cannot succeed (see there).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 
-use k8s_openapi::api::resource::v1::{
-    Device, DeviceRequestAllocationResult, DeviceTaint, DeviceToleration, ResourceClaimSpec,
-};
+use k8s_openapi::api::resource::v1::{DeviceRequestAllocationResult, ResourceClaimSpec};
 
 use super::capacity::{self, Amount, Shares};
 use super::constraints::{ConstraintKind, ConstraintState};
 use super::counters::{counters_fit, Consumption};
 use super::errors::explain_failure;
-use super::request::{prepare_request, Alternative, Mode, PreparedRequest};
+use super::prune::hopeless;
+use super::request::{prepare_request, Mode, PreparedRequest};
+use super::taints::untolerated_taint;
 use super::{first_mismatch, AllocationError, InUse, Pools, SelectorOrigin, MAX_RESULTS};
 use crate::cel::CelError;
 use crate::quantity::Quantity;
@@ -22,6 +23,9 @@ pub(super) struct Plan<'a> {
     pub(super) pools: &'a Pools,
     pub(super) requests: Vec<PreparedRequest>,
     pub(super) step_limit: u64,
+    /// For each request, the first request from there on with an `All` alternative (or the number of
+    /// requests): how far `prune` may look ahead.
+    pub(super) next_all: Vec<usize>,
 }
 
 /// What the search changes as it picks and drops devices.
@@ -33,14 +37,27 @@ pub(super) struct State {
     pub(super) consumed: Vec<Quantity>,
     /// Shares of devices that allow multiple allocations (other claims' and this claim's).
     pub(super) shares: Shares,
-    picked: Vec<Pick>,
-    /// Selector results by (request, alternative, device entry).
-    pub(super) matches: HashMap<(usize, usize, usize), bool>,
+    pub(super) picked: Vec<Pick>,
+    /// Selector results by request, alternative and device entry.
+    pub(super) matches: Vec<Vec<Vec<Match>>>,
     pub(super) steps: u64,
+    /// Some branch has failed: from then on `prune` looks for branches that cannot succeed (a claim
+    /// that fits at the first try costs no more selector evaluations than upstream's search).
+    pub(super) failed: bool,
     pub(super) constraints: Vec<ConstraintState>,
 }
 
-struct Pick {
+/// What the selectors of an alternative say about a device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Match {
+    Unknown,
+    Yes,
+    No,
+    /// A CEL error; the search reports it when it reaches the device.
+    Error,
+}
+
+pub(super) struct Pick {
     entry: usize,
     request: usize,
     alternative: usize,
@@ -91,18 +108,24 @@ fn search(
         consumed: pools.base_consumption(in_use),
         shares: Shares::new(pools.entries.iter().map(|e| &e.candidate), in_use),
         picked: Vec::new(),
-        matches: HashMap::new(),
+        matches: Vec::new(),
         steps: 0,
+        failed: false,
         constraints: Vec::new(),
     };
     let mut plan = Plan {
         pools,
         requests: Vec::new(),
         step_limit,
+        next_all: Vec::new(),
     };
-    let mut minimum = 0;
+    let mut minimum: usize = 0;
     for request in requests {
         let prepared = prepare_request(request, classes)?;
+        state.matches.push(vec![
+            vec![Match::Unknown; pools.entries.len()];
+            prepared.alternatives.len()
+        ]);
         plan.requests.push(prepared);
         let r = plan.requests.len() - 1;
         for a in 0..plan.requests[r].alternatives.len() {
@@ -111,12 +134,15 @@ fn search(
                 plan.requests[r].alternatives[a].all = all;
             }
         }
-        minimum += plan.requests[r]
+        minimum = minimum.saturating_add(plan.requests[r].minimum());
+    }
+    plan.next_all = vec![plan.requests.len(); plan.requests.len() + 1];
+    for r in (0..plan.requests.len()).rev() {
+        let all = plan.requests[r]
             .alternatives
             .iter()
-            .map(Alternative::wanted)
-            .min()
-            .unwrap_or_default();
+            .any(|a| a.mode == Mode::All);
+        plan.next_all[r] = if all { r } else { plan.next_all[r + 1] };
     }
     if minimum > MAX_RESULTS {
         return Err(AllocationError::TooManyDevices { wanted: minimum });
@@ -172,7 +198,12 @@ fn search(
     }
     // As in the scheduler (1.35+), an invalid pool is skipped while other devices may do, and is the
     // error when none do: allocating around it might be wrong.
-    let invalid: Vec<_> = pools.skipped.iter().filter(|p| p.invalid).cloned().collect();
+    let invalid: Vec<_> = pools
+        .skipped
+        .iter()
+        .filter(|p| p.invalid)
+        .cloned()
+        .collect();
     if !invalid.is_empty() {
         return Err(AllocationError::InvalidPools { pools: invalid });
     }
@@ -209,7 +240,8 @@ fn all_devices(
     Ok(all)
 }
 
-/// Whether the class's and then the request's selectors all match (first false wins), cached.
+/// Whether the class's and then the request's selectors all match (first false wins), cached; a CEL
+/// error is an error, as in the scheduler.
 pub(super) fn selectable(
     plan: &Plan<'_>,
     state: &mut State,
@@ -217,9 +249,35 @@ pub(super) fn selectable(
     a: usize,
     entry: usize,
 ) -> Result<bool, AllocationError> {
-    if let Some(known) = state.matches.get(&(r, a, entry)) {
-        return Ok(*known);
+    match match_state(plan, state, r, a, entry) {
+        Match::Yes => Ok(true),
+        Match::No => Ok(false),
+        Match::Unknown | Match::Error => evaluate(plan, r, a, entry),
     }
+}
+
+/// What the selectors say, cached, without failing on a CEL error (for `prune`).
+pub(super) fn match_state(
+    plan: &Plan<'_>,
+    state: &mut State,
+    r: usize,
+    a: usize,
+    entry: usize,
+) -> Match {
+    let known = state.matches[r][a][entry];
+    if known != Match::Unknown {
+        return known;
+    }
+    let result = match evaluate(plan, r, a, entry) {
+        Ok(true) => Match::Yes,
+        Ok(false) => Match::No,
+        Err(_) => Match::Error,
+    };
+    state.matches[r][a][entry] = result;
+    result
+}
+
+fn evaluate(plan: &Plan<'_>, r: usize, a: usize, entry: usize) -> Result<bool, AllocationError> {
     let alternative = &plan.requests[r].alternatives[a];
     let device = &plan.pools.entries[entry];
     let groups = [
@@ -232,14 +290,11 @@ pub(super) fn selectable(
             &alternative.selectors,
         ),
     ];
-    let mut result = true;
     for (origin, selectors) in groups {
         match first_mismatch(selectors, &device.view) {
             Ok(None) => {}
-            Ok(Some(_)) => {
-                result = false;
-                break; // The request's selectors are not evaluated when the class says no.
-            }
+            // The request's selectors are not evaluated when the class says no.
+            Ok(Some(_)) => return Ok(false),
             Err((index, error)) => {
                 let device = matches!(error, CelError::Runtime(_))
                     .then(|| Box::new(device.candidate.clone()));
@@ -253,8 +308,7 @@ pub(super) fn selectable(
             }
         }
     }
-    state.matches.insert((r, a, entry), result);
-    Ok(result)
+    Ok(true)
 }
 
 /// Allocates requests `r..`; the first alternative of a request that leads to a full solution wins.
@@ -294,7 +348,9 @@ fn fill(
     if k == wanted {
         return solve(plan, state, r + 1);
     }
-    if state.picked.len() + (wanted - k) > MAX_RESULTS {
+    if state.picked.len().saturating_add(wanted - k) > MAX_RESULTS {
+        // As upstream: too many for one allocation, so the next subrequest is tried.
+        state.failed = true;
         return Ok(false);
     }
     if alternative.mode == Mode::All {
@@ -306,6 +362,9 @@ fn fill(
             return Ok(true);
         }
         drop_last(plan, state);
+        return Ok(false);
+    }
+    if state.failed && hopeless(plan, state, r, a, k, start) {
         return Ok(false);
     }
     for entry in start..plan.pools.entries.len() {
@@ -323,7 +382,13 @@ fn fill(
             return Ok(true);
         }
         drop_last(plan, state);
+        state.failed = true;
+        // The devices after this one may not be enough for this slot and the rest.
+        if hopeless(plan, state, r, a, k, entry + 1) {
+            return Ok(false);
+        }
     }
+    state.failed = true;
     Ok(false)
 }
 
@@ -417,35 +482,6 @@ fn drop_last(plan: &Plan<'_>, state: &mut State) {
     }
 }
 
-/// The first NoSchedule / NoExecute taint that no toleration tolerates (`None` effects never block).
-pub(super) fn untolerated_taint<'a>(
-    device: &'a Device,
-    tolerations: &[DeviceToleration],
-) -> Option<&'a DeviceTaint> {
-    device.taints.iter().flatten().find(|taint| {
-        matches!(taint.effect.as_str(), "NoSchedule" | "NoExecute")
-            && !tolerations
-                .iter()
-                .any(|toleration| tolerates(toleration, taint))
-    })
-}
-
-/// `resourceclaim.ToleratesTaint`: empty effect matches every effect, empty key every key.
-fn tolerates(toleration: &DeviceToleration, taint: &DeviceTaint) -> bool {
-    let effect = toleration.effect.as_deref().unwrap_or_default();
-    if !effect.is_empty() && effect != taint.effect {
-        return false;
-    }
-    let key = toleration.key.as_deref().unwrap_or_default();
-    if !key.is_empty() && key != taint.key {
-        return false;
-    }
-    match toleration.operator.as_deref().unwrap_or_default() {
-        "" | "Equal" => {
-            toleration.value.as_deref().unwrap_or_default()
-                == taint.value.as_deref().unwrap_or_default()
-        }
-        "Exists" => true,
-        _ => false,
-    }
-}
+#[cfg(test)]
+#[path = "search_tests.rs"]
+mod tests;

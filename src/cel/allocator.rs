@@ -115,3 +115,6 @@ pub fn allocate_with_step_limit(
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod upstream_cases;

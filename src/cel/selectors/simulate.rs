@@ -39,10 +39,12 @@ pub enum Decision {
 /// fits, or an `All` request cannot be decided; the scheduler reports these as errors.
 #[derive(Debug, Error)]
 pub enum SimulationError {
-    #[error("claim {claim}: {source}")]
+    // The cause is part of the message and deliberately not a `source`: printed with its chain
+    // (`{:#}`), it would appear twice.
+    #[error("claim {claim}: {error}")]
     Allocation {
         claim: String,
-        source: Box<AllocationError>,
+        error: Box<AllocationError>,
     },
     #[error("the slices are for several nodes ({}); choose one with --node", .nodes.join(", "))]
     SeveralNodes { nodes: Vec<String> },
@@ -81,9 +83,9 @@ pub fn simulate(input: &Simulation) -> Result<Decision, SimulationError> {
             node: name,
             reason: error.to_string(),
         }),
-        Err(source) => Err(SimulationError::Allocation {
+        Err(error) => Err(SimulationError::Allocation {
             claim: input.claim.name.clone(),
-            source: Box::new(source),
+            error: Box::new(error),
         }),
     }
 }

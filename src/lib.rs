@@ -18,6 +18,7 @@ pub mod kubelet;
 pub mod observability;
 pub mod plugin;
 pub mod proto;
+pub mod quantity;
 pub mod slices;
 
 #[path = "../tests/support/mod.rs"]

@@ -553,7 +553,7 @@ fn selectors_allocate(args: SelectorsAllocateArgs) -> Result<i32> {
     }
     let mut slices = Vec::new();
     for path in &args.slices {
-        slices.extend(input::load_slices(path)?);
+        slices.extend(input::load_slices_allow_empty(path)?);
     }
     let mut node_labels = std::collections::BTreeMap::new();
     for pair in args.node_labels.iter().filter(|p| !p.is_empty()) {

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use gpu_dra::devices::{node_devices, DeviceName, MigMode};
 use gpu_dra::gpu::fake::physically_fits;
 use gpu_dra::gpu::{FakeBackend, GpuBackend, MigInfo, MigInstance, MigPlacement};
-use gpu_dra::slices::parse_quantity;
+use gpu_dra::quantity::parse_nanos;
 use k8s_openapi::api::resource::v1::{CounterSet, Device};
 
 /// What the scheduler checks: the summed consumption of the chosen devices fits every counter.
@@ -18,12 +18,12 @@ fn counters_allow(set: &CounterSet, chosen: &[&Device]) -> bool {
         for consumption in device.consumes_counters.iter().flatten() {
             assert_eq!(consumption.counter_set, set.name);
             for (name, amount) in &consumption.counters {
-                *used.entry(name).or_default() += parse_quantity(&amount.value.0).unwrap();
+                *used.entry(name).or_default() += parse_nanos(&amount.value.0).unwrap();
             }
         }
     }
     used.iter().all(|(name, amount)| {
-        let available = parse_quantity(&set.counters[*name].value.0).unwrap();
+        let available = parse_nanos(&set.counters[*name].value.0).unwrap();
         *amount <= available
     })
 }

@@ -32,7 +32,7 @@ use schemars::{json_schema, JsonSchema, Schema, SchemaGenerator};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use serde_json::Value;
 
-use crate::cel::quantity::Quantity;
+use crate::quantity::Quantity;
 
 pub use decode::{declared_kind, decode_config, decode_config_value};
 

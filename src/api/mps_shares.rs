@@ -9,7 +9,7 @@ use std::fmt;
 use schemars::{json_schema, JsonSchema, Schema, SchemaGenerator};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use crate::cel::quantity::Quantity;
+use crate::quantity::Quantity;
 
 /// The smallest share when `minimum` is left out: 1Gi.
 pub const DEFAULT_MINIMUM_BYTES: u64 = 1 << 30;

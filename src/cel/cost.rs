@@ -14,9 +14,9 @@ use cel::common::types::{CelInt, CelList, CelMap, CelString};
 use cel::common::value::{CowVal, Val};
 use cel::ExecutionError;
 
-use super::quantity::Quantity;
 use super::semver::Semver;
 use super::values::{QuantityVal, SemverVal};
+use crate::quantity::Quantity;
 
 /// The internal function that charges the budget; not callable from expressions (the static check
 /// rejects the name).

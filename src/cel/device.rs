@@ -9,9 +9,9 @@ use cel::common::types::{CelBool, CelInt, CelList, CelMap, CelMapKey, CelString}
 use cel::common::value::Val;
 use k8s_openapi::api::resource::v1::{Device, DeviceAttribute};
 
-use super::quantity::Quantity;
 use super::semver::Semver;
 use super::values::{DeviceFields, DeviceVal, DomainMap, QuantityVal, SemverVal};
+use crate::quantity::Quantity;
 
 /// A device prepared for selector evaluation. A device that cannot be converted (a version that does
 /// not parse strictly, an attribute with no value, a capacity that is not a quantity) keeps the error,

@@ -15,16 +15,17 @@ use serde_json::Value;
 use thiserror::Error;
 
 use super::allocator::{Candidate, InUse};
-use super::quantity::Quantity;
+use crate::quantity::Quantity;
 
 const API_VERSION: &str = "resource.k8s.io/v1";
 
 #[derive(Debug, Error)]
 pub enum InputError {
-    #[error("{}: cannot read: {source}", .file.display())]
+    // The cause is in the message, not a `source`, so a printed chain does not repeat it.
+    #[error("{}: cannot read: {error}", .file.display())]
     Read {
         file: PathBuf,
-        source: std::io::Error,
+        error: std::io::Error,
     },
     #[error("{}: {at}: {message}", .file.display())]
     Invalid {
@@ -62,9 +63,9 @@ pub struct NamedClaim {
 
 /// Every object in the file, with its position; empty documents are skipped and Lists flattened.
 pub fn load_objects(path: &Path) -> Result<Vec<(Position, Value)>, InputError> {
-    let text = std::fs::read_to_string(path).map_err(|source| InputError::Read {
+    let text = std::fs::read_to_string(path).map_err(|error| InputError::Read {
         file: path.to_path_buf(),
-        source,
+        error,
     })?;
     parse_objects(path, &text)
 }
@@ -247,6 +248,12 @@ pub fn load_claims(path: &Path) -> Result<Vec<NamedClaim>, InputError> {
 
 /// The ResourceSlices in `path` (at least one).
 pub fn load_slices(path: &Path) -> Result<Vec<ResourceSlice>, InputError> {
+    non_empty(path, "ResourceSlice", load_slices_allow_empty(path)?)
+}
+
+/// The ResourceSlices in `path`, which may hold none: a cluster without slices is a valid state, in
+/// which nothing can be allocated.
+pub fn load_slices_allow_empty(path: &Path) -> Result<Vec<ResourceSlice>, InputError> {
     let mut slices = Vec::new();
     for (at, _, slice) in typed::<ResourceSlice>(path, &["ResourceSlice"], load_objects(path)?)? {
         // k8s-openapi fills missing required fields with defaults; these would mislead the allocator.
@@ -258,7 +265,7 @@ pub fn load_slices(path: &Path) -> Result<Vec<ResourceSlice>, InputError> {
         }
         slices.push(slice);
     }
-    non_empty(path, "ResourceSlice", slices)
+    Ok(slices)
 }
 
 /// One `--in-use` entry, in the shape of an allocation result: a device another claim holds whole, or

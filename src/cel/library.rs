@@ -15,9 +15,9 @@ use cel::common::value::{CowVal, FromVal, Val};
 use cel::{DeclarationError, Env, ExecutionError};
 use regex::Regex;
 
-use super::quantity::Quantity;
 use super::semver::Semver;
 use super::values::{QuantityVal, SemverVal, QUANTITY_TYPE, SEMVER_TYPE};
+use crate::quantity::Quantity;
 
 /// Most values a list attribute may hold (`ResourceSliceMaxAttributeValuesPerDevice`).
 pub const INCLUDES_MAX_LIST: usize = 48;

@@ -11,7 +11,8 @@ mod estimate;
 pub mod eval;
 pub mod input;
 mod library;
-pub mod quantity;
+/// The crate's quantity type, where the CEL environment has always offered it.
+pub use crate::quantity;
 pub mod selectors;
 pub mod semver;
 mod values;

@@ -10,8 +10,8 @@ use cel::common::types::{CelMap, Type, MAP_TYPE};
 use cel::common::value::{CowVal, StaticVal, Val};
 use cel::ExecutionError;
 
-use super::quantity::Quantity;
 use super::semver::Semver;
+use crate::quantity::Quantity;
 
 /// The CEL type of quantities, named as upstream names it.
 pub static QUANTITY_TYPE: Type = Type::new_unspecified_type("kubernetes.Quantity");

@@ -235,7 +235,7 @@ pub fn table(devices: &[Device]) -> String {
             .capacity
             .as_ref()
             .and_then(|c| c.get("memory"))
-            .and_then(|m| crate::slices::parse_quantity(&m.value.0))
+            .and_then(|m| crate::quantity::parse_nanos(&m.value.0))
             .map(|nanos| format!("{:.1}", nanos as f64 / 1e9 / f64::from(1u32 << 30)))
             .unwrap_or_else(|| "-".to_string())
     };

@@ -50,7 +50,7 @@ fn share(device: &mut Device, shares: MemoryShares) -> bool {
     let Some(memory) = device.capacity.as_mut().and_then(|c| c.get_mut("memory")) else {
         return false;
     };
-    let Some(total) = crate::slices::parse_quantity(&memory.value.0) else {
+    let Some(total) = crate::quantity::parse_nanos(&memory.value.0) else {
         return false;
     };
     // `validRange.min + step` must not exceed the capacity (ResourceSlice validation).

@@ -5,10 +5,8 @@
 pub mod kept_fields;
 pub mod planner;
 pub mod publisher;
-mod quantity;
 mod reconcile;
 
 pub use kept_fields::{GatedField, KeptFields};
 pub use planner::{plan, PlannedSlice, ServerVersion};
 pub use publisher::{desired_slices, PublishError, Publisher, SyncStats};
-pub use quantity::parse_quantity;

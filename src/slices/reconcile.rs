@@ -6,7 +6,7 @@ use std::collections::BTreeSet;
 
 use k8s_openapi::api::resource::v1::{CounterSet, Device, ResourceSlice};
 
-use super::quantity::parse_quantity;
+use crate::quantity::parse_nanos;
 
 pub(super) struct Reconciliation<'a> {
     pub is_noop: bool,
@@ -129,7 +129,7 @@ fn same_counter_sets(want: &[CounterSet], have: &[CounterSet]) -> bool {
 
 /// Writes a quantity the way it compares: the API server may store `40Gi` for `42949672960`.
 fn canonicalize(quantity: &mut String) {
-    if let Some(parsed) = parse_quantity(quantity) {
+    if let Some(parsed) = parse_nanos(quantity) {
         *quantity = parsed.to_string();
     }
 }

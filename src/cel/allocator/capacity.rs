@@ -15,8 +15,9 @@ use k8s_openapi::api::resource::v1::{
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity as ApiQuantity;
 
-use super::{Candidate, Plan, State};
-use crate::cel::quantity::Quantity;
+use super::search::{Plan, State};
+use super::Candidate;
+use crate::quantity::Quantity;
 
 /// What other claims hold, from their allocation results (see [`in_use`]).
 #[derive(Debug, Clone, Default, PartialEq)]

@@ -7,7 +7,7 @@ use k8s_openapi::api::resource::v1::{DeviceRequestAllocationResult, ResourceSlic
 use serde_json::{json, Value};
 
 use super::super::{allocate, in_use, AllocationError, InUse, Node, Pools};
-use crate::cel::quantity::Quantity;
+use crate::quantity::Quantity;
 
 const DRIVER: &str = "gpu.dra.dev";
 const NODE: &str = "node-a";

@@ -3,7 +3,8 @@
 
 use k8s_openapi::api::resource::v1::{Device, DeviceAttribute};
 
-use super::{Alternative, Entry};
+use super::pools::Entry;
+use super::request::Alternative;
 
 #[derive(Debug, Clone)]
 pub(super) enum ConstraintKind {

@@ -10,8 +10,8 @@ use super::{
     allocate, allocate_with_step_limit, in_use, AllocationError, Candidate, InUse, Node, Pools,
     SelectorOrigin,
 };
-use crate::cel::quantity::Quantity;
 use crate::cel::CelError;
+use crate::quantity::Quantity;
 
 const DRIVER: &str = "gpu.dra.dev";
 const NODE: &str = "node-a";
@@ -417,7 +417,7 @@ fn remaining_counters_subtract_devices_in_use() {
 }
 
 #[test]
-fn consuming_an_unknown_counter_makes_the_device_unallocatable() {
+fn consuming_an_unknown_counter_set_makes_the_pool_invalid() {
     let devices = vec![json!({
         "name": "gpu-0-mig-1g-0",
         "attributes": {"type": {"string": "mig"}},
@@ -429,11 +429,10 @@ fn consuming_an_unknown_counter_makes_the_device_unallocatable() {
         json!({"requests": [exactly("mig", "mig", json!({}))]}),
     )
     .expect_err("no counter set");
-    assert!(
-        error
-            .to_string()
-            .contains("consumes counter set gpu-9-counters, which pool node-a does not publish"),
-        "{error}"
+    assert_eq!(
+        error.to_string(),
+        "invalid resource pools were encountered: pool gpu.dra.dev/node-a: device gpu-0-mig-1g-0: \
+         counter set gpu-9-counters not found"
     );
 }
 

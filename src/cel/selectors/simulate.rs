@@ -35,20 +35,23 @@ pub enum Decision {
     Unallocatable { node: String, reason: String },
 }
 
-/// No decision: the input is invalid or a selector failed, which aborts allocation in the scheduler.
+/// No decision: the input is invalid, a selector failed, the node has invalid pools and nothing else
+/// fits, or an `All` request cannot be decided; the scheduler reports these as errors.
 #[derive(Debug, Error)]
 pub enum SimulationError {
-    #[error("claim {claim}: {source}")]
+    // The cause is part of the message and deliberately not a `source`: printed with its chain
+    // (`{:#}`), it would appear twice.
+    #[error("claim {claim}: {error}")]
     Allocation {
         claim: String,
-        source: Box<AllocationError>,
+        error: Box<AllocationError>,
     },
     #[error("the slices are for several nodes ({}); choose one with --node", .nodes.join(", "))]
     SeveralNodes { nodes: Vec<String> },
 }
 
 impl SimulationError {
-    /// Exit code of `selectors allocate` (2: invalid input or CEL error).
+    /// Exit code of `selectors allocate` (2: an error).
     pub fn exit_code(&self) -> i32 {
         2
     }
@@ -71,19 +74,18 @@ pub fn simulate(input: &Simulation) -> Result<Decision, SimulationError> {
             node: name,
             results,
         }),
-        // The claim cannot be satisfied here now; everything else is an error the scheduler reports.
+        // The claim cannot be satisfied here now; everything else is an error the scheduler reports
+        // (invalid pools, an `All` request on an incomplete pool or against a constraint, CEL).
         Err(
             error @ (AllocationError::NotEnoughDevices { .. }
-            | AllocationError::Unsatisfiable { .. }
-            | AllocationError::PoolNotReady { .. }
-            | AllocationError::AllModeConstraint { .. }),
+            | AllocationError::Unsatisfiable { .. }),
         ) => Ok(Decision::Unallocatable {
             node: name,
             reason: error.to_string(),
         }),
-        Err(source) => Err(SimulationError::Allocation {
+        Err(error) => Err(SimulationError::Allocation {
             claim: input.claim.name.clone(),
-            source: Box::new(source),
+            error: Box::new(error),
         }),
     }
 }

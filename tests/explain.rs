@@ -371,8 +371,13 @@ async fn a_dump_gives_the_same_answer_as_the_cluster() {
         gpus(8, &[], false),
         json!({"tolerations": [{"operator": "Exists"}]}),
     );
+    cluster.pod_with_template("eight-linked", gpus(8, &[], true), json!({}));
     let dump = cluster.dump();
-    for pod in ["ml/four-linked", "ml/eight"] {
+    // The README's example output comes from this dump: EXPLAIN_DUMP_TO=cluster.yaml keeps a copy.
+    if let Ok(keep) = std::env::var("EXPLAIN_DUMP_TO") {
+        std::fs::copy(&dump, keep).expect("copying the dump");
+    }
+    for pod in ["ml/four-linked", "ml/eight", "ml/eight-linked"] {
         let live = cluster.live(&["explain", "pod", pod]).await;
         let offline = run(
             env!("CARGO_BIN_EXE_gpu-dra").into(),

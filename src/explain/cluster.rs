@@ -40,9 +40,9 @@ impl Cluster {
     pub fn from_dump_files(paths: &[PathBuf]) -> Result<Cluster, ExplainError> {
         let mut cluster = Cluster::default();
         for path in paths {
-            let text = std::fs::read_to_string(path).map_err(|source| ExplainError::Read {
+            let text = std::fs::read_to_string(path).map_err(|error| ExplainError::Read {
                 file: path.clone(),
-                source,
+                error,
             })?;
             cluster.add_text(&path.display().to_string(), &text)?;
         }
@@ -122,9 +122,9 @@ impl Cluster {
     /// name, every ResourceClaim (for the devices they hold), DeviceClass, ResourceSlice and Node.
     pub async fn fetch(client: &kube::Client, target: &Target) -> Result<Cluster, ExplainError> {
         let api_error = |what: String| {
-            move |source| ExplainError::Api {
+            move |error| ExplainError::Api {
                 what,
-                source: Box::new(source),
+                error: Box::new(error),
             }
         };
         let mut cluster = Cluster::default();
@@ -188,7 +188,9 @@ pub async fn client(
 ) -> Result<kube::Client, ExplainError> {
     let timeouts = ApiTimeouts::default();
     if context.is_none() {
-        return Ok(crate::apiclient::kube_client(kubeconfig, &timeouts).await?);
+        return crate::apiclient::kube_client(kubeconfig, &timeouts)
+            .await
+            .map_err(ExplainError::Client);
     }
     // rustls needs one process-wide crypto provider (as in `apiclient::kube_client`).
     let _ = rustls::crypto::ring::default_provider().install_default();

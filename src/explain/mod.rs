@@ -57,23 +57,24 @@ pub fn command_name(argv0: Option<&std::ffi::OsStr>) -> &'static str {
 /// cannot be decided anywhere (an unknown DeviceClass, a selector that does not compile). Exit code 2.
 #[derive(Debug, Error)]
 pub enum ExplainError {
-    #[error("{}: cannot read: {source}", .file.display())]
+    // Causes are part of the message, not `source`s, so that a chain printer does not repeat them.
+    #[error("{}: cannot read: {error}", .file.display())]
     Read {
         file: PathBuf,
-        source: std::io::Error,
+        error: std::io::Error,
     },
     #[error("{origin}: {message}")]
     Input { origin: String, message: String },
     #[error("{kind} {name} not found")]
     NotFound { kind: &'static str, name: String },
     #[error("{0}")]
-    Client(#[from] crate::apiclient::ApiClientError),
+    Client(crate::apiclient::ApiClientError),
     #[error("kubeconfig: {0}")]
     Kubeconfig(String),
-    #[error("API server: {what}: {source}")]
+    #[error("API server: {what}: {error}")]
     Api {
         what: String,
-        source: Box<kube::Error>,
+        error: Box<kube::Error>,
     },
     #[error("{subject}: {message}")]
     Subject { subject: String, message: String },

@@ -2,7 +2,8 @@
 //! API server double, the plugin with the fake backend and dynamic MIG, and the kubelet double, then
 //! walks a whole-GPU claim and a MIG claim through publish → allocate → prepare (the MIG device is
 //! created) → CDI spec → unprepare (it is destroyed), shows a time-sliced and an MPS claim, injects a GPU fault (taints, health stream) and
-//! clears it, saying what happens at each step.
+//! clears it, and ends with a pod that cannot fit and what `gpu-dra explain` says about it, saying
+//! what happens at each step.
 
 use std::io::Write;
 use std::time::Duration;
@@ -295,11 +296,13 @@ pub async fn run(out: &mut impl Write) -> Result<()> {
         &format!("Removed the fault (the GPU recovered): devices with taints: {left}"),
     )?;
 
+    demo_explain(out, &api).await?;
+
     let sockets = [config.registration_socket(), config.dra_socket()];
     plugin.shutdown().await;
     step(
         out,
-        14,
+        15,
         &format!(
             "Plugin stopped; sockets removed: {}",
             sockets.iter().all(|s| !s.exists())
@@ -465,6 +468,53 @@ async fn demo_sharing(
         }
     }
     Ok(claims)
+}
+
+/// Step 14: a pod that wants all 8 GPUs on one NVLink domain while the claims above still hold some,
+/// and a node without GPUs beside the demo node: `gpu-dra explain` says why it fits nowhere.
+async fn demo_explain(out: &mut impl Write, api: &ApiServer) -> Result<()> {
+    use crate::support::cluster as fixture;
+    api.insert("nodes", fixture::node("cpu-node", &[], &[], false));
+    let devices = serde_json::json!({
+        "requests": [{"name": "gpu", "exactly": {"deviceClassName": DRIVER, "count": 8}}],
+        "constraints": [{"matchAttribute": "gpu.dra.dev/nvlinkDomain"}]
+    });
+    api.insert(
+        "resourceclaimtemplates",
+        fixture::claim(NAMESPACE, "eight-gpus", devices, true),
+    );
+    api.insert(
+        "pods",
+        fixture::pod(
+            NAMESPACE,
+            "big-job",
+            serde_json::json!([{"name": "gpus", "resourceClaimTemplateName": "eight-gpus"}]),
+            serde_json::json!({}),
+        ),
+    );
+    let target = crate::explain::Target::Pod {
+        namespace: NAMESPACE.into(),
+        name: "big-job".into(),
+    };
+    let cluster = crate::explain::Cluster::fetch(&api.client(), &target).await?;
+    let report = crate::explain::explain(&cluster, &target)?;
+    step(
+        out,
+        14,
+        &format!(
+            "Pod {NAMESPACE}/big-job wants 8 GPUs on one NVLink domain and stays Pending; \
+             `kubectl gpu-dra explain pod {NAMESPACE}/big-job` (exit code {}) says why:",
+            report.exit_code()
+        ),
+    )?;
+    for line in report.to_table().lines() {
+        if line.is_empty() {
+            writeln!(out)?;
+        } else {
+            say(out, line)?;
+        }
+    }
+    Ok(())
 }
 
 /// Creates the claim with `devices` as its `spec.devices` and lets the scheduler double allocate it to a

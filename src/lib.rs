@@ -11,6 +11,7 @@ pub mod cel;
 pub mod claims;
 pub mod demo;
 pub mod devices;
+pub mod explain;
 pub mod fsutil;
 pub mod gpu;
 pub mod health;

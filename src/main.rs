@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use clap::{Args, Parser, Subcommand, ValueEnum};
+use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 
 use gpu_dra::devices::MigMode;
 use gpu_dra::observability::{init_logging, LogFormat};
@@ -38,6 +38,9 @@ enum Command {
         #[command(subcommand)]
         command: SelectorsCommand,
     },
+    /// Why a pod is Pending: the scheduler's DRA decision for its claims on every node, with the
+    /// devices it would get or a reason per node. Exit 0 it fits on some node, 1 on none, 2 an error.
+    Explain(ExplainArgs),
     /// A local end-to-end walkthrough with the fake backend and in-process API server and kubelet.
     Demo,
     /// Fake GPU backend tools.
@@ -145,6 +148,38 @@ struct SelectorsAllocateArgs {
     in_use: Option<PathBuf>,
     #[arg(short = 'o', long, value_enum, default_value = "table")]
     output: CheckOutput,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum ExplainKind {
+    Pod,
+    Claim,
+}
+
+#[derive(Args)]
+struct ExplainArgs {
+    /// What to explain: a pod (its claims, templates resolved) or one ResourceClaim.
+    #[arg(value_enum, required_unless_present = "claim_file", requires = "name")]
+    kind: Option<ExplainKind>,
+    /// NAMESPACE/NAME, or NAME in --namespace.
+    name: Option<String>,
+    /// Instead: a file of ResourceClaims or ResourceClaimTemplates, placed together as one pod's claims.
+    #[arg(long = "claim", value_name = "FILE", conflicts_with_all = ["kind", "name"])]
+    claim_file: Option<PathBuf>,
+    #[arg(short = 'n', long, default_value = "default")]
+    namespace: String,
+    /// Read the cluster from a dump instead of the API server (`kubectl get pods,resourceclaims,
+    /// resourceclaimtemplates,deviceclasses,resourceslices,nodes -A -o yaml`). Repeatable.
+    #[arg(long = "from", value_name = "DUMP")]
+    from: Vec<PathBuf>,
+    /// Kubeconfig file; else as kubectl finds one ($KUBECONFIG, ~/.kube/config, in-cluster).
+    #[arg(long, conflicts_with = "from")]
+    kubeconfig: Option<PathBuf>,
+    /// The kubeconfig context to use.
+    #[arg(long, conflicts_with = "from")]
+    context: Option<String>,
+    #[arg(short = 'o', long, value_enum, default_value = "table")]
+    output: Output,
 }
 
 #[derive(Subcommand)]
@@ -304,8 +339,12 @@ struct DevicesArgs {
 }
 
 fn main() -> Result<()> {
-    let cli = Cli::parse();
+    // Installed as `kubectl-gpu_dra`, it is the kubectl plugin `kubectl gpu-dra`: usage says so.
+    let name = gpu_dra::explain::command_name(std::env::args_os().next().as_deref());
+    let matches = Cli::command().bin_name(name).get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     match cli.command {
+        Command::Explain(args) => exit_with(explain(args)),
         Command::Plugin(args) => run_plugin(args),
         Command::Devices(args) => print_devices(args),
         Command::Demo => {
@@ -494,6 +533,40 @@ fn error_text(error: &anyhow::Error) -> String {
         }
     }
     text
+}
+
+fn explain(args: ExplainArgs) -> Result<i32> {
+    use gpu_dra::explain::{Source, Target};
+    let target = match (args.kind, &args.name, &args.claim_file) {
+        (_, _, Some(file)) => Target::claim_file(file)?,
+        (Some(kind), Some(name), None) => {
+            let (namespace, name) = Target::split_name(name, &args.namespace);
+            match kind {
+                ExplainKind::Pod => Target::Pod { namespace, name },
+                ExplainKind::Claim => Target::Claim { namespace, name },
+            }
+        }
+        _ => anyhow::bail!("name a pod or a claim (explain pod NS/NAME), or pass --claim FILE"),
+    };
+    let source = if args.from.is_empty() {
+        Source::Live {
+            kubeconfig: args.kubeconfig,
+            context: args.context,
+        }
+    } else {
+        Source::Dump(args.from)
+    };
+    let report = runtime()?.block_on(gpu_dra::explain::run(&source, &target))?;
+    let output = match args.output {
+        Output::Table => gpu_dra::explain::Output::Table,
+        Output::Json => gpu_dra::explain::Output::Json,
+        Output::Yaml => gpu_dra::explain::Output::Yaml,
+    };
+    print!("{}", report.render(output));
+    if let Some(error) = &report.error {
+        eprintln!("error: {error}");
+    }
+    Ok(report.exit_code())
 }
 
 fn selectors_check(args: SelectorsCheckArgs) -> Result<i32> {

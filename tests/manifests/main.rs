@@ -517,6 +517,7 @@ fn overlays_render_to_valid_objects() {
         );
         one(&docs, "DaemonSet", "gpu-dra-plugin");
         one(&docs, "DeviceClass", "gpu.dra.dev");
+        one(&docs, "ClusterRole", "gpu-dra-explain");
     }
 }
 

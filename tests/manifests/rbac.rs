@@ -1,6 +1,8 @@
 //! The plugin's RBAC against the API calls its code makes. The calls are read from `src/` (every call on a
 //! kube `Api`, every watcher, kube's event `Recorder`), so a grant that no call uses fails, and so does a
-//! call that no grant allows; `deploy/README.md`'s permission table must list the same grants.
+//! call that no grant allows; `deploy/README.md`'s permission table must list the same grants. The
+//! ClusterRole `gpu-dra-explain`, for users of `gpu-dra explain`, must allow every call in
+//! `src/explain/` and grant nothing but reads.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -40,8 +42,12 @@ struct Call {
     origin: String,
 }
 
-/// Source files that never run in the plugin: `gpu-dra demo` talks to its own in-process API server.
-const NOT_THE_PLUGIN: &[&str] = &["src/demo.rs"];
+/// Source files that never run in the plugin: `gpu-dra demo` talks to its own in-process API server;
+/// `gpu-dra explain` runs with its user's credentials (the `gpu-dra-explain` ClusterRole).
+const NOT_THE_PLUGIN: &[&str] = &["src/demo.rs", EXPLAIN];
+
+/// The source of `gpu-dra explain`, whose calls `gpu-dra-explain` must allow.
+const EXPLAIN: &str = "src/explain/";
 
 /// kube `Api` methods and what the API server authorizes them as.
 fn api_method(method: &str) -> Option<(Option<&'static str>, &'static [&'static str])> {
@@ -186,13 +192,16 @@ fn calls_in(origin: &str, text: &str) -> Result<Vec<Call>, String> {
 fn resource_of(kind: &str) -> Option<(String, String)> {
     use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod, Secret};
     use k8s_openapi::api::events::v1::Event;
-    use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
+    use k8s_openapi::api::resource::v1::{
+        DeviceClass, ResourceClaim, ResourceClaimTemplate, ResourceSlice,
+    };
     fn of<K: k8s_openapi::Resource>() -> (String, String) {
         (K::GROUP.to_string(), K::URL_PATH_SEGMENT.to_string())
     }
     let builtin = match kind {
         "ResourceSlice" => Some(of::<ResourceSlice>()),
         "ResourceClaim" => Some(of::<ResourceClaim>()),
+        "ResourceClaimTemplate" => Some(of::<ResourceClaimTemplate>()),
         "DeviceClass" => Some(of::<DeviceClass>()),
         "Node" => Some(of::<Node>()),
         "Pod" => Some(of::<Pod>()),
@@ -240,6 +249,11 @@ fn rust_files(dir: &Path, out: &mut Vec<std::path::PathBuf>) {
 
 /// Every permission the plugin's code needs, with the calls that need it.
 fn used_grants() -> BTreeMap<Grant, Vec<String>> {
+    grants_used_by(|origin| !NOT_THE_PLUGIN.iter().any(|p| origin.starts_with(p)))
+}
+
+/// Every permission the code of the source files `origin` selects needs, with the calls that need it.
+fn grants_used_by(selected: impl Fn(&str) -> bool) -> BTreeMap<Grant, Vec<String>> {
     let mut files = Vec::new();
     rust_files(&root().join("src"), &mut files);
     files.sort();
@@ -256,7 +270,7 @@ fn used_grants() -> BTreeMap<Grant, Vec<String>> {
             .and_then(|n| n.to_str())
             .unwrap_or_default();
         // Test modules in files of their own (`foo_tests.rs`, `tests.rs`, `tests_*.rs`).
-        if NOT_THE_PLUGIN.contains(&origin.as_str())
+        if !selected(&origin)
             || name == "tests.rs"
             || name.starts_with("tests_")
             || name.ends_with("_tests.rs")
@@ -314,35 +328,40 @@ pub fn plugin_grants(docs: &[Doc]) -> BTreeSet<Grant> {
         })
     {
         assert_eq!(binding.role_ref.kind, "ClusterRole");
-        let role: ClusterRole = one(docs, "ClusterRole", &binding.role_ref.name).typed();
-        for rule in role.rules.iter().flatten() {
-            assert!(
-                rule.resource_names.is_none() && rule.non_resource_urls.is_none(),
-                "ClusterRole {}: resourceNames and nonResourceURLs are not checked here",
-                binding.role_ref.name
-            );
-            for group in rule.api_groups.iter().flatten() {
-                for resource in rule.resources.iter().flatten() {
-                    for verb in &rule.verbs {
-                        assert!(
-                            group != "*" && resource != "*" && verb != "*",
-                            "ClusterRole {}: no wildcards",
-                            binding.role_ref.name
-                        );
-                        grants.insert(Grant {
-                            group: group.clone(),
-                            resource: resource.clone(),
-                            verb: verb.clone(),
-                        });
-                    }
-                }
-            }
-        }
+        grants.extend(role_grants(docs, &binding.role_ref.name));
     }
     assert!(
         !grants.is_empty(),
         "no ClusterRole is bound to {namespace}/{account}"
     );
+    grants
+}
+
+/// The grants of ClusterRole `name` in `docs`; no wildcards, resourceNames or nonResourceURLs.
+fn role_grants(docs: &[Doc], name: &str) -> BTreeSet<Grant> {
+    let role: ClusterRole = one(docs, "ClusterRole", name).typed();
+    let mut grants = BTreeSet::new();
+    for rule in role.rules.iter().flatten() {
+        assert!(
+            rule.resource_names.is_none() && rule.non_resource_urls.is_none(),
+            "ClusterRole {name}: resourceNames and nonResourceURLs are not checked here"
+        );
+        for group in rule.api_groups.iter().flatten() {
+            for resource in rule.resources.iter().flatten() {
+                for verb in &rule.verbs {
+                    assert!(
+                        group != "*" && resource != "*" && verb != "*",
+                        "ClusterRole {name}: no wildcards"
+                    );
+                    grants.insert(Grant {
+                        group: group.clone(),
+                        resource: resource.clone(),
+                        verb: verb.clone(),
+                    });
+                }
+            }
+        }
+    }
     grants
 }
 
@@ -519,4 +538,56 @@ fn the_call_scanner_finds_every_form_of_call() {
     );
     let err = calls_in("inline.rs", "fn f() { watcher(mystery, config) }").unwrap_err();
     assert!(err.contains("mystery"), "{err}");
+}
+
+#[test]
+fn the_explain_role_allows_every_call_of_explain_and_only_reads() {
+    let (objects, _) = manifests();
+    let granted = role_grants(&objects, "gpu-dra-explain");
+    let used = grants_used_by(|origin| origin.starts_with(EXPLAIN));
+    assert!(!used.is_empty(), "no API call found in {EXPLAIN}");
+    let missing: Vec<String> = used
+        .iter()
+        .filter(|(grant, _)| !granted.contains(grant))
+        .map(|(grant, calls)| format!("  {grant}: {}", calls.join(", ")))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "deploy/base/explain-role.yaml does not grant what these calls of gpu-dra explain need:\n{}",
+        missing.join("\n")
+    );
+    // Get and list on the six kinds of a dump (kubectl get ... -A needs list; get a single object),
+    // and nothing else.
+    let kinds = [
+        ("", "pods"),
+        ("", "nodes"),
+        ("resource.k8s.io", "resourceclaims"),
+        ("resource.k8s.io", "resourceclaimtemplates"),
+        ("resource.k8s.io", "deviceclasses"),
+        ("resource.k8s.io", "resourceslices"),
+    ];
+    let expected: BTreeSet<Grant> = kinds
+        .iter()
+        .flat_map(|(group, resource)| {
+            ["get", "list"].map(|verb| Grant {
+                group: group.to_string(),
+                resource: resource.to_string(),
+                verb: verb.to_string(),
+            })
+        })
+        .collect();
+    assert_eq!(granted, expected);
+    // It is for people: nothing in deploy/ binds it (the plugin's service account must not get it).
+    let bound: Vec<&str> = objects
+        .iter()
+        .filter(|d| matches!(d.kind(), "ClusterRoleBinding" | "RoleBinding"))
+        .filter(|d| d.value["roleRef"]["name"] == "gpu-dra-explain")
+        .map(|d| d.origin.as_str())
+        .collect();
+    assert!(bound.is_empty(), "gpu-dra-explain is bound in {bound:?}");
+    let readme = std::fs::read_to_string(root().join("deploy/README.md")).unwrap();
+    assert!(
+        readme.contains("`gpu-dra-explain`"),
+        "deploy/README.md does not document the gpu-dra-explain ClusterRole"
+    );
 }

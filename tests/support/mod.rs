@@ -4,6 +4,7 @@
 
 pub use crate::cel::allocator;
 pub mod apiserver;
+pub mod cluster;
 pub mod grpc_dial;
 pub mod harness;
 pub mod kubelet;

@@ -1,6 +1,6 @@
 //! An in-process Kubernetes API server double: a real HTTP/1.1 server on loopback that speaks enough of the
-//! Kubernetes REST/JSON protocol for the `kube` client and `kube::runtime::watcher`, stores nodes,
-//! ResourceSlices, ResourceClaims and DeviceClasses, and rejects invalid ResourceSlices as the real server does.
+//! Kubernetes REST/JSON protocol for the `kube` client and `kube::runtime::watcher`, stores nodes, pods,
+//! ResourceSlices, ResourceClaims, ResourceClaimTemplates and DeviceClasses, and rejects invalid ResourceSlices as the real server does.
 //!
 //! Tests drive it over HTTP like a cluster, and reach around HTTP through the hooks on [`ApiServer`] to play
 //! the kubelet or a controller (`insert`, `remove`), inject faults (`fail_next`, `set_latency`, `hang_next`,
@@ -150,7 +150,7 @@ impl ResourceDef {
     }
 }
 
-const RESOURCES: [ResourceDef; 6] = [
+const RESOURCES: [ResourceDef; 8] = [
     ResourceDef {
         plural: "nodes",
         kind: "Node",
@@ -173,6 +173,26 @@ const RESOURCES: [ResourceDef; 6] = [
         plural: "resourceclaims",
         kind: "ResourceClaim",
         group: "resource.k8s.io",
+        version: "v1",
+        namespaced: true,
+        status_subresource: true,
+        status_on_create: false,
+    },
+    ResourceDef {
+        plural: "resourceclaimtemplates",
+        kind: "ResourceClaimTemplate",
+        group: "resource.k8s.io",
+        version: "v1",
+        namespaced: true,
+        status_subresource: false,
+        status_on_create: false,
+    },
+    // What `gpu-dra explain` reads about a pod: its claims, node selector, affinity and tolerations. Its
+    // status (the claims made from templates) is written with `insert`, as the controllers would.
+    ResourceDef {
+        plural: "pods",
+        kind: "Pod",
+        group: "",
         version: "v1",
         namespaced: true,
         status_subresource: true,

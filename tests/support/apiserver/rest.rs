@@ -470,6 +470,10 @@ fn admit(
         "resourceslices" => roundtrip::<k8s_openapi::api::resource::v1::ResourceSlice>(obj),
         "resourceclaims" => roundtrip::<k8s_openapi::api::resource::v1::ResourceClaim>(obj),
         "deviceclasses" => roundtrip::<k8s_openapi::api::resource::v1::DeviceClass>(obj),
+        "resourceclaimtemplates" => {
+            roundtrip::<k8s_openapi::api::resource::v1::ResourceClaimTemplate>(obj)
+        }
+        "pods" => roundtrip::<k8s_openapi::api::core::v1::Pod>(obj),
         _ => Ok(obj),
     };
     decoded.map_err(|err| {

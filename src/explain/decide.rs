@@ -1,0 +1,520 @@
+//! One verdict per node. First the node filters the scheduler runs before DRA (unschedulable, node
+//! name, taints, node affinity), then the pod's allocated claims (each pins the pod to the nodes its
+//! allocation selects), then the allocator on the node's pools for the claims that still need devices,
+//! with what other claims hold. A "no" from the allocator is broken down in [`super::reasons`].
+//!
+//! The work is indexed once for the whole cluster: slices by pool, and a pool by the node it is
+//! local to (every slice names that node); pools spanning nodes (`nodeSelector`, `allNodes`,
+//! per-device node selection) go to every node, and `Pools::from_slices` decides which nodes they
+//! serve. Devices held by claims are indexed by pool too, so each node costs only its own pools.
+
+use std::borrow::Cow;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use k8s_openapi::api::core::v1::{NodeSelector, Taint, Toleration};
+use k8s_openapi::api::resource::v1::{DeviceRequestAllocationResult, ResourceSlice};
+
+use crate::cel::allocator::{self, AllocationError, Candidate, InUse, Pools};
+
+use super::cluster::Cluster;
+use super::joint::{Joint, Outcome};
+use super::plan::{self, ClaimPlan};
+use super::reasons::{self, NodeState};
+use super::report::{
+    ClaimSummary, NodeVerdict, PlacedDevice, Reason, ReasonKind, Report, SubjectSummary,
+};
+use super::subject::{PodScheduling, Subject};
+use super::ExplainError;
+
+/// What the scheduler's DRA plugin reports for a node where the allocator found nothing.
+const CANNOT_ALLOCATE: &str = "cannot allocate all claims";
+
+type PoolKey = (String, String);
+
+/// Slices by the node whose pools they belong to, and the pools that may serve any node.
+struct SliceIndex {
+    local: HashMap<String, Vec<ResourceSlice>>,
+    local_pools: HashMap<String, Vec<PoolKey>>,
+    spanning: Vec<ResourceSlice>,
+    spanning_pools: Vec<PoolKey>,
+}
+
+impl SliceIndex {
+    fn new(slices: &[ResourceSlice]) -> SliceIndex {
+        let mut by_pool: BTreeMap<PoolKey, Vec<&ResourceSlice>> = BTreeMap::new();
+        for slice in slices {
+            let key = (slice.spec.driver.clone(), slice.spec.pool.name.clone());
+            by_pool.entry(key).or_default().push(slice);
+        }
+        let mut index = SliceIndex {
+            local: HashMap::new(),
+            local_pools: HashMap::new(),
+            spanning: Vec::new(),
+            spanning_pools: Vec::new(),
+        };
+        for (key, pool) in by_pool {
+            fn node_of(s: &ResourceSlice) -> Option<&str> {
+                s.spec
+                    .node_name
+                    .as_deref()
+                    .filter(|n| !n.is_empty() && s.spec.per_device_node_selection != Some(true))
+            }
+            let first = pool.first().and_then(|s| node_of(s));
+            match first.filter(|node| pool.iter().all(|s| node_of(s) == Some(*node))) {
+                Some(node) => {
+                    let node = node.to_string();
+                    index
+                        .local
+                        .entry(node.clone())
+                        .or_default()
+                        .extend(pool.into_iter().cloned());
+                    index.local_pools.entry(node).or_default().push(key);
+                }
+                None => {
+                    index.spanning.extend(pool.into_iter().cloned());
+                    index.spanning_pools.push(key);
+                }
+            }
+        }
+        index
+    }
+
+    /// The slices of every pool that may serve `node`; borrowed when no pool spans nodes.
+    fn slices_for(&self, node: &str) -> Cow<'_, [ResourceSlice]> {
+        let local = self.local.get(node).map(Vec::as_slice).unwrap_or_default();
+        if self.spanning.is_empty() {
+            return Cow::Borrowed(local);
+        }
+        Cow::Owned(local.iter().chain(&self.spanning).cloned().collect())
+    }
+
+    fn pools_for<'a>(&'a self, node: &str) -> impl Iterator<Item = &'a PoolKey> {
+        self.local_pools
+            .get(node)
+            .into_iter()
+            .flatten()
+            .chain(&self.spanning_pools)
+    }
+}
+
+/// What claims hold, by pool, as `in_use` gathers it from their allocation results.
+struct Held {
+    by_pool: HashMap<PoolKey, InUse>,
+    /// Devices held by the subject's own allocated claims, with the claim's name.
+    by_subject: HashMap<Candidate, String>,
+}
+
+impl Held {
+    fn new(cluster: &Cluster, subject: &Subject) -> Held {
+        let mut results: HashMap<PoolKey, Vec<&DeviceRequestAllocationResult>> = HashMap::new();
+        let replaced: BTreeSet<&str> = subject.replaces.iter().map(String::as_str).collect();
+        for claim in &cluster.claims {
+            let name = format!(
+                "{}/{}",
+                claim.metadata.namespace.as_deref().unwrap_or("default"),
+                claim.metadata.name.as_deref().unwrap_or_default()
+            );
+            if replaced.contains(name.as_str()) {
+                continue;
+            }
+            for result in crate::claims::allocation_results(claim) {
+                results
+                    .entry((result.driver.clone(), result.pool.clone()))
+                    .or_default()
+                    .push(result);
+            }
+        }
+        let mut by_subject = HashMap::new();
+        for claim in &subject.claims {
+            let allocated = claim.allocation.iter().flat_map(|a| a.devices.iter());
+            for result in allocated.flat_map(|d| d.results.iter().flatten()) {
+                by_subject.insert(Candidate::of_result(result), claim.name.clone());
+                if replaced.contains(claim.name.as_str()) {
+                    // A claim from a file with an allocation holds its devices as the stored one did.
+                    results
+                        .entry((result.driver.clone(), result.pool.clone()))
+                        .or_default()
+                        .push(result);
+                }
+            }
+        }
+        let by_pool = results
+            .into_iter()
+            .map(|(key, results)| (key, allocator::in_use(results)))
+            .collect();
+        Held {
+            by_pool,
+            by_subject,
+        }
+    }
+
+    fn for_pools<'a>(&self, pools: impl Iterator<Item = &'a PoolKey>) -> InUse {
+        let mut held = InUse::default();
+        for key in pools {
+            if let Some(pool) = self.by_pool.get(key) {
+                held.devices.extend(pool.devices.iter().cloned());
+                for (device, consumed) in &pool.shares {
+                    held.add_share(device.clone(), consumed.clone());
+                }
+            }
+        }
+        held
+    }
+}
+
+/// A node as the filters and the allocator see it.
+struct NodeInfo {
+    name: String,
+    labels: BTreeMap<String, String>,
+    taints: Vec<Taint>,
+    unschedulable: bool,
+}
+
+/// Decides the subject on every node of the cluster.
+pub fn decide(cluster: &Cluster, subject: &Subject) -> Result<Report, ExplainError> {
+    let classes = allocator::class_selectors(&cluster.classes);
+    let joint = Joint::new(&subject.claims);
+    let plans: BTreeMap<usize, ClaimPlan> = joint
+        .pending
+        .iter()
+        .map(|&i| Ok((i, plan::plan(&subject.claims[i], &classes)?)))
+        .collect::<Result<_, ExplainError>>()?;
+    let index = SliceIndex::new(&cluster.slices);
+    let held = Held::new(cluster, subject);
+    let mut notes = subject.notes.clone();
+    let mut nodes: Vec<NodeInfo> = cluster
+        .nodes
+        .iter()
+        .map(|node| {
+            let spec = node.spec.clone().unwrap_or_default();
+            NodeInfo {
+                name: node.metadata.name.clone().unwrap_or_default(),
+                labels: node.metadata.labels.clone().unwrap_or_default(),
+                taints: spec.taints.unwrap_or_default(),
+                unschedulable: spec.unschedulable == Some(true),
+            }
+        })
+        .collect();
+    if nodes.is_empty() && !index.local.is_empty() {
+        notes.push(
+            "no Node objects: the nodes are those the ResourceSlices name, without labels or taints"
+                .into(),
+        );
+        nodes = index
+            .local
+            .keys()
+            .map(|name| NodeInfo {
+                name: name.clone(),
+                labels: BTreeMap::new(),
+                taints: Vec::new(),
+                unschedulable: false,
+            })
+            .collect();
+    }
+    nodes.sort_by(|a, b| a.name.cmp(&b.name));
+    if !cluster.ignored.is_empty() {
+        let kinds: Vec<String> = cluster
+            .ignored
+            .iter()
+            .map(|(kind, n)| format!("{n} {kind}"))
+            .collect();
+        notes.push(format!("ignored: {}", kinds.join(", ")));
+    }
+    let decider = Decider {
+        subject,
+        classes: &classes,
+        joint: &joint,
+        plans: &plans,
+        index: &index,
+        held: &held,
+    };
+    let verdicts = nodes.iter().map(|node| decider.node(node)).collect();
+    Ok(Report::new(
+        SubjectSummary {
+            kind: subject.kind.to_string(),
+            name: subject.name.clone(),
+        },
+        subject.claims.iter().map(ClaimSummary::of).collect(),
+        verdicts,
+        notes,
+    ))
+}
+
+struct Decider<'a> {
+    subject: &'a Subject,
+    classes: &'a BTreeMap<String, Vec<String>>,
+    joint: &'a Joint,
+    plans: &'a BTreeMap<usize, ClaimPlan>,
+    index: &'a SliceIndex,
+    held: &'a Held,
+}
+
+impl Decider<'_> {
+    fn node(&self, node: &NodeInfo) -> NodeVerdict {
+        let mut verdict = NodeVerdict {
+            node: node.name.clone(),
+            fits: false,
+            devices: Vec::new(),
+            reasons: Vec::new(),
+            scheduler_reason: None,
+            allocator: None,
+            error: None,
+        };
+        let allocator_node = allocator::Node {
+            name: node.name.clone(),
+            labels: node.labels.clone(),
+        };
+        if let Some(pod) = &self.subject.pod {
+            match node_filters(pod, node, &allocator_node) {
+                Ok(None) => {}
+                Ok(Some((reasons, scheduler))) => {
+                    verdict.reasons = reasons;
+                    verdict.scheduler_reason = Some(scheduler);
+                    return verdict;
+                }
+                Err(error) => {
+                    verdict.error = Some(error);
+                    return verdict;
+                }
+            }
+        }
+        for claim in &self.subject.claims {
+            let Some(allocation) = &claim.allocation else {
+                continue;
+            };
+            let selected = match &allocation.node_selector {
+                None => Ok(true),
+                Some(selector) => allocator_node.matches(None, None, Some(selector)),
+            };
+            match selected {
+                Ok(true) => {
+                    let results = allocation
+                        .devices
+                        .iter()
+                        .flat_map(|d| d.results.iter().flatten());
+                    verdict
+                        .devices
+                        .extend(results.map(|r| placed(&claim.name, r, true)));
+                }
+                Ok(false) => verdict.reasons.push(Reason::new(
+                    ReasonKind::ClaimElsewhere,
+                    format!(
+                        "claim {} is allocated {}",
+                        claim.name,
+                        allocated_where(allocation.node_selector.as_ref())
+                    ),
+                )),
+                Err(error) => {
+                    verdict.error = Some(format!(
+                        "claim {}: allocation node selector: {error}",
+                        claim.name
+                    ));
+                    return verdict;
+                }
+            }
+        }
+        if !verdict.reasons.is_empty() {
+            verdict.devices.clear();
+            verdict.scheduler_reason = Some("resourceclaim not available on the node".into());
+            return verdict;
+        }
+        if self.joint.pending.is_empty() {
+            verdict.fits = true;
+            return verdict;
+        }
+        let slices = self.index.slices_for(&node.name);
+        let pools = Pools::from_slices(&slices, Some(&allocator_node));
+        let in_use = self.held.for_pools(self.index.pools_for(&node.name));
+        let failure = match self.joint.allocate(&pools, self.classes, &in_use) {
+            Outcome::Allocated(results) => {
+                verdict.fits = true;
+                verdict.devices.extend(
+                    results
+                        .iter()
+                        .map(|(claim, r)| placed(&self.subject.claims[*claim].name, r, false)),
+                );
+                return verdict;
+            }
+            Outcome::Failed(failure) => failure,
+        };
+        verdict.allocator = Some(failure.message.clone());
+        match &failure.error {
+            AllocationError::NotEnoughDevices { .. }
+            | AllocationError::Unsatisfiable { .. }
+            | AllocationError::PoolNotReady { .. }
+            | AllocationError::AllModeConstraint { .. }
+            // The scheduler (1.35+) skips invalid pools and calls the node unschedulable.
+            | AllocationError::InvalidPools { .. } => {}
+            // A CEL runtime error, the step limit, or an error the checks before the nodes did not
+            // catch: the scheduler stops there, so this is an error, not a "no".
+            _ => {
+                verdict.error = Some(failure.message);
+                return verdict;
+            }
+        }
+        let mut pod_held = self.held.by_subject.clone();
+        let mut seen = Cow::Borrowed(&in_use);
+        if !failure.picks.is_empty() {
+            let owned = seen.to_mut();
+            for (claim, candidate) in &failure.picks {
+                owned.devices.insert(candidate.clone());
+                pod_held.insert(candidate.clone(), self.subject.claims[*claim].name.clone());
+            }
+        }
+        let plans: Vec<&ClaimPlan> = failure
+            .claims
+            .iter()
+            .filter_map(|i| self.plans.get(i))
+            .collect();
+        let state = NodeState {
+            pools: &pools,
+            in_use: &seen,
+            pod_held: &pod_held,
+        };
+        verdict.reasons = reasons::explain(
+            &state,
+            &plans,
+            self.subject.claims.len() > 1,
+            &failure.error,
+            &failure.message,
+        );
+        verdict.scheduler_reason = Some(CANNOT_ALLOCATE.into());
+        verdict
+    }
+}
+
+/// The scheduler's filters before DRA, in its order (NodeUnschedulable, NodeName, TaintToleration,
+/// NodeAffinity): every reason that applies, and the scheduler's words for the first.
+fn node_filters(
+    pod: &PodScheduling,
+    node: &NodeInfo,
+    allocator_node: &allocator::Node,
+) -> Result<Option<(Vec<Reason>, String)>, String> {
+    let mut found: Vec<(Reason, String)> = Vec::new();
+    let cordon = Taint {
+        key: "node.kubernetes.io/unschedulable".into(),
+        effect: "NoSchedule".into(),
+        ..Default::default()
+    };
+    if node.unschedulable && !pod.tolerations.iter().any(|t| tolerates(t, &cordon)) {
+        found.push((
+            Reason::new(
+                ReasonKind::Unschedulable,
+                "node is unschedulable (cordoned)",
+            ),
+            "node(s) were unschedulable".into(),
+        ));
+    }
+    if let Some(bound) = pod.node_name.as_deref().filter(|n| *n != node.name) {
+        found.push((
+            Reason::new(
+                ReasonKind::NodeName,
+                format!("the pod is bound to node {bound}"),
+            ),
+            "node(s) didn't match the requested node name".into(),
+        ));
+    }
+    let untolerated: Vec<&Taint> = node
+        .taints
+        .iter()
+        .filter(|taint| matches!(taint.effect.as_str(), "NoSchedule" | "NoExecute"))
+        .filter(|taint| !pod.tolerations.iter().any(|t| tolerates(t, taint)))
+        .collect();
+    if let Some(first) = untolerated.first() {
+        let shown: Vec<String> = untolerated.iter().map(|t| show_taint(t)).collect();
+        found.push((
+            Reason::new(
+                ReasonKind::NodeTaint,
+                format!("node taint {} not tolerated by the pod", shown.join(", ")),
+            ),
+            format!(
+                "node(s) had untolerated taint {{{}: {}}}",
+                first.key,
+                first.value.as_deref().unwrap_or_default()
+            ),
+        ));
+    }
+    let mut excluded = Vec::new();
+    for (key, value) in &pod.node_selector {
+        if node.labels.get(key) != Some(value) {
+            excluded.push(format!("nodeSelector {key}={value}"));
+        }
+    }
+    if let Some(affinity) = &pod.required_affinity {
+        if !allocator_node.matches(None, None, Some(affinity))? {
+            excluded.push("required node affinity".into());
+        }
+    }
+    if !excluded.is_empty() {
+        found.push((
+            Reason::new(
+                ReasonKind::NodeAffinity,
+                format!("node affinity excludes it ({})", excluded.join(", ")),
+            ),
+            "node(s) didn't match Pod's node affinity/selector".into(),
+        ));
+    }
+    let Some((_, scheduler)) = found.first() else {
+        return Ok(None);
+    };
+    let scheduler = scheduler.clone();
+    Ok(Some((
+        found.into_iter().map(|(r, _)| r).collect(),
+        scheduler,
+    )))
+}
+
+/// `v1helper.ToleratesTaint`: an empty effect matches every effect, an empty key every key.
+fn tolerates(toleration: &Toleration, taint: &Taint) -> bool {
+    let effect = toleration.effect.as_deref().unwrap_or_default();
+    if !effect.is_empty() && effect != taint.effect {
+        return false;
+    }
+    let key = toleration.key.as_deref().unwrap_or_default();
+    if !key.is_empty() && key != taint.key {
+        return false;
+    }
+    match toleration.operator.as_deref().unwrap_or_default() {
+        "" | "Equal" => {
+            toleration.value.as_deref().unwrap_or_default()
+                == taint.value.as_deref().unwrap_or_default()
+        }
+        "Exists" => true,
+        _ => false,
+    }
+}
+
+fn show_taint(taint: &Taint) -> String {
+    match taint.value.as_deref().filter(|v| !v.is_empty()) {
+        Some(value) => format!("{}={value}:{}", taint.key, taint.effect),
+        None => format!("{}:{}", taint.key, taint.effect),
+    }
+}
+
+/// "on node-3" for the scheduler's usual `metadata.name In [node]` selector, else a general phrase.
+fn allocated_where(selector: Option<&NodeSelector>) -> String {
+    let names: Vec<&str> = selector
+        .iter()
+        .flat_map(|s| &s.node_selector_terms)
+        .flat_map(|t| t.match_fields.iter().flatten())
+        .filter(|r| r.key == "metadata.name" && r.operator == "In")
+        .flat_map(|r| r.values.iter().flatten())
+        .map(String::as_str)
+        .collect();
+    if names.is_empty() {
+        "to nodes its node selector picks, not this one".into()
+    } else {
+        format!("on {}", names.join(", "))
+    }
+}
+
+fn placed(claim: &str, result: &DeviceRequestAllocationResult, allocated: bool) -> PlacedDevice {
+    PlacedDevice {
+        claim: claim.to_string(),
+        request: result.request.clone(),
+        driver: result.driver.clone(),
+        pool: result.pool.clone(),
+        device: result.device.clone(),
+        allocated,
+    }
+}

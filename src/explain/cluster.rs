@@ -12,15 +12,14 @@ use k8s_openapi::api::resource::v1::{
     DeviceClass, ResourceClaim, ResourceClaimTemplate, ResourceSlice,
 };
 use kube::api::{Api, ListParams};
-use serde::de::DeserializeOwned;
+use serde::de::DeserializeSeed;
 use serde::Deserialize;
 use serde_json::Value;
 
+use super::dump::{self, Document, Items, Object};
 use super::subject::Target;
 use super::ExplainError;
 use crate::apiclient::ApiTimeouts;
-
-const RESOURCE_API: &str = "resource.k8s.io/v1";
 
 /// What `explain` reads. Objects keep the order they came in.
 #[derive(Debug, Clone, Default)]
@@ -51,71 +50,68 @@ impl Cluster {
 
     /// Adds the objects of one dump (`origin` names it in errors).
     pub fn add_text(&mut self, origin: &str, text: &str) -> Result<(), ExplainError> {
-        for (at, value) in parse_objects(origin, text)? {
-            self.add(value).map_err(|message| ExplainError::Input {
-                origin: format!("{origin}: {at}"),
-                message,
-            })?;
+        let invalid = |document: usize, message: String| ExplainError::Input {
+            origin: format!("{origin}: document {document}"),
+            message,
+        };
+        if text.trim_start().starts_with(['{', '[']) {
+            let mut json = serde_json::Deserializer::from_str(text);
+            let Document(objects) = Document::deserialize(&mut json)
+                .and_then(|d| json.end().map(|()| d))
+                .map_err(|e| invalid(1, format!("not valid JSON: {e}")))?;
+            objects.into_iter().for_each(|o| self.push(o));
+        } else if let Some(items) = dump::list_items(text) {
+            for (line, item) in items {
+                let parsed = serde_yaml::Deserializer::from_str(item)
+                    .next()
+                    .map(|document| Items.deserialize(document))
+                    .unwrap_or(Ok(Vec::new()));
+                let objects = parsed.map_err(|e| ExplainError::Input {
+                    origin: format!("{origin}: the item at line {line}"),
+                    message: without_path(&e.to_string()),
+                })?;
+                objects.into_iter().for_each(|o| self.push(o));
+            }
+        } else {
+            for (index, document) in serde_yaml::Deserializer::from_str(text).enumerate() {
+                let Document(objects) = Document::deserialize(document)
+                    .map_err(|e| invalid(index + 1, e.to_string()))?;
+                objects.into_iter().for_each(|o| self.push(o));
+            }
         }
+        self.sort_slices();
         Ok(())
     }
 
-    /// Adds one object by its kind; kinds `explain` does not use are counted in `ignored`.
+    /// Adds one object given as a generic value; kinds `explain` does not use are counted in
+    /// `ignored`.
     pub fn add(&mut self, value: Value) -> Result<(), String> {
-        let kind = value
-            .get("kind")
-            .and_then(Value::as_str)
-            .ok_or("kind missing: expected a Kubernetes object")?
-            .to_string();
-        let api_version = value
-            .get("apiVersion")
-            .and_then(Value::as_str)
-            .unwrap_or_default()
-            .to_string();
-        let core = |expected: &str| {
-            if api_version == expected {
-                Ok(())
-            } else {
-                Err(format!(
-                    "{kind} apiVersion {api_version:?}: expected {expected}"
-                ))
-            }
-        };
-        match kind.as_str() {
-            "Pod" => {
-                core("v1")?;
-                self.pods.push(typed(&kind, value)?);
-            }
-            "Node" => {
-                core("v1")?;
-                self.nodes.push(typed(&kind, value)?);
-            }
-            "ResourceClaim" | "ResourceClaimTemplate" | "DeviceClass" | "ResourceSlice" => {
-                if api_version != RESOURCE_API {
-                    return Err(format!(
-                        "{kind} apiVersion {api_version:?}: only {RESOURCE_API} is supported \
-                         (Kubernetes 1.34 and later serve it)"
-                    ));
-                }
-                match kind.as_str() {
-                    "ResourceClaim" => self.claims.push(typed(&kind, value)?),
-                    "ResourceClaimTemplate" => self.templates.push(typed(&kind, value)?),
-                    "DeviceClass" => self.classes.push(typed(&kind, value)?),
-                    _ => {
-                        let slice: ResourceSlice = typed(&kind, value)?;
-                        // k8s-openapi fills missing required fields with defaults; these would mislead.
-                        if slice.spec.driver.is_empty() || slice.spec.pool.name.is_empty() {
-                            return Err(
-                                "ResourceSlice without spec.driver or spec.pool.name".into()
-                            );
-                        }
-                        self.slices.push(slice);
-                    }
-                }
-            }
-            _ => *self.ignored.entry(kind).or_default() += 1,
-        }
+        self.push(dump::from_value(value)?);
         Ok(())
+    }
+
+    fn push(&mut self, object: Object) {
+        match object {
+            Object::Pod(pod) => self.pods.push(*pod),
+            Object::Node(node) => self.nodes.push(*node),
+            Object::Claim(claim) => self.claims.push(*claim),
+            Object::Template(template) => self.templates.push(*template),
+            Object::Class(class) => self.classes.push(*class),
+            Object::Slice(slice) => self.slices.push(*slice),
+            Object::Other(kind) => *self.ignored.entry(kind).or_default() += 1,
+        }
+    }
+
+    /// Puts the slices of one node's pools next to each other (the allocator orders pools and slices
+    /// itself), so that each node's slices can be handed to it without copies.
+    pub fn sort_slices(&mut self) {
+        self.slices.sort_by_cached_key(|s| {
+            (
+                s.spec.node_name.clone(),
+                s.spec.driver.clone(),
+                s.spec.pool.name.clone(),
+            )
+        });
     }
 
     /// Reads what `target` needs from the API server: the pod (if any) and the templates its claims
@@ -176,6 +172,7 @@ impl Cluster {
             .await
             .map_err(api_error("listing Nodes".into()))?
             .items;
+        cluster.sort_slices();
         Ok(cluster)
     }
 }
@@ -215,68 +212,15 @@ pub async fn client(
     kube::Client::try_from(config).map_err(|e| error(&e))
 }
 
-fn typed<T: DeserializeOwned>(kind: &str, value: Value) -> Result<T, String> {
-    serde_json::from_value(value).map_err(|e| format!("invalid {kind}: {e}"))
-}
-
-/// Every object in `text`, with where it sits (`document 2, item 5`); Lists and arrays are flattened,
-/// empty documents skipped. JSON is parsed as JSON (much faster than as YAML).
-pub(super) fn parse_objects(
-    origin: &str,
-    text: &str,
-) -> Result<Vec<(String, Value)>, ExplainError> {
-    let invalid = |at: String, message: String| ExplainError::Input {
-        origin: format!("{origin}: {at}"),
-        message,
+/// serde_yaml's message without the path it puts first (`.[0]:`, the entry of the one-entry
+/// sequence the item was parsed as), which says nothing about an item parsed on its own.
+fn without_path(message: &str) -> String {
+    let Some((path, rest)) = message.split_once(": ") else {
+        return message.to_string();
     };
-    let documents: Vec<Value> = if text.trim_start().starts_with(['{', '[']) {
-        let value = serde_json::from_str(text)
-            .map_err(|e| invalid("document 1".into(), format!("not valid JSON: {e}")))?;
-        vec![value]
-    } else {
-        let mut documents = Vec::new();
-        for (index, document) in serde_yaml::Deserializer::from_str(text).enumerate() {
-            let value = Value::deserialize(document).map_err(|e| {
-                invalid(
-                    format!("document {}", index + 1),
-                    format!("not valid YAML: {e}"),
-                )
-            })?;
-            documents.push(value);
-        }
-        documents
-    };
-    let mut objects = Vec::new();
-    for (index, value) in documents.into_iter().enumerate() {
-        let document = index + 1;
-        let items = match value {
-            Value::Null => continue,
-            Value::Array(items) => items,
-            Value::Object(mut map)
-                if map
-                    .get("kind")
-                    .and_then(Value::as_str)
-                    .is_some_and(|kind| kind.ends_with("List")) =>
-            {
-                match map.remove("items") {
-                    Some(Value::Array(items)) => items,
-                    Some(Value::Null) | None => Vec::new(),
-                    Some(_) => {
-                        return Err(invalid(
-                            format!("document {document}"),
-                            "items of the List is not an array".into(),
-                        ))
-                    }
-                }
-            }
-            other => {
-                objects.push((format!("document {document}"), other));
-                continue;
-            }
-        };
-        for (item, value) in items.into_iter().enumerate() {
-            objects.push((format!("document {document}, item {}", item + 1), value));
-        }
+    match path.trim_start_matches('.').strip_prefix("[0]") {
+        Some("") => rest.to_string(),
+        Some(inner) => format!("{}: {rest}", inner.trim_start_matches('.')),
+        None => message.to_string(),
     }
-    Ok(objects)
 }

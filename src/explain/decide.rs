@@ -32,63 +32,87 @@ const CANNOT_ALLOCATE: &str = "cannot allocate all claims";
 type PoolKey = (String, String);
 
 /// Slices by the node whose pools they belong to, and the pools that may serve any node.
-struct SliceIndex {
-    local: HashMap<String, Vec<ResourceSlice>>,
+struct SliceIndex<'a> {
+    slices: &'a [ResourceSlice],
+    /// Indexes of each node's slices, in order.
+    local: HashMap<String, Vec<usize>>,
     local_pools: HashMap<String, Vec<PoolKey>>,
-    spanning: Vec<ResourceSlice>,
+    spanning: Vec<usize>,
     spanning_pools: Vec<PoolKey>,
 }
 
-impl SliceIndex {
-    fn new(slices: &[ResourceSlice]) -> SliceIndex {
-        let mut by_pool: BTreeMap<PoolKey, Vec<&ResourceSlice>> = BTreeMap::new();
-        for slice in slices {
-            let key = (slice.spec.driver.clone(), slice.spec.pool.name.clone());
-            by_pool.entry(key).or_default().push(slice);
+impl<'a> SliceIndex<'a> {
+    fn new(slices: &'a [ResourceSlice]) -> SliceIndex<'a> {
+        let mut by_pool: BTreeMap<(&str, &str), Vec<usize>> = BTreeMap::new();
+        for (i, slice) in slices.iter().enumerate() {
+            let key = (slice.spec.driver.as_str(), slice.spec.pool.name.as_str());
+            by_pool.entry(key).or_default().push(i);
         }
         let mut index = SliceIndex {
+            slices,
             local: HashMap::new(),
             local_pools: HashMap::new(),
             spanning: Vec::new(),
             spanning_pools: Vec::new(),
         };
-        for (key, pool) in by_pool {
-            fn node_of(s: &ResourceSlice) -> Option<&str> {
-                s.spec
-                    .node_name
-                    .as_deref()
-                    .filter(|n| !n.is_empty() && s.spec.per_device_node_selection != Some(true))
-            }
-            let first = pool.first().and_then(|s| node_of(s));
-            match first.filter(|node| pool.iter().all(|s| node_of(s) == Some(*node))) {
+        fn node_of(s: &ResourceSlice) -> Option<&str> {
+            s.spec
+                .node_name
+                .as_deref()
+                .filter(|n| !n.is_empty() && s.spec.per_device_node_selection != Some(true))
+        }
+        for ((driver, pool), members) in by_pool {
+            let key = (driver.to_string(), pool.to_string());
+            let first = members.first().and_then(|i| node_of(&slices[*i]));
+            match first.filter(|node| members.iter().all(|i| node_of(&slices[*i]) == Some(*node))) {
                 Some(node) => {
-                    let node = node.to_string();
                     index
                         .local
-                        .entry(node.clone())
+                        .entry(node.to_string())
                         .or_default()
-                        .extend(pool.into_iter().cloned());
-                    index.local_pools.entry(node).or_default().push(key);
+                        .extend(members);
+                    index
+                        .local_pools
+                        .entry(node.to_string())
+                        .or_default()
+                        .push(key);
                 }
                 None => {
-                    index.spanning.extend(pool.into_iter().cloned());
+                    index.spanning.extend(members);
                     index.spanning_pools.push(key);
                 }
             }
         }
+        for members in index.local.values_mut() {
+            members.sort_unstable();
+        }
         index
     }
 
-    /// The slices of every pool that may serve `node`; borrowed when no pool spans nodes.
-    fn slices_for(&self, node: &str) -> Cow<'_, [ResourceSlice]> {
+    /// The slices of every pool that may serve `node`: borrowed when they lie side by side (as
+    /// `Cluster::sort_slices` puts them) and no pool spans nodes, else copied.
+    fn slices_for(&self, node: &str) -> Cow<'a, [ResourceSlice]> {
         let local = self.local.get(node).map(Vec::as_slice).unwrap_or_default();
-        if self.spanning.is_empty() {
-            return Cow::Borrowed(local);
+        let side_by_side = match (local.first(), local.last()) {
+            (Some(first), Some(last)) => last - first + 1 == local.len(),
+            _ => true,
+        };
+        if self.spanning.is_empty() && side_by_side {
+            return Cow::Borrowed(match local.first() {
+                Some(first) => &self.slices[*first..first + local.len()],
+                None => &[],
+            });
         }
-        Cow::Owned(local.iter().chain(&self.spanning).cloned().collect())
+        Cow::Owned(
+            local
+                .iter()
+                .chain(&self.spanning)
+                .map(|i| self.slices[*i].clone())
+                .collect(),
+        )
     }
 
-    fn pools_for<'a>(&'a self, node: &str) -> impl Iterator<Item = &'a PoolKey> {
+    fn pools_for<'b>(&'b self, node: &str) -> impl Iterator<Item = &'b PoolKey> {
         self.local_pools
             .get(node)
             .into_iter()
@@ -245,7 +269,7 @@ struct Decider<'a> {
     classes: &'a BTreeMap<String, Vec<String>>,
     joint: &'a Joint,
     plans: &'a BTreeMap<usize, ClaimPlan>,
-    index: &'a SliceIndex,
+    index: &'a SliceIndex<'a>,
     held: &'a Held,
 }
 

@@ -477,8 +477,29 @@ fn dumps_are_lists_documents_or_json() {
     cluster
         .add_text("list.json", &fixture::list(vec![node]).to_string())
         .unwrap();
-    assert_eq!(cluster.nodes.len(), 3);
+    // Keys in another order than kubectl's (kind before apiVersion) take the generic route, in a List
+    // cut into items and in documents.
+    let by_hand = "kind: List\napiVersion: v1\nitems:\n- kind: Node\n  apiVersion: v1\n  metadata: {name: n2}\n";
+    assert_eq!(dump::list_items(by_hand).map(|items| items.len()), Some(1));
+    cluster.add_text("by-hand.yaml", by_hand).unwrap();
+    let documents = format!("{by_hand}---\nmetadata: {{name: n3}}\nkind: Node\napiVersion: v1\n");
+    assert_eq!(dump::list_items(&documents), None);
+    cluster.add_text("documents.yaml", &documents).unwrap();
+    assert_eq!(cluster.nodes.len(), 6);
+    assert_eq!(cluster.nodes[3].metadata.name.as_deref(), Some("n2"));
+    assert_eq!(cluster.nodes[5].metadata.name.as_deref(), Some("n3"));
     assert_eq!(cluster.ignored.get("ConfigMap"), Some(&1));
+    let error = cluster.add_text("bad.json", "{\"items\": [}").unwrap_err();
+    assert!(
+        error
+            .to_string()
+            .starts_with("bad.json: document 1: not valid JSON"),
+        "{error}"
+    );
+    let error = cluster
+        .add_text("no-kind.yaml", "apiVersion: v1\nmetadata: {name: x}\n")
+        .unwrap_err();
+    assert!(error.to_string().contains("kind missing"), "{error}");
     let old = json!({"apiVersion": "resource.k8s.io/v1beta1", "kind": "DeviceClass", "metadata": {"name": "x"}});
     let error = cluster
         .add_text(
@@ -488,7 +509,7 @@ fn dumps_are_lists_documents_or_json() {
         .unwrap_err();
     assert_eq!(
         error.to_string(),
-        "old.yaml: document 1, item 1: DeviceClass apiVersion \"resource.k8s.io/v1beta1\": only resource.k8s.io/v1 is supported (Kubernetes 1.34 and later serve it)"
+        "old.yaml: the item at line 3: DeviceClass apiVersion \"resource.k8s.io/v1beta1\": only resource.k8s.io/v1 is supported (Kubernetes 1.34 and later serve it) at line 1 column 3"
     );
 }
 

@@ -57,7 +57,7 @@ fn run(cpu: usize, static_mig: usize, dynamic_mig: usize) {
         started.elapsed().as_secs_f64()
     );
     let (cluster, read) =
-        measure(|| Cluster::from_dump_files(&[dump.clone()]).expect("dump reads"));
+        measure(|| Cluster::from_dump_files(std::slice::from_ref(&dump)).expect("dump reads"));
     println!(
         "reading the dump: {:.0} ms ({:.0} ms CPU)",
         ms(read.0),

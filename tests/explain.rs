@@ -468,7 +468,8 @@ async fn errors_exit_2_with_the_reason_on_stderr() {
     let out = offline_run(&bad, &["explain", "pod", "ml/x"]).await;
     assert_eq!(out.code, 2);
     assert!(
-        out.stderr.contains("bad.yaml: document 1: did not find expected node content"),
+        out.stderr
+            .contains("bad.yaml: document 1: did not find expected node content"),
         "{}",
         out.stderr
     );

@@ -129,13 +129,11 @@ fn why(report: &Report, node: &str) -> String {
         .lines()
         .find(|l| l.starts_with(&format!("{node} ")))
         .unwrap_or_else(|| panic!("no line for {node} in\n{table}"));
-    line.splitn(2, "  ")
-        .nth(1)
-        .unwrap()
-        .trim_start()
-        .splitn(2, "  ")
-        .nth(1)
-        .unwrap()
+    // After the NODE and FITS columns.
+    let after_node = line[node.len()..].trim_start();
+    after_node
+        .split_once(' ')
+        .map_or("", |(_, text)| text)
         .trim()
         .to_string()
 }

@@ -361,6 +361,27 @@ fn mig_devices_in_use_take_their_gpus_counters() {
 }
 
 #[test]
+fn where_nothing_finer_explains_it_the_allocator_says_why() {
+    // 7 whole GPUs and a 7g.80gb MIG device: each alone fits on node-e (gpu-0's MIG device is held,
+    // the other seven GPUs are free), together they do not (the 7g.80gb device takes a whole GPU).
+    let devices = json!({"requests": [
+        {"name": "whole", "exactly": {"deviceClassName": DRIVER, "count": 7}},
+        {"name": "mig", "exactly": {"deviceClassName": "mig.gpu.dra.dev", "selectors": [
+            {"cel": {"expression": "device.attributes[\"gpu.dra.dev\"].profile == \"7g.80gb\""}}]}}
+    ]});
+    let report = explain_pod(cluster(), &[devices], json!({})).unwrap();
+    assert_eq!(kinds(&report, "node-e"), [ReasonKind::Other]);
+    assert_eq!(
+        why(&report, "node-e"),
+        "no combination of devices satisfies all requests together: the requests need the same devices or more shared counters than are left"
+    );
+    assert_eq!(
+        verdict(&report, "node-e").allocator.as_deref(),
+        Some(why(&report, "node-e").as_str())
+    );
+}
+
+#[test]
 fn incomplete_and_invalid_pools_are_named() {
     let h100 = builtin_profile("dgx-h100").unwrap();
     let mut cluster = Cluster::default();

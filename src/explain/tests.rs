@@ -129,13 +129,11 @@ fn why(report: &Report, node: &str) -> String {
         .lines()
         .find(|l| l.starts_with(&format!("{node} ")))
         .unwrap_or_else(|| panic!("no line for {node} in\n{table}"));
-    line.split_once("  ")
-        .unwrap()
-        .1
-        .trim_start()
-        .split_once("  ")
-        .unwrap()
-        .1
+    // After the NODE and FITS columns.
+    let after_node = line[node.len()..].trim_start();
+    after_node
+        .split_once(' ')
+        .map_or("", |(_, text)| text)
         .trim()
         .to_string()
 }
@@ -359,6 +357,27 @@ fn mig_devices_in_use_take_their_gpus_counters() {
     assert_eq!(
         why(&report, "node-b"),
         "gpu-0, gpu-1, gpu-2, gpu-3, gpu-4, gpu-5, gpu-6, gpu-7"
+    );
+}
+
+#[test]
+fn where_nothing_finer_explains_it_the_allocator_says_why() {
+    // 7 whole GPUs and a 7g.80gb MIG device: each alone fits on node-e (gpu-0's MIG device is held,
+    // the other seven GPUs are free), together they do not (the 7g.80gb device takes a whole GPU).
+    let devices = json!({"requests": [
+        {"name": "whole", "exactly": {"deviceClassName": DRIVER, "count": 7}},
+        {"name": "mig", "exactly": {"deviceClassName": "mig.gpu.dra.dev", "selectors": [
+            {"cel": {"expression": "device.attributes[\"gpu.dra.dev\"].profile == \"7g.80gb\""}}]}}
+    ]});
+    let report = explain_pod(cluster(), &[devices], json!({})).unwrap();
+    assert_eq!(kinds(&report, "node-e"), [ReasonKind::Other]);
+    assert_eq!(
+        why(&report, "node-e"),
+        "no combination of devices satisfies all requests together: the requests need the same devices or more shared counters than are left"
+    );
+    assert_eq!(
+        verdict(&report, "node-e").allocator.as_deref(),
+        Some(why(&report, "node-e").as_str())
     );
 }
 

@@ -171,12 +171,22 @@ fn scan(text: &str) -> Result<Scanned<'_>, QuantityError> {
 }
 
 fn pow10(exp: u32) -> BigInt {
-    num_traits::pow(BigInt::from(10u32), exp as usize)
+    // Most scales fit in a u64 (10^19 is the last), which spares the big-number multiplications.
+    match 10u64.checked_pow(exp) {
+        Some(small) => BigInt::from(small),
+        None => num_traits::pow(BigInt::from(10u32), exp as usize),
+    }
 }
 
 fn digits_to_bigint(digits: &str) -> BigInt {
     if digits.is_empty() {
         return BigInt::zero();
+    }
+    // Up to 19 digits fit in a u64: the common case, without the general radix conversion.
+    if digits.len() <= 19 {
+        if let Ok(small) = digits.parse::<u64>() {
+            return BigInt::from(small);
+        }
     }
     // Only ASCII digits reach here (the scanner checked them), so parsing cannot fail.
     BigInt::parse_bytes(digits.as_bytes(), 10).unwrap_or_default()

@@ -28,7 +28,7 @@ pub(super) struct NodeState<'a> {
 struct Dev<'a> {
     candidate: &'a Candidate,
     device: &'a Device,
-    view: DeviceView,
+    view: &'a DeviceView,
 }
 
 /// How one alternative fares on the node.
@@ -65,11 +65,11 @@ pub(super) fn explain(
 ) -> Vec<Reason> {
     let devices: Vec<Dev<'_>> = node
         .pools
-        .devices()
-        .map(|(candidate, device)| Dev {
+        .device_views()
+        .map(|(candidate, device, view)| Dev {
             candidate,
             device,
-            view: DeviceView::new(&candidate.driver, device),
+            view,
         })
         .collect();
     let mut reasons = Vec::new();

@@ -155,6 +155,14 @@ impl Pools {
         self.entries.iter().map(|e| (&e.candidate, &e.device))
     }
 
+    /// [`Pools::devices`] with each device as selectors see it, converted once when the pools were
+    /// gathered, so a caller that evaluates selectors need not convert again.
+    pub fn device_views(&self) -> impl Iterator<Item = (&Candidate, &Device, &DeviceView)> {
+        self.entries
+            .iter()
+            .map(|e| (&e.candidate, &e.device, &e.view))
+    }
+
     /// Pools of the node that are not used, with the reason (incomplete, invalid).
     pub fn skipped(&self) -> &[SkippedPool] {
         &self.skipped

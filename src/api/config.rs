@@ -44,8 +44,8 @@ pub const GPU_CONFIG_KIND: &str = "GpuConfig";
 pub const MIG_CONFIG_KIND: &str = "MigConfig";
 
 /// Where the generated schemas live, relative to the crate root.
-pub const GPU_CONFIG_SCHEMA_PATH: &str = "crd/gpu.dra.dev_v1alpha1_gpuconfig.schema.json";
-pub const MIG_CONFIG_SCHEMA_PATH: &str = "crd/gpu.dra.dev_v1alpha1_migconfig.schema.json";
+pub const GPU_CONFIG_SCHEMA_PATH: &str = "schemas/gpu.dra.dev_v1alpha1_gpuconfig.schema.json";
+pub const MIG_CONFIG_SCHEMA_PATH: &str = "schemas/gpu.dra.dev_v1alpha1_migconfig.schema.json";
 
 /// A decoded config; the variant is its `kind`.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -246,6 +246,34 @@ fn one<'a>(docs: &'a [Doc], kind: &str, name: &str) -> &'a Doc {
     }
 }
 
+/// The README and deploy/ say `kubectl apply -f crd/`: kubectl applies every .yaml, .yml and .json file of
+/// the directory, so anything but CustomResourceDefinitions there (a JSON schema) makes the command fail.
+#[test]
+fn crd_holds_only_what_kubectl_apply_can_apply() {
+    let dir = root().join("crd");
+    let entries = std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("cannot list crd/: {e}"));
+    let mut crds = 0;
+    for entry in entries {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        let extension = path.extension().and_then(|e| e.to_str()).unwrap_or("");
+        assert!(
+            matches!(extension, "yaml" | "yml"),
+            "crd/{name}: `kubectl apply -f crd/` reads it (or a reader expects only CRDs there); keep other files elsewhere"
+        );
+        for doc in read_docs(&path) {
+            assert_eq!(
+                (doc.value["apiVersion"].as_str(), doc.kind()),
+                (Some("apiextensions.k8s.io/v1"), "CustomResourceDefinition"),
+                "{}: not a CustomResourceDefinition",
+                doc.origin
+            );
+            crds += 1;
+        }
+    }
+    assert!(crds >= 1, "crd/ holds no CustomResourceDefinition");
+}
+
 #[test]
 fn every_manifest_round_trips_through_its_kubernetes_type() {
     let (objects, _) = manifests();

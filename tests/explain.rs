@@ -267,7 +267,7 @@ async fn a_pod_that_fits_nowhere_exits_1_and_says_what_the_scheduler_says() {
     );
     assert_eq!(
         lines[1],
-        "scheduler: 0/8 nodes are available: 1 node(s) had untolerated taint {dedicated: ml}, 1 node(s) were unschedulable, 6 cannot allocate all claims."
+        "scheduler: 0/8 nodes are available: 1 node(s) had untolerated taint(s), 1 node(s) were unschedulable, 6 cannot allocate all claims."
     );
     assert_eq!(
         out.line("h100-a"),

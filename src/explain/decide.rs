@@ -444,18 +444,15 @@ fn node_filters(
         .filter(|taint| matches!(taint.effect.as_str(), "NoSchedule" | "NoExecute"))
         .filter(|taint| !pod.tolerations.iter().any(|t| tolerates(t, taint)))
         .collect();
-    if let Some(first) = untolerated.first() {
+    if !untolerated.is_empty() {
         let shown: Vec<String> = untolerated.iter().map(|t| show_taint(t)).collect();
         found.push((
             Reason::new(
                 ReasonKind::NodeTaint,
                 format!("node taint {} not tolerated by the pod", shown.join(", ")),
             ),
-            format!(
-                "node(s) had untolerated taint {{{}: {}}}",
-                first.key,
-                first.value.as_deref().unwrap_or_default()
-            ),
+            // The v1.34 scheduler's words; older releases named the first taint ("{key: value}").
+            "node(s) had untolerated taint(s)".into(),
         ));
     }
     let mut excluded = Vec::new();

@@ -169,7 +169,7 @@ fn tally(
     'devices: for (index, dev) in devices.iter().enumerate() {
         for (s, compiled) in alternative.selectors.iter().enumerate() {
             seen[s].push(index);
-            match compiled.selector.matches(&dev.view) {
+            match compiled.selector.matches(dev.view) {
                 Ok(true) => passed[s] += 1,
                 Ok(false) => continue 'devices,
                 Err(e) => {

@@ -203,7 +203,7 @@ fn a_selector_that_matches_nothing_is_named_with_its_counts() {
     assert_eq!(kinds(&report, "node-b"), [ReasonKind::NoMatch]);
     assert_eq!(
         report.scheduler.as_deref(),
-        Some("0/7 nodes are available: 1 node(s) had untolerated taint {dedicated: ml}, 1 node(s) were unschedulable, 5 cannot allocate all claims.")
+        Some("0/7 nodes are available: 1 node(s) had untolerated taint(s), 1 node(s) were unschedulable, 5 cannot allocate all claims.")
     );
 
     // The same selector in a DeviceClass: the class is named, and it saw every device of the node.

@@ -14,8 +14,8 @@ COPY benches ./benches
 # the cached target folder in the same step.
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
-    cargo build --release --locked \
-    && install -m 0755 target/release/gpu-dra /usr/local/bin/gpu-dra
+    cargo build --profile dist --locked \
+    && install -m 0755 target/dist/gpu-dra /usr/local/bin/gpu-dra
 
 FROM debian:bookworm-slim
 # libnvidia-ml comes from the host's driver at run time (NVIDIA_DRIVER_ROOT), not from the image.

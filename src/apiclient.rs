@@ -152,6 +152,33 @@ pub fn is_timeout(error: &kube::Error) -> bool {
     false
 }
 
+/// `stream` (a watcher, or a reflector over one) retried after errors with `backoff`, growing across
+/// consecutive failures. kube's own `default_backoff` starts over on every event, and a watcher emits
+/// `Init` before each list, so a list that keeps failing (the server down, a CRD not installed) is
+/// retried about once a second forever, from every node. Here `Init` is dropped before the backoff
+/// sees it: only a real answer (an object, the end of a list) resets it. Nobody downstream needs
+/// `Init`: a reflector has already applied it to its store.
+pub fn retried<K, S, B>(
+    stream: S,
+    backoff: B,
+) -> impl futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send
+where
+    K: Send,
+    S: futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send,
+    B: kube::runtime::utils::Backoff + Send,
+{
+    use futures::StreamExt;
+    use kube::runtime::WatchStreamExt;
+    stream
+        .filter(|event| std::future::ready(!matches!(event, Ok(watcher::Event::Init))))
+        .backoff(backoff)
+}
+
+/// kube's default retry delays (0.8 s doubling to 30 s, with jitter), for [`retried`].
+pub fn default_backoff() -> watcher::DefaultBackoff {
+    watcher::DefaultBackoff::default()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -914,3 +914,48 @@ async fn the_kubelets_health_loop_follows_a_plugin_restart() {
     assert!(cache.streams_opened >= 2);
     plugin.shutdown().await;
 }
+
+/// Waits until the server has seen no request for `quiet`, so that what follows starts from rest.
+async fn until_quiet(node: &Harness, quiet: Duration) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let before = node.api.requests().len();
+        tokio::time::sleep(quiet).await;
+        if node.api.requests().len() == before {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the plugin never came to rest: {:?}",
+            node.api.requests()
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_plugin_sends_nothing_but_its_watches_even_as_the_node_heartbeats() {
+    let node = Harness::new("l40s-4").await;
+    let plugin = node.start_plugin().await;
+    node.wait_for_slices().await;
+    until_quiet(&node, Duration::from_millis(500)).await;
+    node.api.clear_requests();
+    // The kubelet updates its Node's status (conditions, heartbeats); the UID stays.
+    for beat in 0..3 {
+        let mut stored = node.api.get("nodes", None, NODE).unwrap();
+        stored["status"]["conditions"] = serde_json::json!([{"type": "Ready", "status": "True",
+            "reason": "KubeletReady", "message": format!("heartbeat {beat}")}]);
+        node.api.insert("nodes", stored);
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let requests = node.api.requests();
+    assert!(
+        requests.iter().all(|r| r.verb == Verb::Watch),
+        "an idle plugin sent {:?}",
+        requests
+            .iter()
+            .filter(|r| r.verb != Verb::Watch)
+            .collect::<Vec<_>>()
+    );
+    plugin.shutdown().await;
+}

@@ -9,11 +9,13 @@ use std::time::Duration;
 use futures::{stream, StreamExt};
 use k8s_openapi::api::core::v1::Node;
 use kube::api::{Api, ListParams, Patch, PatchParams};
-use kube::runtime::{reflector, watcher, WatchStreamExt};
+use kube::runtime::{reflector, watcher};
 use kube::ResourceExt;
 use serde_json::json;
 use tokio::sync::watch;
 use tokio::time::Instant;
+
+use crate::apiclient::retried;
 
 use super::policy::{
     select, superseded_message, GpuNodePolicy, HealthSpec, MigModeSpec, PolicyCondition,
@@ -23,6 +25,11 @@ use super::policy::{
 /// First and longest wait before retrying failed status writes.
 const RETRY_MIN: Duration = Duration::from_millis(500);
 const RETRY_MAX: Duration = Duration::from_secs(60);
+/// First and longest wait before the policy watch tries again after an error. A cluster without the
+/// GpuNodePolicy CRD answers every try with 404, on every node: at 5,000 nodes, a retry every few
+/// seconds would be thousands of requests a minute for nothing.
+const POLICY_RETRY_MIN: Duration = Duration::from_secs(1);
+const POLICY_RETRY_MAX: Duration = Duration::from_secs(300);
 
 /// The policy in force on this node: the last valid generation of the winning policy.
 #[derive(Clone, Debug, PartialEq)]
@@ -150,15 +157,29 @@ impl PolicyWatcher {
         let (node_store, node_writer) = reflector::store::<Node>();
         let (policy_store, policy_writer) = reflector::store::<GpuNodePolicy>();
         let node_config = watch.clone().fields(&format!("metadata.name={node_name}"));
-        let nodes = reflector(node_writer, watcher(Api::<Node>::all(client), node_config))
-            .default_backoff()
-            .map(|event| event.map(|e| Source::Node(Change::of(&e))));
-        let policies = reflector(policy_writer, watcher(this.policies.clone(), watch))
-            .default_backoff()
-            .map(|event| event.map(|e| Source::Policy(Change::of(&e))));
+        let nodes = retried(
+            reflector(node_writer, watcher(Api::<Node>::all(client), node_config)),
+            crate::apiclient::default_backoff(),
+        )
+        .map(|event| {
+            event
+                .map(|e| Source::Node(Change::of(&e)))
+                .map_err(WatchError::Node)
+        });
+        let policies = retried(
+            reflector(policy_writer, watcher(this.policies.clone(), watch)),
+            Doubling::new(POLICY_RETRY_MIN, POLICY_RETRY_MAX),
+        )
+        .map(|event| {
+            event
+                .map(|e| Source::Policy(Change::of(&e)))
+                .map_err(WatchError::Policy)
+        });
         let mut events = std::pin::pin!(stream::select(nodes, policies));
 
         let (mut node_ready, mut policies_ready) = (false, false);
+        // Whether the last policy error was a 404 (the CRD is not installed), said once until it is.
+        let mut crd_missing = false;
         let mut retry_at: Option<Instant> = None;
         let mut retry_delay = RETRY_MIN;
         loop {
@@ -175,14 +196,31 @@ impl PolicyWatcher {
                 () = retry => retry_at = None,
                 event = events.next() => match event {
                     None => break,
-                    Some(Err(err)) => {
-                        tracing::warn!(node = %node_name, error = %err, "watching GpuNodePolicies or the node failed; retrying");
+                    Some(Err(WatchError::Node(err))) => {
+                        tracing::warn!(node = %node_name, error = %err, "watching the node failed; retrying");
+                        continue;
+                    }
+                    Some(Err(WatchError::Policy(err))) => {
+                        if is_not_found(&err) {
+                            if !crd_missing {
+                                tracing::warn!(node = %node_name, retry_max_s = POLICY_RETRY_MAX.as_secs(), "the GpuNodePolicy API is not served (is crd/gpu.dra.dev_gpunodepolicies.yaml applied?); no policy applies to this node; looking again with backoff up to 5 minutes, without saying so again");
+                                crd_missing = true;
+                            }
+                        } else {
+                            tracing::warn!(node = %node_name, error = %err, "watching GpuNodePolicies failed; retrying with backoff");
+                        }
                         continue;
                     }
                     Some(Ok(source)) => {
                         match source {
                             Source::Node(Change::Listed) => node_ready = true,
-                            Source::Policy(Change::Listed) => policies_ready = true,
+                            Source::Policy(Change::Listed) => {
+                                if crd_missing {
+                                    tracing::info!(node = %node_name, "the GpuNodePolicy API is served now");
+                                    crd_missing = false;
+                                }
+                                policies_ready = true;
+                            }
                             Source::Node(Change::Listing) | Source::Policy(Change::Listing) => continue,
                             Source::Node(Change::Changed) | Source::Policy(Change::Changed) => {}
                         }
@@ -399,6 +437,56 @@ impl Change {
 enum Source {
     Node(Change),
     Policy(Change),
+}
+
+/// Which of the two watches failed.
+enum WatchError {
+    Node(watcher::Error),
+    Policy(watcher::Error),
+}
+
+/// A 404 from the list or the watch: the server does not serve the resource (its CRD is missing).
+fn is_not_found(error: &watcher::Error) -> bool {
+    match error {
+        watcher::Error::InitialListFailed(kube::Error::Api(status))
+        | watcher::Error::WatchStartFailed(kube::Error::Api(status))
+        | watcher::Error::WatchFailed(kube::Error::Api(status)) => status.is_not_found(),
+        watcher::Error::WatchError(status) => status.is_not_found(),
+        _ => false,
+    }
+}
+
+/// Retry delays that double from `min` to `max`, starting over after a success (the stream resets it).
+struct Doubling {
+    min: Duration,
+    max: Duration,
+    next: Duration,
+}
+
+impl Doubling {
+    fn new(min: Duration, max: Duration) -> Doubling {
+        Doubling {
+            min,
+            max,
+            next: min,
+        }
+    }
+}
+
+impl Iterator for Doubling {
+    type Item = Duration;
+
+    fn next(&mut self) -> Option<Duration> {
+        let delay = self.next;
+        self.next = (self.next * 2).min(self.max);
+        Some(delay)
+    }
+}
+
+impl kube::runtime::utils::Backoff for Doubling {
+    fn reset(&mut self) {
+        self.next = self.min;
+    }
 }
 
 fn now_rfc3339() -> String {

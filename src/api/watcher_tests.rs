@@ -371,3 +371,37 @@ async fn nodes_write_a_status_only_when_their_own_verdict_changes() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(h.server.writes("gpunodepolicies/status"), settled + 1);
 }
+
+#[test]
+fn policy_retries_double_up_to_five_minutes_and_start_over_after_a_success() {
+    let mut delays = Doubling::new(POLICY_RETRY_MIN, POLICY_RETRY_MAX);
+    let seconds: Vec<u64> = delays.by_ref().take(11).map(|d| d.as_secs()).collect();
+    assert_eq!(seconds, [1, 2, 4, 8, 16, 32, 64, 128, 256, 300, 300]);
+    kube::runtime::utils::Backoff::reset(&mut delays);
+    assert_eq!(delays.next(), Some(Duration::from_secs(1)));
+}
+
+#[tokio::test]
+async fn a_missing_crd_is_retried_with_backoff_and_a_policy_applies_once_it_is_served() {
+    let mut h = start_with(json!({}), |server| server.stop_serving(POLICIES)).await;
+    insert_policy(&h.server, "everywhere", T0, json!({}));
+    let not_found = |server: &ApiServer| {
+        server
+            .requests()
+            .iter()
+            .filter(|r| r.resource == POLICIES && r.code == 404)
+            .count()
+    };
+    // Tries at 0 s, 1 s and 3 s: three in the first 3.5 s, where a fixed one-second retry makes four.
+    tokio::time::sleep(Duration::from_millis(3500)).await;
+    let tries = not_found(&h.server);
+    assert!(
+        (2..=3).contains(&tries),
+        "{tries} tries in 3.5 s: {:?}",
+        h.server.requests()
+    );
+    assert_eq!(*h.policies.borrow(), None);
+    h.server.serve(POLICIES);
+    h.published_name(Some("everywhere")).await;
+    h.accepted("everywhere", "True", "Valid", 1).await;
+}

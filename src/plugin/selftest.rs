@@ -12,7 +12,7 @@ use k8s_openapi::api::core::v1::ObjectReference;
 use k8s_openapi::api::resource::v1::{Device, DeviceClass};
 use kube::api::Api;
 use kube::runtime::events::EventType;
-use kube::runtime::{reflector, watcher, WatchStreamExt};
+use kube::runtime::{reflector, watcher};
 use kube::ResourceExt;
 use tokio::sync::watch;
 use tracing::{info, warn};
@@ -194,11 +194,13 @@ pub async fn run(
     watch_config: watcher::Config,
 ) {
     let (store, writer) = reflector::store::<DeviceClass>();
-    let mut classes = std::pin::pin!(reflector(
-        writer,
-        watcher(Api::<DeviceClass>::all(client), watch_config)
-    )
-    .default_backoff());
+    let mut classes = std::pin::pin!(crate::apiclient::retried(
+        reflector(
+            writer,
+            watcher(Api::<DeviceClass>::all(client), watch_config)
+        ),
+        crate::apiclient::default_backoff()
+    ));
     let mut listed = false;
     let mut reported: BTreeMap<String, ClassFinding> = BTreeMap::new();
     loop {

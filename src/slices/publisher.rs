@@ -3,6 +3,11 @@
 //! behind its back (the kubelet wipes them when the plugin goes away) come back on the next watch event.
 //! It also learns which gated fields the server keeps (a dry-run write at start and on a version change,
 //! and every write's answer) and publishes that on a watch channel for whoever computes the devices.
+//!
+//! At rest it sends nothing but its watches: it syncs (reads the version, lists the node's slices) only
+//! when the devices change, a slice of the node changes, the Node is re-created (a new UID) or a sync
+//! failed. At 5,000 nodes a periodic re-list would be thousands of requests a minute for nothing, and
+//! the watches already re-list after every interruption the server cannot resume.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -12,7 +17,7 @@ use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::resource::v1::{ResourcePool, ResourceSlice, ResourceSliceSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
-use kube::runtime::{watcher, WatchStreamExt};
+use kube::runtime::watcher;
 use thiserror::Error;
 use tokio::sync::{watch, Notify};
 use tracing::{debug, info, info_span, warn, Instrument};
@@ -23,8 +28,6 @@ use super::reconcile::reconcile;
 use crate::devices::NodeDevices;
 use crate::observability::{Metrics, Readiness};
 
-/// How often the publisher re-lists even without a watch event, in case a watch missed something.
-const RESYNC_INTERVAL: Duration = Duration::from_secs(60);
 /// Longest wait between retries of a failed sync.
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
 /// Device changes within this long after a write wait for its end and go out together: a burst of
@@ -85,6 +88,9 @@ pub struct Publisher {
     kept: watch::Sender<KeptFields>,
     /// The server version the last successful dry-run probe ran against.
     probed: Mutex<Option<ServerVersion>>,
+    /// The Node's UID as the Node watch last saw it: `None` before it has seen the Node, `Some(None)`
+    /// after the Node was deleted.
+    node_uid: Mutex<Option<Option<String>>>,
 }
 
 impl Publisher {
@@ -99,6 +105,7 @@ impl Publisher {
             watch: watcher::Config::default(),
             kept: watch::Sender::new(KeptFields::default()),
             probed: Mutex::new(None),
+            node_uid: Mutex::new(None),
         }
     }
 
@@ -174,9 +181,13 @@ impl Publisher {
         )
     }
 
-    /// The Node's UID, read on every sync: a Node deleted and re-created under the same name has a new
-    /// UID, and slices still owned by the old one would be garbage-collected over and over.
+    /// The Node's UID, which the slices' owner reference names: a Node deleted and re-created under the
+    /// same name has a new UID, and slices still owned by the old one would be garbage-collected over and
+    /// over. Known from the Node watch ([`Publisher::run`]); read with a GET until the watch has seen it.
     async fn node_uid(&self) -> Result<String, PublishError> {
+        if let Some(Some(uid)) = lock(&self.node_uid).clone() {
+            return Ok(uid);
+        }
         let node = self.nodes.get(&self.node_name).await.map_err(|source| {
             self.metrics.api_error("get_node");
             PublishError::Node {
@@ -185,6 +196,15 @@ impl Publisher {
             }
         })?;
         Ok(node.metadata.uid.unwrap_or_default())
+    }
+
+    /// Takes the UID the Node watch saw (`None`: deleted); true when it differs from the one seen before
+    /// (a re-created Node), false the first time.
+    fn saw_node_uid(&self, uid: Option<String>) -> bool {
+        let mut known = lock(&self.node_uid);
+        let changed = matches!(&*known, Some(previous) if *previous != uid);
+        *known = Some(uid);
+        changed
     }
 
     /// The server's Kubernetes version, read on every sync so that an upgrade to a version with
@@ -309,8 +329,8 @@ impl Publisher {
     }
 
     /// Keeps the slices published until `shutdown` turns true: syncs when the devices change, when a
-    /// watch event says the stored slices changed, and every resync interval; retries failures with
-    /// exponential backoff.
+    /// watch event says the stored slices changed or the Node was re-created; retries failures with
+    /// exponential backoff. Nothing else wakes it: an idle node sends no request but its watches.
     pub async fn run(
         self: Arc<Self>,
         mut devices: watch::Receiver<Arc<NodeDevices>>,
@@ -323,6 +343,7 @@ impl Publisher {
             self.watch.clone().fields(&self.field_selector()),
             changed.clone(),
         ));
+        let node_task = tokio::spawn(self.clone().watch_node(changed.clone()));
         let mut backoff = Backoff::new();
         let mut last_write: Option<tokio::time::Instant> = None;
         loop {
@@ -336,7 +357,7 @@ impl Publisher {
             }
             let snapshot = devices.borrow_and_update().clone();
             let span = info_span!("slice_sync", driver = %self.driver, node = %self.node_name, devices = snapshot.device_count());
-            let wait = match self.sync(&snapshot).instrument(span).await {
+            match self.sync(&snapshot).instrument(span).await {
                 Ok(stats) if stats.deferred => {
                     // The monitor recomputes the devices for what the server keeps; sync those.
                     tokio::select! {
@@ -352,7 +373,6 @@ impl Publisher {
                     }
                     backoff.reset();
                     readiness.set_slices_published();
-                    RESYNC_INTERVAL
                 }
                 Err(error) => {
                     let delay = backoff.next_delay();
@@ -363,9 +383,8 @@ impl Publisher {
                     }
                     continue;
                 }
-            };
+            }
             tokio::select! {
-                _ = tokio::time::sleep(wait) => {}
                 result = devices.changed() => if result.is_err() { break },
                 _ = changed.notified() => {
                     // Let a burst of watch events (our own writes echoing back) settle into one sync.
@@ -378,12 +397,46 @@ impl Publisher {
             }
         }
         watch_task.abort();
+        node_task.abort();
+    }
+
+    /// Follows this node's Node object for its UID; notifies `changed` when a re-created Node brings a
+    /// new one. Status updates (the kubelet's heartbeats) change nothing here and wake nobody.
+    async fn watch_node(self: Arc<Self>, changed: Arc<Notify>) {
+        let config = self
+            .watch
+            .clone()
+            .fields(&format!("metadata.name={}", self.node_name));
+        let mut events = crate::apiclient::retried(
+            watcher(self.nodes.clone(), config),
+            crate::apiclient::default_backoff(),
+        )
+        .boxed();
+        while let Some(event) = events.next().await {
+            let uid = match event {
+                Ok(watcher::Event::Apply(node)) | Ok(watcher::Event::InitApply(node)) => {
+                    node.metadata.uid
+                }
+                Ok(watcher::Event::Delete(_)) => None,
+                Ok(_) => continue,
+                Err(error) => {
+                    debug!(%error, "Node watch interrupted");
+                    continue;
+                }
+            };
+            if self.saw_node_uid(uid.clone()) && uid.is_some() {
+                info!(node = %self.node_name, "the Node was re-created; its slices follow its new UID");
+                changed.notify_one();
+            }
+        }
     }
 }
 
 /// Notifies `changed` on every change to the watched slices.
 async fn watch_slices(api: Api<ResourceSlice>, config: watcher::Config, changed: Arc<Notify>) {
-    let mut events = watcher(api, config).default_backoff().boxed();
+    let mut events =
+        crate::apiclient::retried(watcher(api, config), crate::apiclient::default_backoff())
+            .boxed();
     while let Some(event) = events.next().await {
         match event {
             Ok(watcher::Event::Delete(_))

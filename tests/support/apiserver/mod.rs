@@ -20,7 +20,7 @@ mod selectors;
 mod validation;
 mod watches;
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -326,6 +326,8 @@ struct Shared {
     events: broadcast::Sender<Arc<StoreEvent>>,
     faults: Mutex<Faults>,
     requests: Mutex<Vec<RequestRecord>>,
+    /// Resources answered with 404 as if their API were not installed (a CRD not applied).
+    unserved: Mutex<BTreeSet<&'static str>>,
     shutdown: watch::Receiver<bool>,
     hangs: hangs::Hangs,
 }
@@ -404,6 +406,10 @@ impl Shared {
             faults.pending.remove(index);
         }
         Some(code)
+    }
+
+    fn unserved(&self, plural: &str) -> bool {
+        lock(&self.unserved).contains(plural)
     }
 
     fn latency(&self) -> Duration {
@@ -492,6 +498,7 @@ impl ApiServer {
             events,
             faults: Mutex::new(Faults::default()),
             requests: Mutex::new(Vec::new()),
+            unserved: Mutex::new(BTreeSet::new()),
             shutdown: shutdown.clone(),
             hangs: hangs::Hangs::default(),
         });
@@ -700,6 +707,18 @@ impl ApiServer {
 
     pub fn clear_requests(&self) {
         lock(&self.shared.requests).clear();
+    }
+
+    /// Answers every request on `resource` (a plural) with 404 `the server could not find the requested
+    /// resource`, as a real server does for a CRD that is not applied. Watches already open are not cut
+    /// (a real server ends them when the CRD is deleted). [`ApiServer::serve`] undoes it.
+    pub fn stop_serving(&self, resource: &str) {
+        lock(&self.shared.unserved).insert(hook_resource(resource).plural);
+    }
+
+    /// Serves `resource` again (its CRD applied), with the objects it held.
+    pub fn serve(&self, resource: &str) {
+        lock(&self.shared.unserved).remove(hook_resource(resource).plural);
     }
 
     /// How many create, update, patch and delete requests on `resource` succeeded and were stored

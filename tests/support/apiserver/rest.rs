@@ -288,12 +288,31 @@ async fn handle(
     body: Bytes,
 ) -> Response {
     if uri.path() == "/version" {
+        shared.record(RequestRecord {
+            verb: Verb::Get,
+            resource: "version".into(),
+            namespace: None,
+            name: None,
+            code: 200,
+            dry_run: false,
+        });
         return json_response(200, &version_info(&shared));
     }
     let request = match Request::parse(&method, &uri) {
         Ok(request) => request,
         Err(err) => return err.response(),
     };
+    if shared.unserved(request.def.plural) {
+        shared.record(RequestRecord {
+            verb: request.verb,
+            resource: request.resource_label(),
+            namespace: request.namespace.clone(),
+            name: request.name.clone(),
+            code: 404,
+            dry_run: request.dry_run(),
+        });
+        return ApiError::NoRoute.response();
+    }
     let latency = shared.latency();
     if !latency.is_zero() {
         tokio::time::sleep(latency).await;

@@ -152,31 +152,109 @@ pub fn is_timeout(error: &kube::Error) -> bool {
     false
 }
 
-/// `stream` (a watcher, or a reflector over one) retried after errors with `backoff`, growing across
-/// consecutive failures. kube's own `default_backoff` starts over on every event, and a watcher emits
-/// `Init` before each list, so a list that keeps failing (the server down, a CRD not installed) is
-/// retried about once a second forever, from every node. Here `Init` is dropped before the backoff
-/// sees it: only a real answer (an object, the end of a list) resets it. Nobody downstream needs
-/// `Init`: a reflector has already applied it to its store.
-pub fn retried<K, S, B>(
+/// First and longest wait before retrying a resource the server does not serve (404 on the list or
+/// the watch: a CRD not applied, an API group the server lacks). Every node asks, so at 5,000 nodes a
+/// retry every few seconds would be thousands of requests a minute for nothing.
+pub const NOT_SERVED_RETRY_MIN: Duration = Duration::from_secs(1);
+pub const NOT_SERVED_RETRY_MAX: Duration = Duration::from_secs(300);
+
+/// `stream` (a watcher, or a reflector over one) retried after errors, with delays that grow across
+/// consecutive failures: kube's default (0.8 s doubling to 30 s, with jitter), or, while the server
+/// answers 404 (the resource is not served), 1 s doubling to 5 minutes.
+///
+/// kube's own `default_backoff` starts over on every event, and a watcher emits `Init` before each
+/// list, so a list that keeps failing was retried about once a second forever, from every node. Here
+/// `Init` is dropped before the backoff sees it: only a real answer (an object, the end of a list)
+/// resets it. Nobody downstream needs `Init`: a reflector has already applied it to its store.
+pub fn retried<K, S>(
     stream: S,
-    backoff: B,
 ) -> impl futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send
 where
     K: Send,
     S: futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send,
-    B: kube::runtime::utils::Backoff + Send,
 {
     use futures::StreamExt;
     use kube::runtime::WatchStreamExt;
+    let backoff = WatchBackoff::default();
+    let not_served = backoff.not_served.clone();
     stream
         .filter(|event| std::future::ready(!matches!(event, Ok(watcher::Event::Init))))
+        .inspect(move |event| {
+            if let Err(error) = event {
+                not_served.store(is_not_served(error), std::sync::atomic::Ordering::Relaxed);
+            }
+        })
         .backoff(backoff)
 }
 
-/// kube's default retry delays (0.8 s doubling to 30 s, with jitter), for [`retried`].
-pub fn default_backoff() -> watcher::DefaultBackoff {
-    watcher::DefaultBackoff::default()
+/// A 404 from a watcher's list or watch: the server does not serve the resource. A collection cannot
+/// be "not found" otherwise. The code decides, not the reason: for a whole API group it does not serve
+/// (a CRD alone in its group, as GpuNodePolicy is), a real kube-apiserver answers with the plain text
+/// `404 page not found`, which kube reads as a Status without the `NotFound` reason.
+pub fn is_not_served(error: &watcher::Error) -> bool {
+    match error {
+        watcher::Error::InitialListFailed(kube::Error::Api(status))
+        | watcher::Error::WatchStartFailed(kube::Error::Api(status))
+        | watcher::Error::WatchFailed(kube::Error::Api(status)) => status.code == 404,
+        watcher::Error::WatchError(status) => status.code == 404,
+        _ => false,
+    }
+}
+
+/// The delays of [`retried`]: which sequence the next one comes from depends on the last error.
+#[derive(Default)]
+struct WatchBackoff {
+    usual: watcher::DefaultBackoff,
+    long: Doubling,
+    not_served: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Iterator for WatchBackoff {
+    type Item = Duration;
+
+    fn next(&mut self) -> Option<Duration> {
+        if self.not_served.load(std::sync::atomic::Ordering::Relaxed) {
+            self.long.next()
+        } else {
+            self.usual.next()
+        }
+    }
+}
+
+impl kube::runtime::utils::Backoff for WatchBackoff {
+    fn reset(&mut self) {
+        self.usual.reset();
+        self.long.reset();
+    }
+}
+
+/// Delays that double from [`NOT_SERVED_RETRY_MIN`] to [`NOT_SERVED_RETRY_MAX`].
+struct Doubling {
+    next: Duration,
+}
+
+impl Default for Doubling {
+    fn default() -> Doubling {
+        Doubling {
+            next: NOT_SERVED_RETRY_MIN,
+        }
+    }
+}
+
+impl Iterator for Doubling {
+    type Item = Duration;
+
+    fn next(&mut self) -> Option<Duration> {
+        let delay = self.next;
+        self.next = (self.next * 2).min(NOT_SERVED_RETRY_MAX);
+        Some(delay)
+    }
+}
+
+impl kube::runtime::utils::Backoff for Doubling {
+    fn reset(&mut self) {
+        self.next = NOT_SERVED_RETRY_MIN;
+    }
 }
 
 #[cfg(test)]
@@ -220,5 +298,39 @@ mod tests {
         assert_eq!(config.connect_timeout, Some(Duration::from_secs(10)));
         assert_eq!(config.read_timeout, Some(Duration::from_secs(75)));
         assert!(config.reset_reader_on_write);
+    }
+
+    #[test]
+    fn retries_of_a_resource_not_served_double_up_to_five_minutes_and_start_over_after_a_success() {
+        use kube::runtime::utils::Backoff;
+        let mut delays = Doubling::default();
+        let seconds: Vec<u64> = delays.by_ref().take(11).map(|d| d.as_secs()).collect();
+        assert_eq!(seconds, [1, 2, 4, 8, 16, 32, 64, 128, 256, 300, 300]);
+        delays.reset();
+        assert_eq!(delays.next(), Some(Duration::from_secs(1)));
+    }
+
+    #[test]
+    fn a_404_switches_to_the_long_delays_and_other_errors_back() {
+        let mut backoff = WatchBackoff::default();
+        backoff
+            .not_served
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        let long: Vec<u64> = backoff.by_ref().take(10).map(|d| d.as_secs()).collect();
+        assert_eq!(long, [1, 2, 4, 8, 16, 32, 64, 128, 256, 300]);
+        backoff
+            .not_served
+            .store(false, std::sync::atomic::Ordering::Relaxed);
+        // kube's default: 30 s at most, plus up to as much again of jitter.
+        let usual = backoff.by_ref().take(10).max().unwrap();
+        assert!(usual <= Duration::from_secs(60), "{usual:?}");
+        let not_found = kube::core::Status::failure("gone", "NotFound").with_code(404);
+        let server_error = kube::core::Status::failure("down", "InternalError").with_code(500);
+        assert!(is_not_served(&watcher::Error::InitialListFailed(
+            kube::Error::Api(Box::new(not_found))
+        )));
+        assert!(!is_not_served(&watcher::Error::InitialListFailed(
+            kube::Error::Api(Box::new(server_error))
+        )));
     }
 }

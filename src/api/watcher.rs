@@ -15,7 +15,7 @@ use serde_json::json;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use crate::apiclient::retried;
+use crate::apiclient::{is_not_served, retried, NOT_SERVED_RETRY_MAX};
 
 use super::policy::{
     select, superseded_message, GpuNodePolicy, HealthSpec, MigModeSpec, PolicyCondition,
@@ -25,11 +25,6 @@ use super::policy::{
 /// First and longest wait before retrying failed status writes.
 const RETRY_MIN: Duration = Duration::from_millis(500);
 const RETRY_MAX: Duration = Duration::from_secs(60);
-/// First and longest wait before the policy watch tries again after an error. A cluster without the
-/// GpuNodePolicy CRD answers every try with 404, on every node: at 5,000 nodes, a retry every few
-/// seconds would be thousands of requests a minute for nothing.
-const POLICY_RETRY_MIN: Duration = Duration::from_secs(1);
-const POLICY_RETRY_MAX: Duration = Duration::from_secs(300);
 
 /// The policy in force on this node: the last valid generation of the winning policy.
 #[derive(Clone, Debug, PartialEq)]
@@ -157,19 +152,19 @@ impl PolicyWatcher {
         let (node_store, node_writer) = reflector::store::<Node>();
         let (policy_store, policy_writer) = reflector::store::<GpuNodePolicy>();
         let node_config = watch.clone().fields(&format!("metadata.name={node_name}"));
-        let nodes = retried(
-            reflector(node_writer, watcher(Api::<Node>::all(client), node_config)),
-            crate::apiclient::default_backoff(),
-        )
+        let nodes = retried(reflector(
+            node_writer,
+            watcher(Api::<Node>::all(client), node_config),
+        ))
         .map(|event| {
             event
                 .map(|e| Source::Node(Change::of(&e)))
                 .map_err(WatchError::Node)
         });
-        let policies = retried(
-            reflector(policy_writer, watcher(this.policies.clone(), watch)),
-            Doubling::new(POLICY_RETRY_MIN, POLICY_RETRY_MAX),
-        )
+        let policies = retried(reflector(
+            policy_writer,
+            watcher(this.policies.clone(), watch),
+        ))
         .map(|event| {
             event
                 .map(|e| Source::Policy(Change::of(&e)))
@@ -201,9 +196,9 @@ impl PolicyWatcher {
                         continue;
                     }
                     Some(Err(WatchError::Policy(err))) => {
-                        if is_not_found(&err) {
+                        if is_not_served(&err) {
                             if !crd_missing {
-                                tracing::warn!(node = %node_name, retry_max_s = POLICY_RETRY_MAX.as_secs(), "the GpuNodePolicy API is not served (is crd/gpu.dra.dev_gpunodepolicies.yaml applied?); no policy applies to this node; looking again with backoff up to 5 minutes, without saying so again");
+                                tracing::warn!(node = %node_name, retry_max_s = NOT_SERVED_RETRY_MAX.as_secs(), "the GpuNodePolicy API is not served (is crd/gpu.dra.dev_gpunodepolicies.yaml applied?); no policy applies to this node; looking again with backoff up to 5 minutes, without saying so again");
                                 crd_missing = true;
                             }
                         } else {
@@ -443,50 +438,6 @@ enum Source {
 enum WatchError {
     Node(watcher::Error),
     Policy(watcher::Error),
-}
-
-/// A 404 from the list or the watch: the server does not serve the resource (its CRD is missing).
-fn is_not_found(error: &watcher::Error) -> bool {
-    match error {
-        watcher::Error::InitialListFailed(kube::Error::Api(status))
-        | watcher::Error::WatchStartFailed(kube::Error::Api(status))
-        | watcher::Error::WatchFailed(kube::Error::Api(status)) => status.is_not_found(),
-        watcher::Error::WatchError(status) => status.is_not_found(),
-        _ => false,
-    }
-}
-
-/// Retry delays that double from `min` to `max`, starting over after a success (the stream resets it).
-struct Doubling {
-    min: Duration,
-    max: Duration,
-    next: Duration,
-}
-
-impl Doubling {
-    fn new(min: Duration, max: Duration) -> Doubling {
-        Doubling {
-            min,
-            max,
-            next: min,
-        }
-    }
-}
-
-impl Iterator for Doubling {
-    type Item = Duration;
-
-    fn next(&mut self) -> Option<Duration> {
-        let delay = self.next;
-        self.next = (self.next * 2).min(self.max);
-        Some(delay)
-    }
-}
-
-impl kube::runtime::utils::Backoff for Doubling {
-    fn reset(&mut self) {
-        self.next = self.min;
-    }
 }
 
 fn now_rfc3339() -> String {

@@ -372,15 +372,6 @@ async fn nodes_write_a_status_only_when_their_own_verdict_changes() {
     assert_eq!(h.server.writes("gpunodepolicies/status"), settled + 1);
 }
 
-#[test]
-fn policy_retries_double_up_to_five_minutes_and_start_over_after_a_success() {
-    let mut delays = Doubling::new(POLICY_RETRY_MIN, POLICY_RETRY_MAX);
-    let seconds: Vec<u64> = delays.by_ref().take(11).map(|d| d.as_secs()).collect();
-    assert_eq!(seconds, [1, 2, 4, 8, 16, 32, 64, 128, 256, 300, 300]);
-    kube::runtime::utils::Backoff::reset(&mut delays);
-    assert_eq!(delays.next(), Some(Duration::from_secs(1)));
-}
-
 #[tokio::test]
 async fn a_missing_crd_is_retried_with_backoff_and_a_policy_applies_once_it_is_served() {
     let mut h = start_with(json!({}), |server| server.stop_serving(POLICIES)).await;

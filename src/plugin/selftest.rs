@@ -194,13 +194,10 @@ pub async fn run(
     watch_config: watcher::Config,
 ) {
     let (store, writer) = reflector::store::<DeviceClass>();
-    let mut classes = std::pin::pin!(crate::apiclient::retried(
-        reflector(
-            writer,
-            watcher(Api::<DeviceClass>::all(client), watch_config)
-        ),
-        crate::apiclient::default_backoff()
-    ));
+    let mut classes = std::pin::pin!(crate::apiclient::retried(reflector(
+        writer,
+        watcher(Api::<DeviceClass>::all(client), watch_config)
+    )));
     let mut listed = false;
     let mut reported: BTreeMap<String, ClassFinding> = BTreeMap::new();
     loop {

@@ -58,6 +58,14 @@ pub enum PublishError {
     },
 }
 
+impl PublishError {
+    /// The server answered 404 to the list of slices: it does not serve `resource.k8s.io/v1` (see
+    /// [`crate::apiclient::is_not_served`] for why the code decides).
+    pub fn api_not_served(&self) -> bool {
+        matches!(self, PublishError::List { source: kube::Error::Api(status), .. } if status.code == 404)
+    }
+}
+
 /// What one sync wrote.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct SyncStats {
@@ -345,6 +353,7 @@ impl Publisher {
         ));
         let node_task = tokio::spawn(self.clone().watch_node(changed.clone()));
         let mut backoff = Backoff::new();
+        let mut said_not_served = false;
         let mut last_write: Option<tokio::time::Instant> = None;
         loop {
             // Whatever woke us (a device change, a watch event, the resync), no sync starts within
@@ -375,8 +384,18 @@ impl Publisher {
                     readiness.set_slices_published();
                 }
                 Err(error) => {
-                    let delay = backoff.next_delay();
-                    warn!(%error, retry_in_ms = delay.as_millis() as u64, "publishing ResourceSlices failed");
+                    let not_served = error.api_not_served();
+                    let delay = if not_served {
+                        backoff.next_delay_up_to(crate::apiclient::NOT_SERVED_RETRY_MAX)
+                    } else {
+                        backoff.next_delay()
+                    };
+                    if !not_served {
+                        warn!(%error, retry_in_ms = delay.as_millis() as u64, "publishing ResourceSlices failed");
+                    } else if !said_not_served {
+                        warn!(%error, retry_max_s = crate::apiclient::NOT_SERVED_RETRY_MAX.as_secs(), "the API server does not serve resource.k8s.io/v1 ResourceSlices (Kubernetes 1.34 or later with DRA is needed); looking again with backoff up to 5 minutes, without saying so again");
+                    }
+                    said_not_served = not_served;
                     tokio::select! {
                         _ = tokio::time::sleep(delay) => {}
                         _ = shutdown.changed() => break,
@@ -407,11 +426,7 @@ impl Publisher {
             .watch
             .clone()
             .fields(&format!("metadata.name={}", self.node_name));
-        let mut events = crate::apiclient::retried(
-            watcher(self.nodes.clone(), config),
-            crate::apiclient::default_backoff(),
-        )
-        .boxed();
+        let mut events = crate::apiclient::retried(watcher(self.nodes.clone(), config)).boxed();
         while let Some(event) = events.next().await {
             let uid = match event {
                 Ok(watcher::Event::Apply(node)) | Ok(watcher::Event::InitApply(node)) => {
@@ -434,9 +449,7 @@ impl Publisher {
 
 /// Notifies `changed` on every change to the watched slices.
 async fn watch_slices(api: Api<ResourceSlice>, config: watcher::Config, changed: Arc<Notify>) {
-    let mut events =
-        crate::apiclient::retried(watcher(api, config), crate::apiclient::default_backoff())
-            .boxed();
+    let mut events = crate::apiclient::retried(watcher(api, config)).boxed();
     while let Some(event) = events.next().await {
         match event {
             Ok(watcher::Event::Delete(_))
@@ -524,9 +537,14 @@ impl Backoff {
     }
 
     fn next_delay(&mut self) -> Duration {
+        self.next_delay_up_to(MAX_BACKOFF)
+    }
+
+    /// The next delay, capped at `max` instead of [`MAX_BACKOFF`] (minutes for an API not served).
+    fn next_delay_up_to(&mut self, max: Duration) -> Duration {
         let base = Duration::from_millis(500).saturating_mul(1 << self.attempt.min(10));
         self.attempt += 1;
-        let capped = base.min(MAX_BACKOFF);
+        let capped = base.min(max);
         let jitter = rand::random::<f64>() * 0.2 + 0.9;
         capped.mul_f64(jitter)
     }
@@ -582,5 +600,48 @@ mod tests {
         }
         backoff.reset();
         assert!(backoff.next_delay() <= Duration::from_millis(550));
+    }
+
+    #[test]
+    fn only_a_404_on_the_slice_list_means_the_api_is_not_served() {
+        let status = |code| {
+            kube::Error::Api(Box::new(
+                kube::core::Status::failure(
+                    "x",
+                    if code == 404 {
+                        "NotFound"
+                    } else {
+                        "InternalError"
+                    },
+                )
+                .with_code(code),
+            ))
+        };
+        let list = |code| PublishError::List {
+            driver: "d".into(),
+            node: "n".into(),
+            source: status(code),
+        };
+        assert!(list(404).api_not_served());
+        assert!(!list(500).api_not_served());
+        let node = PublishError::Node {
+            node: "n".into(),
+            source: status(404),
+        };
+        assert!(
+            !node.api_not_served(),
+            "a missing Node is not a missing API"
+        );
+    }
+
+    #[test]
+    fn an_api_not_served_is_retried_up_to_minutes() {
+        let mut backoff = Backoff::new();
+        let longest = (0..20)
+            .map(|_| backoff.next_delay_up_to(crate::apiclient::NOT_SERVED_RETRY_MAX))
+            .max()
+            .unwrap();
+        assert!(longest > MAX_BACKOFF.mul_f64(1.1), "{longest:?}");
+        assert!(longest <= crate::apiclient::NOT_SERVED_RETRY_MAX.mul_f64(1.1));
     }
 }

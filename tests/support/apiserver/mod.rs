@@ -709,9 +709,10 @@ impl ApiServer {
         lock(&self.shared.requests).clear();
     }
 
-    /// Answers every request on `resource` (a plural) with 404 `the server could not find the requested
-    /// resource`, as a real server does for a CRD that is not applied. Watches already open are not cut
-    /// (a real server ends them when the CRD is deleted). [`ApiServer::serve`] undoes it.
+    /// Answers every request on `resource` (a plural) with a plain-text `404 page not found`, as a real
+    /// kube-apiserver does for an API group it does not serve (a CRD alone in its group, not applied).
+    /// Watches already open are not cut (a real server ends them when the CRD is deleted).
+    /// [`ApiServer::serve`] undoes it.
     pub fn stop_serving(&self, resource: &str) {
         lock(&self.shared.unserved).insert(hook_resource(resource).plural);
     }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use axum::body::{Body, Bytes};
 use axum::extract::{Query, State};
 use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode, Uri};
-use axum::response::Response;
+use axum::response::{IntoResponse, Response};
 use axum::Router;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -311,7 +311,14 @@ async fn handle(
             code: 404,
             dry_run: request.dry_run(),
         });
-        return ApiError::NoRoute.response();
+        // What kube-apiserver's mux answers for an API group it does not serve (a CRD alone in its
+        // group and not applied): plain text, not a Status.
+        return (
+            StatusCode::NOT_FOUND,
+            [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
+            "404 page not found\n",
+        )
+            .into_response();
     }
     let latency = shared.latency();
     if !latency.is_zero() {

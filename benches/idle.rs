@@ -9,12 +9,10 @@
 //! Run: `cargo bench --bench idle`
 
 use std::collections::BTreeMap;
-use std::process::Stdio;
 use std::time::Duration;
 
 use gpu_dra::support::apiserver::{RequestRecord, Verb};
-use gpu_dra::support::harness::{Harness, DRIVER};
-use gpu_dra::support::kubelet::KubeletDouble;
+use gpu_dra::support::harness::Harness;
 
 fn window() -> Duration {
     let seconds = std::env::var("IDLE_BENCH_SECONDS")
@@ -85,24 +83,9 @@ async fn run(title: &str, crd_installed: bool) {
     if !crd_installed {
         node.api.stop_serving("gpunodepolicies");
     }
-    let profile = node.write_h100_profile(8);
-    let kubeconfig = node.dir.path().join("kubeconfig");
-    node.api.write_kubeconfig(&kubeconfig).expect("kubeconfig");
-    let mut plugin = node
-        .plugin_command(
-            std::path::Path::new(env!("CARGO_BIN_EXE_gpu-dra")),
-            &profile,
-            &kubeconfig,
-        )
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("plugin binary starts");
-    let _kubelet =
-        KubeletDouble::register(&node.config.registry_dir, DRIVER, Duration::from_secs(30))
-            .await
-            .expect("plugin registers");
-    node.wait_for_slices().await;
+    let (mut plugin, _kubelet) = node
+        .spawn_plugin_process(std::path::Path::new(env!("CARGO_BIN_EXE_gpu-dra")), 8)
+        .await;
     until_quiet(&node).await;
     node.api.clear_requests();
     let window = window();

@@ -3,7 +3,6 @@
 //!
 //! Run: `cargo bench --bench prepare` (the README and BENCHMARKS.md quote its output).
 
-use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use gpu_dra::support::harness::{Harness, DRIVER, NODE};
@@ -106,23 +105,9 @@ async fn run(title: &str, cdi_root: Option<&std::path::Path>) {
     if let Some(root) = cdi_root {
         node.config.cdi_root = root.to_path_buf();
     }
-    let profile = node.write_h100_profile(GPUS);
-    let kubeconfig = node.dir.path().join("kubeconfig");
-    node.api.write_kubeconfig(&kubeconfig).expect("kubeconfig");
-    let mut plugin = node
-        .plugin_command(
-            std::path::Path::new(env!("CARGO_BIN_EXE_gpu-dra")),
-            &profile,
-            &kubeconfig,
-        )
-        .stdout(Stdio::null())
-        .spawn()
-        .expect("plugin binary starts");
-    let kubelet =
-        KubeletDouble::register(&node.config.registry_dir, DRIVER, Duration::from_secs(30))
-            .await
-            .expect("plugin registers");
-    node.wait_for_slices().await;
+    let (mut plugin, kubelet) = node
+        .spawn_plugin_process(std::path::Path::new(env!("CARGO_BIN_EXE_gpu-dra")), GPUS)
+        .await;
 
     // Single claim, one caller: latency of a prepare + unprepare round trip.
     let claim = insert_claim(&node, "single", 0);

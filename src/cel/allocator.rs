@@ -32,6 +32,7 @@ pub use errors::{AllocationError, SelectorOrigin};
 pub use node::Node;
 pub use pools::{Pools, SkippedPool};
 pub(crate) use request::{first_mismatch, CompiledSelector};
+pub use taints::{toleration_matches, untolerated_taint};
 
 /// Search steps (devices tried) before `allocate` gives up, so a pathological claim cannot hang a test.
 pub const DEFAULT_STEP_LIMIT: u64 = 1_000_000;

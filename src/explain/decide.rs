@@ -485,24 +485,21 @@ fn node_filters(
     )))
 }
 
-/// `v1helper.ToleratesTaint`: an empty effect matches every effect, an empty key every key.
+/// `v1helper.ToleratesTaint`.
 fn tolerates(toleration: &Toleration, taint: &Taint) -> bool {
-    let effect = toleration.effect.as_deref().unwrap_or_default();
-    if !effect.is_empty() && effect != taint.effect {
-        return false;
-    }
-    let key = toleration.key.as_deref().unwrap_or_default();
-    if !key.is_empty() && key != taint.key {
-        return false;
-    }
-    match toleration.operator.as_deref().unwrap_or_default() {
-        "" | "Equal" => {
-            toleration.value.as_deref().unwrap_or_default()
-                == taint.value.as_deref().unwrap_or_default()
-        }
-        "Exists" => true,
-        _ => false,
-    }
+    allocator::toleration_matches(
+        [
+            &toleration.key,
+            &toleration.operator,
+            &toleration.value,
+            &toleration.effect,
+        ],
+        [
+            &taint.key,
+            taint.value.as_deref().unwrap_or_default(),
+            &taint.effect,
+        ],
+    )
 }
 
 fn show_taint(taint: &Taint) -> String {

@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use k8s_openapi::api::resource::v1::{Device, DeviceToleration};
 
-use crate::cel::allocator::{AllocationError, Candidate, InUse, Pools};
+use crate::cel::allocator::{untolerated_taint, AllocationError, Candidate, InUse, Pools};
 use crate::cel::quantity::Quantity;
 use crate::cel::DeviceView;
 
@@ -385,28 +385,13 @@ fn together(met: &[(&ClaimPlan, &RequestPlan, Tally)], devices: &[Dev<'_>]) -> V
     )]
 }
 
-/// The first NoSchedule / NoExecute taint no toleration tolerates, as `key=value:Effect`.
+/// The first NoSchedule / NoExecute taint no toleration tolerates (as the allocator decides it), as
+/// `key=value:Effect`.
 fn untolerated(device: &Device, tolerations: &[DeviceToleration]) -> Option<String> {
-    device.taints.iter().flatten().find_map(|taint| {
-        let blocks = matches!(taint.effect.as_str(), "NoSchedule" | "NoExecute");
-        let tolerated = tolerations.iter().any(|t| {
-            let effect = t.effect.as_deref().unwrap_or_default();
-            let key = t.key.as_deref().unwrap_or_default();
-            (effect.is_empty() || effect == taint.effect)
-                && (key.is_empty() || key == taint.key)
-                && match t.operator.as_deref().unwrap_or_default() {
-                    "" | "Equal" => {
-                        t.value.as_deref().unwrap_or_default()
-                            == taint.value.as_deref().unwrap_or_default()
-                    }
-                    "Exists" => true,
-                    _ => false,
-                }
-        });
-        (blocks && !tolerated).then(|| match taint.value.as_deref() {
-            Some(value) if !value.is_empty() => format!("{}={value}:{}", taint.key, taint.effect),
-            _ => format!("{}:{}", taint.key, taint.effect),
-        })
+    let taint = untolerated_taint(device, tolerations)?;
+    Some(match taint.value.as_deref() {
+        Some(value) if !value.is_empty() => format!("{}={value}:{}", taint.key, taint.effect),
+        _ => format!("{}:{}", taint.key, taint.effect),
     })
 }
 

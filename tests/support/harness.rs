@@ -231,6 +231,29 @@ impl Harness {
         command
     }
 
+    /// The plugin binary at `binary` started as a separate process (stdout dropped) on `gpus` fake
+    /// H100s; returns once it has registered with a kubelet double and published its slices.
+    pub async fn spawn_plugin_process(
+        &self,
+        binary: &std::path::Path,
+        gpus: usize,
+    ) -> (std::process::Child, KubeletDouble) {
+        let profile = self.write_h100_profile(gpus);
+        let kubeconfig = self.dir.path().join("kubeconfig");
+        self.api.write_kubeconfig(&kubeconfig).expect("kubeconfig");
+        let plugin = self
+            .plugin_command(binary, &profile, &kubeconfig)
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .expect("plugin binary starts");
+        let kubelet =
+            KubeletDouble::register(&self.config.registry_dir, DRIVER, Duration::from_secs(30))
+                .await
+                .expect("plugin registers");
+        self.wait_for_slices().await;
+        (plugin, kubelet)
+    }
+
     /// Writes a fake profile of `count` H100 GPUs into the scratch directory; returns its path.
     pub fn write_h100_profile(&self, count: usize) -> PathBuf {
         let mut profile = crate::gpu::builtin_profile("dgx-h100").expect("built-in profile");

@@ -5,7 +5,7 @@
 use k8s_openapi::api::resource::v1::{Device, DeviceTaint, DeviceToleration};
 
 /// The first NoSchedule / NoExecute taint that no toleration tolerates (`None` effects never block).
-pub(super) fn untolerated_taint<'a>(
+pub fn untolerated_taint<'a>(
     device: &'a Device,
     tolerations: &[DeviceToleration],
 ) -> Option<&'a DeviceTaint> {
@@ -17,21 +17,38 @@ pub(super) fn untolerated_taint<'a>(
     })
 }
 
-/// `resourceclaim.ToleratesTaint`: empty effect matches every effect, empty key every key.
+/// `resourceclaim.ToleratesTaint`.
 fn tolerates(toleration: &DeviceToleration, taint: &DeviceTaint) -> bool {
-    let effect = toleration.effect.as_deref().unwrap_or_default();
-    if !effect.is_empty() && effect != taint.effect {
+    toleration_matches(
+        [
+            &toleration.key,
+            &toleration.operator,
+            &toleration.value,
+            &toleration.effect,
+        ],
+        [
+            &taint.key,
+            taint.value.as_deref().unwrap_or_default(),
+            &taint.effect,
+        ],
+    )
+}
+
+/// The rule devices and nodes share (`resourceclaim.ToleratesTaint`, `v1helper.ToleratesTaint`): a
+/// toleration's (key, operator, value, effect) against a taint's (key, value, effect). An empty effect
+/// matches every effect, an empty key every key; `Equal` (or no operator) compares values, `Exists`
+/// ignores them, any other operator matches nothing.
+pub fn toleration_matches(toleration: [&Option<String>; 4], taint: [&str; 3]) -> bool {
+    let [key, operator, value, effect] = toleration.map(|s| s.as_deref().unwrap_or_default());
+    let [taint_key, taint_value, taint_effect] = taint;
+    if !effect.is_empty() && effect != taint_effect {
         return false;
     }
-    let key = toleration.key.as_deref().unwrap_or_default();
-    if !key.is_empty() && key != taint.key {
+    if !key.is_empty() && key != taint_key {
         return false;
     }
-    match toleration.operator.as_deref().unwrap_or_default() {
-        "" | "Equal" => {
-            toleration.value.as_deref().unwrap_or_default()
-                == taint.value.as_deref().unwrap_or_default()
-        }
+    match operator {
+        "" | "Equal" => value == taint_value,
         "Exists" => true,
         _ => false,
     }

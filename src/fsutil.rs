@@ -1,14 +1,36 @@
-//! File writes that a crash cannot leave half done: temp file in the same directory, fsync, rename,
-//! fsync of the directory. Used for CDI specs and the checkpoint.
+//! File writes that a crash cannot leave half done: temp file in the same directory, then rename.
+//! Two strengths:
+//! - [`write_atomically`] also fsyncs the file and the directory, so the new contents survive a power
+//!   cut. For state that outlives a reboot (the fault file, the fake backend's GPUs).
+//! - [`write_for_this_boot`] does not: readers see the old or the new contents, never a mix, and a
+//!   crash of the process loses nothing (what was written sits in the page cache). Only a power cut can
+//!   leave the file old, empty or torn, and a power cut is a reboot. For state that recovery after a
+//!   reboot checks anyway: the checkpoint and the CDI specs (see `claims/recovery.rs`).
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
-/// Writes `contents` to `path` atomically with the given file mode. The temporary name starts with `.`
-/// and ends in `.tmp` so that watchers of the directory (CDI runtimes) never load it.
+/// Writes `contents` to `path` atomically and durably with the given file mode. The temporary name
+/// starts with `.` and ends in `.tmp` so that watchers of the directory (CDI runtimes) never load it.
 pub fn write_atomically(path: &Path, contents: &[u8], mode: u32) -> io::Result<()> {
+    replace(path, contents, mode, Sync::ToDisk)
+}
+
+/// Writes `contents` to `path` atomically, without fsync: it holds until the next reboot (see the
+/// module's comment). The temporary name is that of [`write_atomically`].
+pub fn write_for_this_boot(path: &Path, contents: &[u8], mode: u32) -> io::Result<()> {
+    replace(path, contents, mode, Sync::No)
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Sync {
+    ToDisk,
+    No,
+}
+
+fn replace(path: &Path, contents: &[u8], mode: u32, sync: Sync) -> io::Result<()> {
     let dir = path.parent().ok_or_else(|| {
         io::Error::new(io::ErrorKind::InvalidInput, "path has no parent directory")
     })?;
@@ -28,9 +50,15 @@ pub fn write_atomically(path: &Path, contents: &[u8], mode: u32) -> io::Result<(
             .mode(mode)
             .open(&tmp)?;
         file.write_all(contents)?;
-        file.sync_all()?;
+        if sync == Sync::ToDisk {
+            file.sync_all()?;
+        }
+        drop(file);
         fs::rename(&tmp, path)?;
-        sync_dir(dir)
+        match sync {
+            Sync::ToDisk => sync_dir(dir),
+            Sync::No => Ok(()),
+        }
     })();
     if result.is_err() {
         let _ = fs::remove_file(&tmp);
@@ -38,16 +66,12 @@ pub fn write_atomically(path: &Path, contents: &[u8], mode: u32) -> io::Result<(
     result
 }
 
-/// Removes `path` and makes the removal durable; a missing file is not an error.
-pub fn remove_durably(path: &Path) -> io::Result<()> {
+/// Removes `path`; a missing file is not an error. Like [`write_for_this_boot`], the removal holds
+/// until the next reboot: after a power cut the file may be back.
+pub fn remove_for_this_boot(path: &Path) -> io::Result<()> {
     match fs::remove_file(path) {
-        Ok(()) => {}
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
-        Err(e) => return Err(e),
-    }
-    match path.parent() {
-        Some(dir) => sync_dir(dir),
-        None => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        other => other,
     }
 }
 
@@ -90,4 +114,51 @@ pub fn set_aside(path: &Path, label: &str) -> io::Result<std::path::PathBuf> {
         io::ErrorKind::AlreadyExists,
         format!("{base} and 99 numbered names after it exist already"),
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn both_writes_replace_the_file_whole_with_its_mode_and_leave_no_temp_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state.json");
+        write_atomically(&path, b"first", 0o600).unwrap();
+        write_for_this_boot(&path, b"second, longer", 0o644).unwrap();
+        assert_eq!(fs::read(&path).unwrap(), b"second, longer");
+        // The file is the new one (renamed over the old), with the new one's mode.
+        let mode = fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o644);
+        let names: Vec<_> = fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, vec![std::ffi::OsString::from("state.json")]);
+        remove_for_this_boot(&path).unwrap();
+        remove_for_this_boot(&path).unwrap();
+        assert!(!path.exists());
+    }
+
+    #[test]
+    fn a_failed_write_leaves_the_old_contents_and_no_temp_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state.json");
+        write_for_this_boot(&path, b"old", 0o600).unwrap();
+        // A directory in the way of the rename makes it fail after the temp file was written.
+        let blocked = dir.path().join("blocked");
+        fs::create_dir(&blocked).unwrap();
+        fs::write(blocked.join("inside"), b"x").unwrap();
+        assert!(write_for_this_boot(&blocked, b"new", 0o600).is_err());
+        assert_eq!(fs::read(&path).unwrap(), b"old");
+        let temps = fs::read_dir(dir.path())
+            .unwrap()
+            .filter(|e| {
+                let name = e.as_ref().unwrap().file_name();
+                is_leftover_temp_file(&name.to_string_lossy(), "blocked")
+            })
+            .count();
+        assert_eq!(temps, 0);
+    }
 }

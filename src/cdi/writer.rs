@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use super::spec::{check_device_name, minimum_version, validate, ContainerEdits, Device, Spec};
 use super::CdiError;
-use crate::fsutil::{is_leftover_temp_file, remove_durably, write_atomically};
+use crate::fsutil::{is_leftover_temp_file, remove_for_this_boot, write_for_this_boot};
 
 /// Runtimes run as root, but tools that list devices on the node may not.
 const SPEC_FILE_MODE: u32 = 0o644;
@@ -95,7 +95,7 @@ impl CdiRegistry {
             source,
         };
         fs::create_dir_all(&self.root).map_err(|e| io_error("creating the directory of", e))?;
-        write_atomically(&path, &json, SPEC_FILE_MODE).map_err(|e| io_error("writing", e))?;
+        write_for_this_boot(&path, &json, SPEC_FILE_MODE).map_err(|e| io_error("writing", e))?;
         tracing::debug!(claim_uid, path = %path.display(), devices = devices.len(), "wrote CDI spec");
         Ok(devices
             .iter()
@@ -106,7 +106,7 @@ impl CdiRegistry {
     /// Deletes the claim's spec; a spec that is already gone is fine (unprepare is retried).
     pub fn remove_claim_spec(&self, claim_uid: &str) -> Result<(), CdiError> {
         let path = self.checked_spec_path(claim_uid)?;
-        remove_durably(&path).map_err(|source| CdiError::Io {
+        remove_for_this_boot(&path).map_err(|source| CdiError::Io {
             claim_uid: claim_uid.to_owned(),
             action: "removing",
             path,
@@ -203,7 +203,7 @@ fn device_name(claim_uid: &str, device: &str) -> String {
 
 /// Best effort: a temp file that stays behind is harmless to runtimes (they skip `.tmp`), so log and go on.
 fn remove_leftover(path: &Path) {
-    match remove_durably(path) {
+    match remove_for_this_boot(path) {
         Ok(()) => {
             tracing::info!(path = %path.display(), "removed a CDI spec temp file left by a crash")
         }

@@ -1,6 +1,10 @@
 //! The checkpoint: which claims this plugin prepared, so that a restart knows what to keep and what to
 //! roll back. Versioned JSON with a SHA-256 checksum over the `data` object as stored, so a file written
-//! by a newer version with added fields still verifies; carries the node's boot id; atomic writes.
+//! by a newer version with added fields still verifies; carries the node's boot id. Writes are atomic
+//! but not fsynced: a crash of the process loses nothing, and after a power cut (a reboot) recovery
+//! checks every record of the earlier boot against the API server before it holds a device
+//! (`recovery.rs`), so a stale, torn or missing file costs only a re-prepare, which the kubelet makes
+//! after every reboot anyway.
 //! `version` is the format's major version: a compatible change (added fields, new claim states) keeps
 //! it, so the previous release reads what the next one wrote; only an incompatible change raises it.
 
@@ -12,7 +16,7 @@ use sha2::{Digest, Sha256};
 use thiserror::Error;
 
 use crate::api::config::SharingSettings;
-use crate::fsutil::write_atomically;
+use crate::fsutil::write_for_this_boot;
 
 /// The format (major) version this build writes; a file with a higher one is refused rather than misread
 /// (recovery sets it aside and rebuilds, see `recovery.rs`).
@@ -52,7 +56,8 @@ impl CheckpointError {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub enum ClaimState {
-    /// Prepare began; anything it created may be half done and is rolled back after a crash.
+    /// Prepare began; anything it created may be half done and is rolled back after a crash. Reaches
+    /// the file only when another claim's write catches it (or from releases that wrote it first).
     Started,
     /// Prepare finished and was (or will be) reported to the kubelet.
     Completed,
@@ -192,7 +197,7 @@ impl CheckpointFile {
         };
         let bytes =
             serde_json::to_vec(&envelope).map_err(|e| write_error(std::io::Error::other(e)))?;
-        write_atomically(&self.path, &bytes, 0o600).map_err(write_error)
+        write_for_this_boot(&self.path, &bytes, 0o600).map_err(write_error)
     }
 }
 

@@ -1,8 +1,14 @@
 //! Prepare and unprepare: what happens when the kubelet calls NodePrepareResources for a claim.
 //! Read top to bottom: validate the claim reference → fetch the ResourceClaim → take this driver's
-//! results for this node's pool → reserve the devices (exclusive) and checkpoint `started` → write the
-//! CDI spec → checkpoint `completed` → answer. Calls for different claims run in parallel; calls for
-//! one claim are serialised by a per-claim lock.
+//! results for this node's pool → reserve the devices (exclusive, in memory) → make MIG devices and
+//! write the CDI spec → checkpoint `completed` → answer. Calls for different claims run in parallel;
+//! calls for one claim are serialised by a per-claim lock.
+//!
+//! Nothing on the path is fsynced, and a prepare in progress is not written down: after a crash,
+//! recovery removes every CDI spec, MPS daemon and (dynamic) MIG device that no completed claim owns,
+//! so only `completed` needs a record, and a record in the page cache survives a crash of the process.
+//! A power cut is a reboot, after which the kubelet prepares every claim again and recovery checks
+//! each record of the earlier boot against the API server first (`recovery.rs`).
 
 mod allocation;
 pub mod checkpoint;
@@ -11,6 +17,7 @@ mod edits;
 mod mig;
 pub mod mps;
 pub mod names;
+mod reboot;
 mod rebuild;
 mod recovery;
 mod sharing;
@@ -126,6 +133,9 @@ pub struct Recovery {
     pub mig_devices_destroyed: Vec<String>,
     /// Whether the node rebooted since the checkpoint was written.
     pub rebooted: bool,
+    /// Completed claims of an earlier boot that the API server did not confirm (gone, replaced, no
+    /// longer allocated here, or no answer); dropped, so they hold no device.
+    pub dropped_after_reboot: Vec<String>,
     /// Set when the checkpoint could not be used and was set aside; `kept` then holds the claims
     /// rebuilt from the CDI specs on disk and the API server.
     pub checkpoint_set_aside: Option<CheckpointSetAside>,
@@ -308,14 +318,10 @@ impl Preparer {
         self.resolve_sharing(claim, &fetched, &mut devices)?;
 
         self.reserve(claim, &inventory, &devices)?;
-        // The `started` record is written while the MIG devices are created and the CDI spec is
-        // written: anything that reaches the node before its record is still cleaned up after a
-        // crash, because recovery removes every spec and (dynamic) MIG device no completed claim owns.
-        let (recorded, made) = tokio::join!(
-            self.persist(claim),
-            self.make_devices(claim, &inventory, &mut devices)
-        );
-        if let Err(error) = recorded.and(made) {
+        // No `started` record on disk: whatever reaches the node before the `completed` record is
+        // cleaned up after a crash all the same, because recovery removes every spec, MPS daemon and
+        // (dynamic) MIG device that no completed claim owns.
+        if let Err(error) = self.make_devices(claim, &inventory, &mut devices).await {
             self.roll_back(claim, &devices).await;
             return Err(error);
         }
@@ -465,7 +471,7 @@ impl Preparer {
         Ok(())
     }
 
-    /// Takes the devices for the claim and records it as started, or fails if another claim holds one
+    /// Takes the devices for the claim and records it as started (in memory), or fails if another claim holds one
     /// of them or a device that overlaps it (a whole GPU and its MIG devices, MIG devices sharing
     /// memory slices). Devices are exclusive, except that admin access (monitoring, debugging) shares
     /// a device with whoever else has it.

@@ -29,6 +29,7 @@ impl Preparer {
             Ok(stored) => (stored.unwrap_or_default(), None),
             Err(error) => (CheckpointData::default(), Some(self.set_aside(&error))),
         };
+        let dropped = self.check_records_of_an_earlier_boot(&mut stored).await;
         // What only the API server can settle: after a set-aside every spec on disk; otherwise the
         // claims a newer release recorded in a state this one does not know.
         let to_verify: Vec<String> = if set_aside.is_some() {
@@ -69,7 +70,32 @@ impl Preparer {
             .await
             .map_err(|e| internal("(startup)", e))??;
         recovery.checkpoint_set_aside = set_aside;
+        recovery.dropped_after_reboot = dropped;
         Ok(recovery)
+    }
+
+    /// After a reboot, keeps only the completed records the API server confirms (`reboot.rs`) and
+    /// returns the UIDs of the others, which are dropped: their specs then go as orphans, and their
+    /// devices are free for the kubelet's prepares.
+    async fn check_records_of_an_earlier_boot(&self, stored: &mut CheckpointData) -> Vec<String> {
+        let this_boot = checkpoint::current_boot_id();
+        if stored.boot_id.is_empty() || stored.boot_id == this_boot {
+            return Vec::new();
+        }
+        let (completed, others) = std::mem::take(&mut stored.claims)
+            .into_iter()
+            .partition(|(_, record)| record.state == ClaimState::Completed);
+        stored.claims = others;
+        let checked = self.check_earlier_boot(completed).await;
+        stored.claims.extend(checked.kept);
+        checked
+            .dropped
+            .into_iter()
+            .map(|(uid, reason)| {
+                info!(claim_uid = %uid, %reason, "record of an earlier boot dropped; the kubelet prepares the claim again if a pod still needs it");
+                uid
+            })
+            .collect()
     }
 
     /// Moves an unusable checkpoint out of the way (never deleting it) and says so.

@@ -27,7 +27,56 @@ async fn main() {
         )
         .await;
     }
+    write_costs();
     authority_adapter_cost();
+}
+
+/// What one write of a small state file costs on the disk that holds the checkpoint, step by step: the
+/// atomic replacement the plugin does now (temp file, write, rename), then with the file's fsync,
+/// then with the directory's fsync too (what every checkpoint and spec write did before issue 15).
+fn write_costs() {
+    use std::io::Write;
+    const WRITES: usize = 300;
+    let dir = tempfile::tempdir().expect("scratch dir on disk");
+    let path = dir.path().join("checkpoint.json");
+    let contents = vec![b'x'; 700]; // about one claim's checkpoint
+    println!("== one write of a 700-byte file on the checkpoint's disk ({WRITES} writes each)");
+    for (label, file_sync, dir_sync) in [
+        ("temp file, write, rename (now)", false, false),
+        ("+ fsync of the file", true, false),
+        ("+ fsync of the directory (before)", true, true),
+    ] {
+        let mut took: Vec<Duration> = (0..WRITES)
+            .map(|_| {
+                let started = Instant::now();
+                let tmp = dir.path().join(".checkpoint.json.tmp");
+                let mut file = std::fs::File::create(&tmp).expect("temp file");
+                file.write_all(&contents).expect("write");
+                if file_sync {
+                    file.sync_all().expect("fsync");
+                }
+                drop(file);
+                std::fs::rename(&tmp, &path).expect("rename");
+                if dir_sync {
+                    std::fs::File::open(dir.path())
+                        .and_then(|d| d.sync_all())
+                        .expect("directory fsync");
+                }
+                started.elapsed()
+            })
+            .collect();
+        took.sort();
+        println!(
+            "  {label}: p50 {:.3} ms, p99 {:.3} ms",
+            ms(percentile(&took, 0.50)),
+            ms(percentile(&took, 0.99))
+        );
+    }
+    println!();
+}
+
+fn percentile(sorted: &[Duration], q: f64) -> Duration {
+    sorted[((sorted.len() as f64 * q) as usize).min(sorted.len() - 1)]
 }
 
 /// What the `:authority` adapter in front of the sockets costs per request, measured alone: a client
@@ -112,13 +161,18 @@ async fn run(title: &str, cdi_root: Option<&std::path::Path>) {
     // Single claim, one caller: latency of a prepare + unprepare round trip.
     let claim = insert_claim(&node, "single", 0);
     let single_cpu_before = cpu_time(plugin.id());
+    let mut prepares = Vec::with_capacity(SINGLE_ROUNDS);
+    let mut unprepares = Vec::with_capacity(SINGLE_ROUNDS);
     let mut latencies = Vec::with_capacity(SINGLE_ROUNDS);
     for _ in 0..SINGLE_ROUNDS {
-        let started = Instant::now();
-        round_trip(&kubelet, &claim).await;
-        latencies.push(started.elapsed());
+        let (prepare, unprepare) = round_trip(&kubelet, &claim).await;
+        prepares.push(prepare);
+        unprepares.push(unprepare);
+        latencies.push(prepare + unprepare);
     }
-    latencies.sort();
+    for sample in [&mut prepares, &mut unprepares, &mut latencies] {
+        sample.sort();
+    }
     let single_cpu = cpu_since(plugin.id(), single_cpu_before);
 
     // Burst: 1000 claims from 16 concurrent callers, each caller on its own GPU.
@@ -150,10 +204,18 @@ async fn run(title: &str, cdi_root: Option<&std::path::Path>) {
     let burst_cpu = cpu_since(plugin.id(), burst_cpu_before);
     let rss = resident_kib(plugin.id());
 
-    let p = |q: f64| latencies[((latencies.len() as f64 * q) as usize).min(latencies.len() - 1)];
+    let p50_p99 = |sorted: &[Duration]| {
+        format!(
+            "p50 {:.2} ms, p99 {:.2} ms",
+            ms(percentile(sorted, 0.50)),
+            ms(percentile(sorted, 0.99))
+        )
+    };
     println!("== {title}");
     println!("prepare+unprepare round trip, single claim ({SINGLE_ROUNDS} rounds):");
-    println!("  p50 {:.2} ms, p99 {:.2} ms", ms(p(0.50)), ms(p(0.99)));
+    println!("  {}", p50_p99(&latencies));
+    println!("  prepare alone: {}", p50_p99(&prepares));
+    println!("  unprepare alone: {}", p50_p99(&unprepares));
     if let Some(cpu) = single_cpu {
         println!(
             "  plugin CPU time {:.2} ms per round trip",
@@ -189,7 +251,9 @@ async fn run(title: &str, cdi_root: Option<&std::path::Path>) {
     println!();
 }
 
-async fn round_trip(kubelet: &KubeletDouble, claim: &ClaimRef) {
+/// One prepare and one unprepare of `claim`; how long each call took.
+async fn round_trip(kubelet: &KubeletDouble, claim: &ClaimRef) -> (Duration, Duration) {
+    let started = Instant::now();
     let prepared = kubelet
         .prepare(std::slice::from_ref(claim))
         .await
@@ -200,11 +264,15 @@ async fn round_trip(kubelet: &KubeletDouble, claim: &ClaimRef) {
         claim.name,
         prepared[&claim.uid]
     );
+    let prepare = started.elapsed();
+    let started = Instant::now();
     let unprepared = kubelet
         .unprepare(std::slice::from_ref(claim))
         .await
         .expect("unprepare call");
+    let unprepare = started.elapsed();
     assert!(unprepared[&claim.uid].is_ok(), "unprepare {}", claim.name);
+    (prepare, unprepare)
 }
 
 /// Stores an allocated claim for `gpu-<gpu>` directly in the API double (what the scheduler would

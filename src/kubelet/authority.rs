@@ -89,7 +89,7 @@ pub struct AuthorityRewriter {
     /// Payload bytes of the current non-header frame still to pass through.
     passthrough_left: usize,
     block: Option<PendingBlock>,
-    decoder: loona_hpack::Decoder<'static>,
+    decoder: super::hpack::Decoder,
     /// Set once a block was re-encoded: every later block must be re-encoded too.
     reencoding: bool,
     rewritten: u64,
@@ -97,8 +97,7 @@ pub struct AuthorityRewriter {
 
 impl AuthorityRewriter {
     pub fn new(policy: AuthorityPolicy) -> Self {
-        let mut decoder = loona_hpack::Decoder::new();
-        decoder.set_max_allowed_table_size(HPACK_TABLE_SIZE);
+        let decoder = super::hpack::Decoder::new(HPACK_TABLE_SIZE);
         AuthorityRewriter {
             policy,
             phase: Phase::Preface,
@@ -275,11 +274,9 @@ impl AuthorityRewriter {
             return;
         };
         let mut headers: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
-        let decoded = self
-            .decoder
-            .decode_with_cb(&block.fragments, |name, value| {
-                headers.push((name.into_owned(), value.into_owned()))
-            });
+        let decoded = self.decoder.decode(&block.fragments, |name, value| {
+            headers.push((name.to_vec(), value.to_vec()))
+        });
         if decoded.is_err() {
             // The server's decoder fails on the same bytes; let it say so.
             out.extend_from_slice(&block.raw);

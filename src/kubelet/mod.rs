@@ -5,6 +5,7 @@
 pub mod authority;
 pub mod dra;
 pub mod health;
+mod hpack;
 pub mod registration;
 pub mod socket;
 

@@ -16,7 +16,7 @@ use sha2::{Digest, Sha256};
 use thiserror::Error;
 
 use crate::api::config::SharingSettings;
-use crate::fsutil::write_for_this_boot;
+use crate::fsutil::{finish_interrupted_replace, replace_for_this_boot};
 
 /// The format (major) version this build writes; a file with a higher one is refused rather than misread
 /// (recovery sets it aside and rebuilds, see `recovery.rs`).
@@ -151,9 +151,14 @@ impl CheckpointFile {
         &self.path
     }
 
-    /// The stored checkpoint, or `None` if there is none yet.
+    /// The stored checkpoint, or `None` if there is none yet. Finishes a write that a crash
+    /// interrupted between its renames (see [`replace_for_this_boot`]).
     pub fn load(&self) -> Result<Option<CheckpointData>, CheckpointError> {
         let shown = self.path.display().to_string();
+        finish_interrupted_replace(&self.path).map_err(|source| CheckpointError::Read {
+            path: shown.clone(),
+            source,
+        })?;
         let bytes = match std::fs::read(&self.path) {
             Ok(bytes) => bytes,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
@@ -197,7 +202,7 @@ impl CheckpointFile {
         };
         let bytes =
             serde_json::to_vec(&envelope).map_err(|e| write_error(std::io::Error::other(e)))?;
-        write_for_this_boot(&self.path, &bytes, 0o600).map_err(write_error)
+        replace_for_this_boot(&self.path, &bytes, 0o600).map_err(write_error)
     }
 }
 

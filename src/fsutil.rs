@@ -32,8 +32,15 @@ pub fn write_for_this_boot(path: &Path, contents: &[u8], mode: u32) -> io::Resul
 /// leaves only `<path>.old`, which [`finish_interrupted_replace`] puts back.
 pub fn replace_for_this_boot(path: &Path, contents: &[u8], mode: u32) -> io::Result<()> {
     let aside = aside_path(path);
-    match fs::rename(path, &aside) {
-        Ok(()) => {}
+    match fs::symlink_metadata(path) {
+        // Only a file is replaced, as a rename over anything else would fail.
+        Ok(meta) if !meta.file_type().is_file() => {
+            return Err(io::Error::other(format!(
+                "{} is not a regular file",
+                path.display()
+            )))
+        }
+        Ok(_) => fs::rename(path, &aside)?,
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
         Err(e) => return Err(e),
     }

@@ -188,3 +188,21 @@ fn attribute_value(attribute: &DeviceAttribute) -> Result<Box<dyn Val>, String> 
     }
     Err("unsupported attribute value".to_owned())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::shared_name;
+
+    #[test]
+    fn short_names_are_shared_and_long_ones_copied() {
+        // A second string with the same text, as each device's copy of its driver is.
+        let text = format!("{}.dev", "gpu.dra");
+        let (a, b) = (shared_name("gpu.dra.dev"), shared_name(&text));
+        assert_eq!(a.inner(), "gpu.dra.dev");
+        assert!(std::ptr::eq(a.inner(), b.inner()), "one shared copy");
+        let long = "x".repeat(super::SHARED_NAME_LEN + 1);
+        let (a, b) = (shared_name(&long), shared_name(&long));
+        assert_eq!(a.inner(), long);
+        assert!(!std::ptr::eq(a.inner(), b.inner()), "a copy each");
+    }
+}

@@ -18,7 +18,8 @@ const DEVICES: usize = 10_000;
 /// Passes over all devices per selector; the rate is taken from the fastest pass, the least disturbed
 /// by other work on a shared machine, and the median is printed beside it.
 const PASSES: usize = 7;
-const TARGET_PER_SECOND: f64 = 200_000.0;
+/// Evaluations per second on one core that each selector must reach (issue 15).
+const TARGET_PER_SECOND: f64 = 500_000.0;
 const MEMORY_SELECTOR: &str =
     r#"device.capacity["gpu.dra.dev"].memory.compareTo(quantity("40Gi")) >= 0"#;
 
@@ -37,7 +38,7 @@ fn main() {
     );
     let mut selectors: Vec<(String, String)> = deploy_class_selectors();
     selectors.push(("memory >= 40Gi".to_string(), MEMORY_SELECTOR.to_string()));
-    println!("selector | matching devices | evaluations/s: best pass, median pass | best against the 200,000/s target");
+    println!("selector | matching devices | evaluations/s: best pass, median pass | best against the 500,000/s target");
     for (label, expression) in selectors {
         let selector = match Selector::compile(&expression) {
             Ok(selector) => selector,

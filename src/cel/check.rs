@@ -49,6 +49,52 @@ pub(crate) fn for_each_child<'a>(expr: &'a IdedExpr, f: &mut dyn FnMut(&'a IdedE
     }
 }
 
+/// Calls `f` on each direct child of `expr`, mutably (the same children as [`for_each_child`]).
+pub(crate) fn for_each_child_mut(expr: &mut IdedExpr, f: &mut dyn FnMut(&mut IdedExpr)) {
+    match &mut expr.expr {
+        Expr::Call(call) => {
+            if let Some(target) = &mut call.target {
+                f(target);
+            }
+            call.args.iter_mut().for_each(&mut *f);
+        }
+        Expr::Comprehension(c) => {
+            for e in [
+                &mut c.iter_range,
+                &mut c.accu_init,
+                &mut c.loop_cond,
+                &mut c.loop_step,
+                &mut c.result,
+            ] {
+                f(e);
+            }
+        }
+        Expr::Select(s) => f(&mut s.operand),
+        Expr::List(l) => l.elements.iter_mut().for_each(&mut *f),
+        Expr::Map(m) => m
+            .entries
+            .iter_mut()
+            .for_each(|entry| match &mut entry.expr {
+                EntryExpr::MapEntry(e) => {
+                    f(&mut e.key);
+                    f(&mut e.value);
+                }
+                EntryExpr::StructField(s) => f(&mut s.value),
+            }),
+        Expr::Struct(s) => s
+            .entries
+            .iter_mut()
+            .for_each(|entry| match &mut entry.expr {
+                EntryExpr::MapEntry(e) => {
+                    f(&mut e.key);
+                    f(&mut e.value);
+                }
+                EntryExpr::StructField(s) => f(&mut s.value),
+            }),
+        Expr::Ident(_) | Expr::Literal(_) | Expr::Unspecified => {}
+    }
+}
+
 /// Functions called as `f(..)`, namespaced ones included.
 const GLOBAL_FUNCTIONS: &[&str] = &[
     "size",

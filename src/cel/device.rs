@@ -2,8 +2,8 @@
 //! capacities grouped by domain, versions parsed strictly), as upstream's `DeviceMatches` does, so that
 //! evaluating many selectors against it costs no further conversion.
 
-use std::collections::HashMap;
-use std::sync::Arc;
+use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use cel::common::types::{CelBool, CelInt, CelList, CelMap, CelMapKey, CelString};
 use cel::common::value::Val;
@@ -41,7 +41,7 @@ impl DeviceView {
     fn build(driver: &str, device: &Device, allow_multiple_allocations: bool) -> DeviceView {
         let value = convert(driver, device).map(|(attributes, capacity)| {
             DeviceVal(Arc::new(DeviceFields {
-                driver: CelString::from(driver.to_owned()),
+                driver: shared_name(driver),
                 allow_multiple_allocations: CelBool::from(allow_multiple_allocations),
                 attributes: DomainMap::new(attributes),
                 capacity: DomainMap::new(capacity),
@@ -56,7 +56,35 @@ impl DeviceView {
     }
 }
 
-type Domains = HashMap<String, HashMap<CelMapKey<'static>, Box<dyn Val>>>;
+/// At most this many names are shared ([`shared_name`]), of at most this many bytes each (a
+/// Kubernetes domain has at most 63, an attribute or capacity id 32).
+const SHARED_NAMES: usize = 4096;
+const SHARED_NAME_LEN: usize = 64;
+
+static NAMES: Mutex<BTreeSet<&'static str>> = Mutex::new(BTreeSet::new());
+
+/// `name` (a driver, a domain, an attribute or capacity id) as a string that every device with that
+/// name shares. A selector run over many devices compares each device's driver and looks up its
+/// domain and id in maps, which compare the names: one shared copy of `gpu.dra.dev` or `memory` stays
+/// in cache, where a copy per device would be fetched from memory for each device. Shared names are
+/// kept for the life of the process, so only so many are shared (under 300 KiB); past that, names are
+/// copied per device.
+fn shared_name(name: &str) -> CelString<'static> {
+    if name.len() <= SHARED_NAME_LEN {
+        let mut names = NAMES.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(shared) = names.get(name) {
+            return CelString::from(*shared);
+        }
+        if names.len() < SHARED_NAMES {
+            let shared: &'static str = Box::leak(name.into());
+            names.insert(shared);
+            return CelString::from(shared);
+        }
+    }
+    CelString::from(name.to_owned())
+}
+
+type Domains<'a> = HashMap<&'a str, HashMap<CelMapKey<'static>, Box<dyn Val>>>;
 
 /// Splits a qualified name at the first '/' into domain and id; a bare name gets `driver`.
 pub(crate) fn split_name<'a>(name: &'a str, driver: &'a str) -> (&'a str, &'a str) {
@@ -71,7 +99,7 @@ fn into_map(domains: Domains) -> CelMap<'static> {
         .into_iter()
         .map(|(domain, ids)| {
             let inner: Box<dyn Val> = Box::new(CelMap::from(ids));
-            (CelMapKey::from(domain), inner)
+            (CelMapKey::String(shared_name(domain)), inner)
         })
         .collect();
     CelMap::from(outer)
@@ -87,9 +115,9 @@ fn convert(driver: &str, device: &Device) -> Result<(CelMap<'static>, CelMap<'st
             attribute_value(attribute).map_err(|cause| format!("attribute {name}: {cause}"))?;
         let (domain, id) = split_name(name, driver);
         attributes
-            .entry(domain.to_owned())
+            .entry(domain)
             .or_default()
-            .insert(CelMapKey::from(id.to_owned()), value);
+            .insert(CelMapKey::String(shared_name(id)), value);
     }
     let mut capacity = Domains::new();
     let mut names: Vec<_> = device.capacity.iter().flatten().collect();
@@ -98,8 +126,8 @@ fn convert(driver: &str, device: &Device) -> Result<(CelMap<'static>, CelMap<'st
         let quantity = Quantity::parse(&cap.value.0)
             .map_err(|cause| format!("capacity {name}: parse quantity: {cause}"))?;
         let (domain, id) = split_name(name, driver);
-        capacity.entry(domain.to_owned()).or_default().insert(
-            CelMapKey::from(id.to_owned()),
+        capacity.entry(domain).or_default().insert(
+            CelMapKey::String(shared_name(id)),
             Box::new(QuantityVal(quantity)),
         );
     }
@@ -159,4 +187,22 @@ fn attribute_value(attribute: &DeviceAttribute) -> Result<Box<dyn Val>, String> 
         return version(v);
     }
     Err("unsupported attribute value".to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::shared_name;
+
+    #[test]
+    fn short_names_are_shared_and_long_ones_copied() {
+        // A second string with the same text, as each device's copy of its driver is.
+        let text = format!("{}.dev", "gpu.dra");
+        let (a, b) = (shared_name("gpu.dra.dev"), shared_name(&text));
+        assert_eq!(a.inner(), "gpu.dra.dev");
+        assert!(std::ptr::eq(a.inner(), b.inner()), "one shared copy");
+        let long = "x".repeat(super::SHARED_NAME_LEN + 1);
+        let (a, b) = (shared_name(&long), shared_name(&long));
+        assert_eq!(a.inner(), long);
+        assert!(!std::ptr::eq(a.inner(), b.inner()), "a copy each");
+    }
 }

@@ -15,6 +15,7 @@ mod library;
 pub use crate::quantity;
 pub mod selectors;
 pub mod semver;
+mod shortcuts;
 mod values;
 
 #[cfg(test)]
@@ -204,11 +205,12 @@ impl Selector {
         };
         let references = check::device_references(&parsed);
         let instrumented = cost::instrument(parsed);
+        let program = shortcuts::index_device_fields(instrumented.expr);
         Ok(Selector {
             expression: expression.to_owned(),
             references,
-            depth: depth(&instrumented.expr),
-            program: instrumented.expr,
+            depth: depth(&program),
+            program,
             constants: instrumented.constants,
             estimated_cost,
             env,

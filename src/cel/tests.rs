@@ -650,3 +650,16 @@ fn references_name_the_domains_and_names_looked_up_in_every_access_form() {
         assert_eq!(references(expression), *want, "{expression}");
     }
 }
+
+#[test]
+fn names_longer_than_the_shared_ones_still_match() {
+    let domain = format!("{}.example.com", "d".repeat(60));
+    let d = view(
+        &domain,
+        json!({"attributes": {"model": {"string": "x"}}, "capacity": {"memory": {"value": "1Gi"}}}),
+    );
+    let expression = format!(
+        r#"device.driver == "{domain}" && device.attributes["{domain}"].model == "x" && device.capacity["{domain}"].memory == quantity("1Gi")"#
+    );
+    assert_eq!(eval(&expression, &d), Ok(true));
+}

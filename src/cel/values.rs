@@ -68,21 +68,22 @@ impl StaticVal for SemverVal {}
 
 /// `device.attributes` / `device.capacity`: a map of domains in which every key is "found", an unknown
 /// domain reading as an empty map. `in`, size and macros see only the domains that exist.
+///
+/// It lies inside the device's own allocation rather than behind a pointer of its own: a selector run
+/// over many devices then fetches one allocation less from memory per device. Cloning copies the maps,
+/// which only an expression that builds a value out of the whole map does.
 #[derive(Debug, Clone)]
-pub struct DomainMap(Arc<DomainMapInner>);
-
-#[derive(Debug)]
-struct DomainMapInner {
+pub struct DomainMap {
     domains: CelMap<'static>,
     empty: CelMap<'static>,
 }
 
 impl DomainMap {
     pub fn new(domains: CelMap<'static>) -> DomainMap {
-        DomainMap(Arc::new(DomainMapInner {
+        DomainMap {
             domains,
             empty: CelMap::default(),
-        }))
+        }
     }
 }
 
@@ -109,12 +110,12 @@ impl Val for DomainMap {
         Some(self)
     }
     fn as_sizer(&self) -> Option<&dyn Sizer> {
-        Some(&self.0.domains)
+        Some(&self.domains)
     }
     fn equals(&self, other: &dyn Val) -> bool {
         match other.downcast_ref::<DomainMap>() {
-            Some(other) => self.0.domains.equals(&other.0.domains),
-            None => self.0.domains.equals(other),
+            Some(other) => self.domains.equals(&other.domains),
+            None => self.domains.equals(other),
         }
     }
     fn clone_as_boxed<'v>(&self) -> Box<dyn Val + 'v> {
@@ -128,7 +129,7 @@ impl StaticVal for DomainMap {}
 
 impl Container for DomainMap {
     fn contains(&self, value: &dyn Val) -> Result<bool, ExecutionError> {
-        self.0.domains.contains(value)
+        self.domains.contains(value)
     }
 }
 
@@ -137,8 +138,8 @@ impl Indexer for DomainMap {
     where
         Self: 'v,
     {
-        match self.0.domains.get(idx) {
-            Err(ExecutionError::NoSuchKey(_)) => Ok(CowVal::Borrowed(&self.0.empty)),
+        match self.domains.get(idx) {
+            Err(ExecutionError::NoSuchKey(_)) => Ok(CowVal::Borrowed(&self.empty)),
             other => other,
         }
     }
@@ -156,7 +157,7 @@ impl Iterable for DomainMap {
     where
         Self: 'v,
     {
-        self.0.domains.iter()
+        self.domains.iter()
     }
 }
 

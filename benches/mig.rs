@@ -6,12 +6,17 @@
 
 use std::time::{Duration, Instant};
 
-use gpu_dra::devices::{node_devices, MigMode};
+use gpu_dra::devices::MigMode;
 use gpu_dra::gpu::{FakeBackend, GpuBackend};
-use gpu_dra::slices::{desired_slices, ServerVersion};
 use gpu_dra::support::harness::{Harness, DRIVER, MIG_CLASS};
 use gpu_dra::support::kubelet::{ClaimRef, KubeletDouble};
 use gpu_dra::support::packing::{compare, Mix};
+
+#[path = "common/mod.rs"]
+mod common;
+
+use common::measure::{micros, ms, percentile};
+use common::planning::time_planning;
 
 const PLANNING_ROUNDS: usize = 2000;
 const PACKING_SEEDS: u64 = 200;
@@ -31,23 +36,13 @@ fn planning() {
         .expect("inventory");
     println!("== slice planning, 8x H100 80GB, dynamic MIG (every profile at every placement)");
     for minor in [34, 35] {
-        let version = ServerVersion { minor };
-        let mut times = Vec::with_capacity(PLANNING_ROUNDS);
-        let mut shape = (0, 0);
-        for _ in 0..PLANNING_ROUNDS {
-            let started = Instant::now();
-            let node = node_devices(&inventory, MigMode::Dynamic);
-            let slices = desired_slices(DRIVER, "node-a", "uid", &node, version);
-            times.push(started.elapsed());
-            shape = (node.device_count(), slices.len());
-        }
-        times.sort();
+        let plan = time_planning(&inventory, MigMode::Dynamic, minor, PLANNING_ROUNDS);
         println!(
             "Kubernetes 1.{minor}: {} devices in {} slices; inventory to slices p50 {:.0} µs, p99 {:.0} µs",
-            shape.0,
-            shape.1,
-            micros(percentile(&times, 0.50)),
-            micros(percentile(&times, 0.99)),
+            plan.devices,
+            plan.slices,
+            micros(plan.p50),
+            micros(plan.p99),
         );
     }
     println!();
@@ -131,16 +126,4 @@ async fn round_trips(kubelet: &KubeletDouble, claim: &ClaimRef) -> Vec<Duration>
     }
     times.sort();
     times
-}
-
-fn percentile(sorted: &[Duration], q: f64) -> Duration {
-    sorted[((sorted.len() as f64 * q) as usize).min(sorted.len() - 1)]
-}
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1000.0
-}
-
-fn micros(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e6
 }

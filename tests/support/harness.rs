@@ -256,18 +256,10 @@ impl Harness {
 
     /// Writes a fake profile of `count` H100 GPUs into the scratch directory; returns its path.
     pub fn write_h100_profile(&self, count: usize) -> PathBuf {
-        let mut profile = crate::gpu::builtin_profile("dgx-h100").expect("built-in profile");
-        let template = profile.gpus[0].clone();
-        profile.gpus = (0..count)
-            .map(|i| crate::gpu::FakeGpuSpec {
-                pci_bus_id: format!("0000:{:02x}:00.0", (i % 255) + 1),
-                ..template.clone()
-            })
-            .collect();
         let path = self.dir.path().join(format!("h100-x{count}.yaml"));
         std::fs::write(
             &path,
-            serde_yaml::to_string(&profile).expect("profile YAML"),
+            serde_yaml::to_string(&h100_profile(count)).expect("profile YAML"),
         )
         .expect("profile written");
         path
@@ -277,6 +269,20 @@ impl Harness {
     pub async fn allocated_claim_named(&self, n: usize) -> ClaimRef {
         self.allocated_claim(&format!("claim-{n}"), 1).await
     }
+}
+
+/// A fake profile of `count` H100 80GB GPUs on one NVLink domain (the `dgx-h100` GPU repeated with
+/// its own PCI address), MIG capable with MIG mode off.
+pub fn h100_profile(count: usize) -> crate::gpu::FakeProfile {
+    let mut profile = crate::gpu::builtin_profile("dgx-h100").expect("built-in profile");
+    let template = profile.gpus[0].clone();
+    profile.gpus = (0..count)
+        .map(|i| crate::gpu::FakeGpuSpec {
+            pci_bus_id: format!("0000:{:02x}:00.0", (i % 255) + 1),
+            ..template.clone()
+        })
+        .collect();
+    profile
 }
 
 /// `spec.devices` of a claim for `count` whole GPUs.

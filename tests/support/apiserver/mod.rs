@@ -100,6 +100,8 @@ pub struct RequestRecord {
     pub code: u16,
     /// `dryRun=All`: validated and answered, nothing stored.
     pub dry_run: bool,
+    /// Length of the request body: what a write sent (0 for reads and watches).
+    pub body_bytes: usize,
 }
 
 /// Whether `pattern` (a plural, or plural/subresource) covers the request resource `resource`.

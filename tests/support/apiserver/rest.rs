@@ -295,6 +295,7 @@ async fn handle(
             name: None,
             code: 200,
             dry_run: false,
+            body_bytes: 0,
         });
         return json_response(200, &version_info(&shared));
     }
@@ -310,6 +311,7 @@ async fn handle(
             name: request.name.clone(),
             code: 404,
             dry_run: request.dry_run(),
+            body_bytes: body.len(),
         });
         // What kube-apiserver's mux answers for an API group it does not serve (a CRD alone in its
         // group and not applied): plain text, not a Status.
@@ -344,6 +346,7 @@ async fn handle(
         name: request.name.clone(),
         code: response.status().as_u16(),
         dry_run: request.dry_run(),
+        body_bytes: body.len(),
     });
     response
 }

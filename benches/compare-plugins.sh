@@ -3,12 +3,15 @@
 # commit's own benchmark client drives both plugin binaries, one run each in turn, ROUNDS times, and the
 # medians are printed. Interleaving matters on a shared machine, where speed drifts over minutes.
 # usage: benches/compare-plugins.sh BASE_COMMIT [ROUNDS]      (ROUNDS default 5; run from the project root)
+# CLIENT=head drives both with this checkout's client instead, for figures the base's client does not
+# print (prepare and unprepare apart, the plugin's CPU time); the plugins' command line must match.
 # The base is built in a git worktree under ${TMPDIR:-/tmp} with this checkout's target directory, so only
 # the gpu-dra crate is compiled twice. Needs a base whose kubelet double this checkout's plugin accepts
 # (every commit does: the plugin accepts any :authority).
 set -euo pipefail
 BASE=${1:?usage: benches/compare-plugins.sh BASE_COMMIT [ROUNDS]}
 ROUNDS=${2:-5}
+CLIENT=${CLIENT:-base}
 ROOT=$(git rev-parse --show-toplevel)
 TARGET=${CARGO_TARGET_DIR:-$ROOT/target}
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu-dra-compare.XXXXXX")
@@ -35,28 +38,35 @@ for round in $(seq "$ROUNDS"); do
   for plugin in base head; do
     cp "$WORK/gpu-dra-$plugin" "$TARGET/release/gpu-dra"
     echo "##### $plugin round $round"
-    "$WORK/client-base"
+    "$WORK/client-$CLIENT"
   done
 done > "$WORK/runs.log" 2>&1
 cp "$WORK/gpu-dra-head" "$TARGET/release/gpu-dra"
 
-python3 - "$WORK/runs.log" "$BASE" <<'EOF'
+python3 - "$WORK/runs.log" "$BASE" "$CLIENT" <<'EOF'
 import re, statistics, sys
-text, base = open(sys.argv[1]).read(), sys.argv[2]
+text, base, client = open(sys.argv[1]).read(), sys.argv[2], sys.argv[3]
 runs = re.split(r"##### (\w+) round \d+\n", text)[1:]
 rows = {}
 for plugin, body in zip(runs[::2], runs[1::2]):
     for section in re.split(r"\n== ", "\n" + body)[1:]:
         layout = section.splitlines()[0]
-        if "adapter" in layout:
+        if "claims/s" not in section:
             continue
-        num = lambda pattern: float(re.search(pattern, section).group(1))
+        def num(pattern):
+            found = re.search(pattern, section)
+            return float(found.group(1)) if found else float("nan")
         rows.setdefault(layout, {}).setdefault(plugin, []).append(
-            (num(r"p50 ([\d.]+) ms"), num(r"p99 ([\d.]+) ms"), num(r"(\d+) claims/s"),
-             num(r"burst: ([\d.]+) MiB")))
+            (num(r"p50 ([\d.]+) ms"), num(r"p99 ([\d.]+) ms"),
+             num(r"prepare alone: p50 ([\d.]+) ms"), num(r"prepare alone: p50 [\d.]+ ms, p99 ([\d.]+) ms"),
+             num(r"unprepare alone: p50 ([\d.]+) ms"),
+             num(r"CPU time ([\d.]+) ms per round trip"),
+             num(r"(\d+) claims/s"), num(r"burst: ([\d.]+) MiB")))
 for layout, plugins in rows.items():
-    print(f"== {layout}: medians of {len(plugins['head'])} interleaved runs, {base}'s client")
+    print(f"== {layout}: medians of {len(plugins['head'])} interleaved runs, {base if client == 'base' else 'this checkout'}'s client")
     for plugin in ("base", "head"):
-        p50, p99, rate, rss = (statistics.median(c) for c in zip(*plugins[plugin]))
-        print(f"  {plugin:4} plugin: p50 {p50:.2f} ms, p99 {p99:.2f} ms, burst {rate:.0f} claims/s, resident {rss:.1f} MiB")
+        p50, p99, prep50, prep99, unprep50, cpu, rate, rss = (statistics.median(c) for c in zip(*plugins[plugin]))
+        apart = "" if prep50 != prep50 else f" (prepare p50 {prep50:.2f} ms, p99 {prep99:.2f} ms; unprepare p50 {unprep50:.2f} ms)"
+        cost = "" if cpu != cpu else f", plugin CPU {cpu:.2f} ms per round trip"
+        print(f"  {plugin:4} plugin: round trip p50 {p50:.2f} ms, p99 {p99:.2f} ms{apart}{cost}, burst {rate:.0f} claims/s, resident {rss:.1f} MiB")
 EOF

@@ -6,6 +6,11 @@
 use std::time::{Duration, Instant};
 
 use gpu_dra::support::harness::{Harness, DRIVER, NODE};
+
+#[path = "common/mod.rs"]
+mod common;
+
+use common::measure::{ms, percentile, thread_cpu};
 use gpu_dra::support::kubelet::{ClaimRef, KubeletDouble};
 
 const GPUS: usize = 16;
@@ -31,21 +36,42 @@ async fn main() {
     authority_adapter_cost();
 }
 
-/// What one write of a small state file costs on the disk that holds the checkpoint, step by step: the
-/// atomic replacement the plugin does now (temp file, write, rename), then with the file's fsync,
-/// then with the directory's fsync too (what every checkpoint and spec write did before issue 15).
+/// What one write of a small state file costs on the disk that holds the checkpoint, step by step,
+/// in wall and CPU time (this thread's user and system time): a new file renamed over the old one
+/// (how a CDI spec is replaced); the old file renamed aside first, so that ext4 does not write the
+/// new one out at the rename (how the checkpoint is written now); then with the file's fsync, then
+/// with the directory's fsync too (how every checkpoint and spec write was made before issue 15).
 fn write_costs() {
     use std::io::Write;
     const WRITES: usize = 300;
     let dir = tempfile::tempdir().expect("scratch dir on disk");
     let path = dir.path().join("checkpoint.json");
+    let aside = dir.path().join("checkpoint.json.old");
     let contents = vec![b'x'; 700]; // about one claim's checkpoint
+    std::fs::write(&path, &contents).expect("first version");
     println!("== one write of a 700-byte file on the checkpoint's disk ({WRITES} writes each)");
-    for (label, file_sync, dir_sync) in [
-        ("temp file, write, rename (now)", false, false),
-        ("+ fsync of the file", true, false),
-        ("+ fsync of the directory (before)", true, true),
+    for (label, set_aside, file_sync, dir_sync) in [
+        ("temp file, write, rename over the old", false, false, false),
+        (
+            "old renamed aside, temp renamed in, old removed (the checkpoint now)",
+            true,
+            false,
+            false,
+        ),
+        (
+            "rename over the old + fsync of the file",
+            false,
+            true,
+            false,
+        ),
+        (
+            "+ fsync of the directory (every write before issue 15)",
+            false,
+            true,
+            true,
+        ),
     ] {
+        let cpu_before = thread_cpu();
         let mut took: Vec<Duration> = (0..WRITES)
             .map(|_| {
                 let started = Instant::now();
@@ -56,7 +82,13 @@ fn write_costs() {
                     file.sync_all().expect("fsync");
                 }
                 drop(file);
+                if set_aside {
+                    std::fs::rename(&path, &aside).expect("rename aside");
+                }
                 std::fs::rename(&tmp, &path).expect("rename");
+                if set_aside {
+                    std::fs::remove_file(&aside).expect("remove the old");
+                }
                 if dir_sync {
                     std::fs::File::open(dir.path())
                         .and_then(|d| d.sync_all())
@@ -65,18 +97,16 @@ fn write_costs() {
                 started.elapsed()
             })
             .collect();
+        let cpu = thread_cpu() - cpu_before;
         took.sort();
         println!(
-            "  {label}: p50 {:.3} ms, p99 {:.3} ms",
+            "  {label}: p50 {:.3} ms, p99 {:.3} ms, CPU {:.1} µs per write",
             ms(percentile(&took, 0.50)),
-            ms(percentile(&took, 0.99))
+            ms(percentile(&took, 0.99)),
+            cpu.as_secs_f64() * 1e6 / WRITES as f64
         );
     }
     println!();
-}
-
-fn percentile(sorted: &[Duration], q: f64) -> Duration {
-    sorted[((sorted.len() as f64 * q) as usize).min(sorted.len() - 1)]
 }
 
 /// What the `:authority` adapter in front of the sockets costs per request, measured alone: a client
@@ -340,8 +370,4 @@ fn cpu_since(pid: u32, before: Option<Duration>) -> Option<Duration> {
 
 fn mib(kib: u64) -> f64 {
     kib as f64 / 1024.0
-}
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1000.0
 }

@@ -40,6 +40,11 @@ pub fn children_cpu() -> Duration {
     rusage(nix::sys::resource::UsageWho::RUSAGE_CHILDREN)
 }
 
+/// User and system CPU time of the calling thread so far.
+pub fn thread_cpu() -> Duration {
+    rusage(nix::sys::resource::UsageWho::RUSAGE_THREAD)
+}
+
 fn rusage(who: nix::sys::resource::UsageWho) -> Duration {
     let usage = nix::sys::resource::getrusage(who).expect("getrusage");
     let time = |t: nix::sys::time::TimeVal| {

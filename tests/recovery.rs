@@ -485,7 +485,7 @@ async fn after_a_reboot_only_records_the_api_server_confirms_hold_devices() {
     ] {
         let new_uid = format!("cccccccc-0000-4000-8000-00000000000{n}");
         insert_allocated(&node, &format!("new-{device}"), &new_uid, device, true);
-        again.push(ClaimRef::new("default", &format!("new-{device}"), new_uid));
+        again.push(ClaimRef::new("default", format!("new-{device}"), new_uid));
     }
     prepare_all(&kubelet, &again).await;
     // The confirmed record does hold gpu-0.

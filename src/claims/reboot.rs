@@ -101,12 +101,7 @@ impl Preparer {
                 names(&record.devices)
             ));
         }
-        let reserved = claim
-            .status
-            .as_ref()
-            .and_then(|status| status.reserved_for.as_ref())
-            .is_some_and(|pods| !pods.is_empty());
-        if !reserved {
+        if !super::rebuild::is_reserved(&claim) {
             return Err("the ResourceClaim is not reserved for any pod".to_string());
         }
         Ok(())

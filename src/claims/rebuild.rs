@@ -80,12 +80,7 @@ impl Preparer {
             namespace: claim.metadata.namespace.clone().unwrap_or_default(),
             name: claim.metadata.name.clone().unwrap_or_default(),
         };
-        let reserved = claim
-            .status
-            .as_ref()
-            .and_then(|status| status.reserved_for.as_ref())
-            .is_some_and(|pods| !pods.is_empty());
-        if !reserved {
+        if !is_reserved(claim) {
             return Err(format!(
                 "ResourceClaim {claim_ref} is not reserved for any pod"
             ));
@@ -123,6 +118,15 @@ impl Preparer {
             mps: None,
         })
     }
+}
+
+/// Whether the claim is reserved for a pod (or another consumer): still in use.
+pub(super) fn is_reserved(claim: &ResourceClaim) -> bool {
+    claim
+        .status
+        .as_ref()
+        .and_then(|status| status.reserved_for.as_ref())
+        .is_some_and(|pods| !pods.is_empty())
 }
 
 fn all_left(uids: &[String], reason: String) -> Verified {

@@ -195,15 +195,17 @@ impl CheckpointFile {
             source,
         };
         let data = serde_json::to_value(data).map_err(|e| write_error(std::io::Error::other(e)))?;
-        let envelope = Envelope {
-            version: CHECKPOINT_VERSION,
-            checksum: checksum(&data),
-            data,
-        };
-        let bytes =
-            serde_json::to_vec(&envelope).map_err(|e| write_error(std::io::Error::other(e)))?;
-        replace_for_this_boot(&self.path, &bytes, 0o600).map_err(write_error)
+        replace_for_this_boot(&self.path, &envelope_bytes(&data), 0o600).map_err(write_error)
     }
+}
+
+/// The file's bytes: what serde writes for an [`Envelope`] of `data`, with `data` turned into text
+/// once, for the checksum and the file both (this runs on every prepare and unprepare).
+fn envelope_bytes(data: &serde_json::Value) -> Vec<u8> {
+    let text = data.to_string();
+    let checksum = hex::encode(Sha256::digest(text.as_bytes()));
+    format!("{{\"version\":{CHECKPOINT_VERSION},\"checksum\":\"{checksum}\",\"data\":{text}}}")
+        .into_bytes()
 }
 
 /// SHA-256 over the canonical JSON of `data` (serde_json sorts object keys), in hex.
@@ -247,6 +249,20 @@ mod tests {
             },
         );
         data
+    }
+
+    #[test]
+    fn the_envelope_is_written_as_serde_writes_it() {
+        let data = serde_json::to_value(sample()).unwrap();
+        let envelope = Envelope {
+            version: CHECKPOINT_VERSION,
+            checksum: checksum(&data),
+            data: data.clone(),
+        };
+        assert_eq!(
+            envelope_bytes(&data),
+            serde_json::to_vec(&envelope).unwrap()
+        );
     }
 
     #[test]

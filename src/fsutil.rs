@@ -214,14 +214,15 @@ mod tests {
     #[test]
     fn a_failed_write_leaves_the_old_contents_and_no_temp_file() {
         let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("state.json");
-        write_for_this_boot(&path, b"old", 0o600).unwrap();
         // A directory in the way of the rename makes it fail after the temp file was written.
         let blocked = dir.path().join("blocked");
         fs::create_dir(&blocked).unwrap();
         fs::write(blocked.join("inside"), b"x").unwrap();
         assert!(write_for_this_boot(&blocked, b"new", 0o600).is_err());
-        assert_eq!(fs::read(&path).unwrap(), b"old");
+        assert!(replace_for_this_boot(&blocked, b"new", 0o600).is_err());
+        // What stood there is untouched, and nothing was set aside.
+        assert_eq!(fs::read(blocked.join("inside")).unwrap(), b"x");
+        assert!(!dir.path().join("blocked.old").exists());
         let temps = fs::read_dir(dir.path())
             .unwrap()
             .filter(|e| {

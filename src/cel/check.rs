@@ -5,7 +5,7 @@
 
 use std::collections::BTreeSet;
 
-use cel::common::ast::{operators, EntryExpr, Expr, IdedExpr, LiteralValue};
+use cel::common::ast::{operators, EntryExpr, Expr, IdedExpr, LiteralValue, MapExpr, StructExpr};
 
 use super::FeatureGates;
 
@@ -31,20 +31,15 @@ pub(crate) fn for_each_child<'a>(expr: &'a IdedExpr, f: &mut dyn FnMut(&'a IdedE
         }
         Expr::Select(s) => f(&s.operand),
         Expr::List(l) => l.elements.iter().for_each(&mut *f),
-        Expr::Map(m) => m.entries.iter().for_each(|entry| match &entry.expr {
-            EntryExpr::MapEntry(e) => {
-                f(&e.key);
-                f(&e.value);
-            }
-            EntryExpr::StructField(s) => f(&s.value),
-        }),
-        Expr::Struct(s) => s.entries.iter().for_each(|entry| match &entry.expr {
-            EntryExpr::MapEntry(e) => {
-                f(&e.key);
-                f(&e.value);
-            }
-            EntryExpr::StructField(s) => f(&s.value),
-        }),
+        Expr::Map(MapExpr { entries }) | Expr::Struct(StructExpr { entries, .. }) => {
+            entries.iter().for_each(|entry| match &entry.expr {
+                EntryExpr::MapEntry(e) => {
+                    f(&e.key);
+                    f(&e.value);
+                }
+                EntryExpr::StructField(s) => f(&s.value),
+            })
+        }
         Expr::Ident(_) | Expr::Literal(_) | Expr::Unspecified => {}
     }
 }
@@ -71,26 +66,15 @@ pub(crate) fn for_each_child_mut(expr: &mut IdedExpr, f: &mut dyn FnMut(&mut Ide
         }
         Expr::Select(s) => f(&mut s.operand),
         Expr::List(l) => l.elements.iter_mut().for_each(&mut *f),
-        Expr::Map(m) => m
-            .entries
-            .iter_mut()
-            .for_each(|entry| match &mut entry.expr {
+        Expr::Map(MapExpr { entries }) | Expr::Struct(StructExpr { entries, .. }) => {
+            entries.iter_mut().for_each(|entry| match &mut entry.expr {
                 EntryExpr::MapEntry(e) => {
                     f(&mut e.key);
                     f(&mut e.value);
                 }
                 EntryExpr::StructField(s) => f(&mut s.value),
-            }),
-        Expr::Struct(s) => s
-            .entries
-            .iter_mut()
-            .for_each(|entry| match &mut entry.expr {
-                EntryExpr::MapEntry(e) => {
-                    f(&mut e.key);
-                    f(&mut e.value);
-                }
-                EntryExpr::StructField(s) => f(&mut s.value),
-            }),
+            })
+        }
         Expr::Ident(_) | Expr::Literal(_) | Expr::Unspecified => {}
     }
 }

@@ -29,7 +29,10 @@ impl Preparer {
             Ok(stored) => (stored.unwrap_or_default(), None),
             Err(error) => (CheckpointData::default(), Some(self.set_aside(&error))),
         };
-        let dropped = self.check_records_of_an_earlier_boot(&mut stored).await;
+        let this_boot = checkpoint::current_boot_id();
+        let dropped = self
+            .check_records_of_an_earlier_boot(&mut stored, &this_boot)
+            .await;
         // What only the API server can settle: after a set-aside every spec on disk; otherwise the
         // claims a newer release recorded in a state this one does not know.
         let to_verify: Vec<String> = if set_aside.is_some() {
@@ -66,9 +69,10 @@ impl Preparer {
         }
         let worker = self.clone();
         let degraded = set_aside.is_some();
-        let mut recovery = tokio::task::spawn_blocking(move || worker.recover(stored, degraded))
-            .await
-            .map_err(|e| internal("(startup)", e))??;
+        let mut recovery =
+            tokio::task::spawn_blocking(move || worker.recover(stored, degraded, this_boot))
+                .await
+                .map_err(|e| internal("(startup)", e))??;
         recovery.checkpoint_set_aside = set_aside;
         recovery.dropped_after_reboot = dropped;
         Ok(recovery)
@@ -77,9 +81,12 @@ impl Preparer {
     /// After a reboot, keeps only the completed records the API server confirms (`reboot.rs`) and
     /// returns the UIDs of the others, which are dropped: their specs then go as orphans, and their
     /// devices are free for the kubelet's prepares.
-    async fn check_records_of_an_earlier_boot(&self, stored: &mut CheckpointData) -> Vec<String> {
-        let this_boot = checkpoint::current_boot_id();
-        if stored.boot_id.is_empty() || stored.boot_id == this_boot {
+    async fn check_records_of_an_earlier_boot(
+        &self,
+        stored: &mut CheckpointData,
+        this_boot: &str,
+    ) -> Vec<String> {
+        if !written_in_an_earlier_boot(stored, this_boot) {
             return Vec::new();
         }
         let (completed, others) = std::mem::take(&mut stored.claims)
@@ -130,10 +137,10 @@ impl Preparer {
         &self,
         stored: CheckpointData,
         degraded: bool,
+        boot_id: String,
     ) -> Result<Recovery, ClaimError> {
-        let boot_id = checkpoint::current_boot_id();
         let mut recovery = Recovery {
-            rebooted: !stored.boot_id.is_empty() && stored.boot_id != boot_id,
+            rebooted: written_in_an_earlier_boot(&stored, &boot_id),
             ..Default::default()
         };
         let inventory = self.inventory.borrow().clone();
@@ -316,4 +323,10 @@ impl Preparer {
         }
         Ok(())
     }
+}
+
+/// Whether the checkpoint names a boot other than this one (a checkpoint written where the boot id
+/// could not be read names none, and counts as this boot's).
+fn written_in_an_earlier_boot(stored: &CheckpointData, this_boot: &str) -> bool {
+    !stored.boot_id.is_empty() && stored.boot_id != this_boot
 }

@@ -7,6 +7,9 @@ FROM rust:1-bookworm AS builder
 WORKDIR /src
 # Only what the release binary is built from; benches/ is there because Cargo.toml names its targets.
 COPY Cargo.toml Cargo.lock build.rs ./
+# The linker wrapper that lays out the code the plugin runs (BENCHMARKS.md, "Memory").
+COPY .cargo ./.cargo
+COPY tools ./tools
 COPY proto ./proto
 COPY src ./src
 COPY benches ./benches

@@ -2,6 +2,8 @@
 //! double, with the plugin as a separate (release) process so its resident memory can be read.
 //!
 //! Run: `cargo bench --bench prepare` (the README and BENCHMARKS.md quote its output).
+//! `GPU_DRA_BENCH_PLUGIN=<program>` runs the plugin through another program given the same arguments
+//! (tools/code-order.sh runs it under callgrind that way).
 
 use std::time::{Duration, Instant};
 
@@ -184,9 +186,7 @@ async fn run(title: &str, cdi_root: Option<&std::path::Path>) {
     if let Some(root) = cdi_root {
         node.config.cdi_root = root.to_path_buf();
     }
-    let (mut plugin, kubelet) = node
-        .spawn_plugin_process(std::path::Path::new(env!("CARGO_BIN_EXE_gpu-dra")), GPUS)
-        .await;
+    let (plugin, kubelet) = node.spawn_plugin_process(&plugin_program(), GPUS).await;
 
     // Single claim, one caller: latency of a prepare + unprepare round trip.
     let claim = insert_claim(&node, "single", 0);
@@ -276,9 +276,60 @@ async fn run(title: &str, cdi_root: Option<&std::path::Path>) {
         ),
         None => println!("plugin resident memory: unavailable (no /proc)"),
     }
+    if let Some((found, listed)) = code_order_found() {
+        println!("  functions of tools/code-order.txt laid out first: {found} of {listed}");
+    }
+    stop(plugin);
+    println!();
+}
+
+/// The binary cargo built, or the program `GPU_DRA_BENCH_PLUGIN` names.
+fn plugin_program() -> std::path::PathBuf {
+    std::env::var_os("GPU_DRA_BENCH_PLUGIN")
+        .map(Into::into)
+        .unwrap_or_else(|| env!("CARGO_BIN_EXE_gpu-dra").into())
+}
+
+/// Stops the plugin as the kubelet's pod would: SIGTERM, so it (and a profiler around it) exits
+/// normally; SIGKILL if it has not within 60 seconds.
+fn stop(mut plugin: std::process::Child) {
+    let pid = nix::unistd::Pid::from_raw(plugin.id() as i32);
+    let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while Instant::now() < deadline {
+        if let Ok(Some(_)) = plugin.try_wait() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let _ = plugin.kill();
     let _ = plugin.wait();
-    println!();
+}
+
+/// How many of the functions tools/code-order.txt lays out first are in the binary the benchmark
+/// runs (`nm` reads its symbols); `None` without `nm`. Few found means the list is stale: its
+/// functions were renamed or removed, and more of the binary's code is resident than need be.
+fn code_order_found() -> Option<(usize, usize)> {
+    let list =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tools/code-order.txt"))
+            .ok()?;
+    let symbols = std::process::Command::new("nm")
+        .args(["--defined-only", "--demangle"])
+        .arg(env!("CARGO_BIN_EXE_gpu-dra"))
+        .output()
+        .ok()
+        .filter(|out| out.status.success())?;
+    let text = String::from_utf8_lossy(&symbols.stdout);
+    let defined: std::collections::HashSet<&str> = text
+        .lines()
+        .filter_map(|line| line.splitn(3, ' ').nth(2))
+        .collect();
+    let listed: Vec<&str> = list.lines().filter(|name| !name.is_empty()).collect();
+    let found = listed
+        .iter()
+        .filter(|name| defined.contains(**name))
+        .count();
+    Some((found, listed.len()))
 }
 
 /// One prepare and one unprepare of `claim`; how long each call took.

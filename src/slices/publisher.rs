@@ -545,7 +545,7 @@ impl Backoff {
         let base = Duration::from_millis(500).saturating_mul(1 << self.attempt.min(10));
         self.attempt += 1;
         let capped = base.min(max);
-        let jitter = rand::random::<f64>() * 0.2 + 0.9;
+        let jitter = fastrand::f64() * 0.2 + 0.9;
         capped.mul_f64(jitter)
     }
 }

@@ -7,8 +7,6 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::api::resource::v1::{ResourceClaimSpec, ResourceSlice};
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
 
 use super::allocator::{self, Candidate, InUse, Pools};
 use crate::devices::{node_devices, MigMode, NodeDevices};
@@ -110,16 +108,16 @@ pub fn simulate(profile: &str, order: Order, mix: &Mix, seed: u64) -> Outcome {
         .chain(std::iter::once((mix.large.as_str(), request(&mix.large))))
         .collect();
     let total_weight: u32 = mix.requests.iter().map(|(_, w)| w).sum();
-    let mut rng = StdRng::seed_from_u64(seed);
+    let mut rng = fastrand::Rng::with_seed(seed);
     let mut held: Vec<Candidate> = Vec::new();
     let mut outcome = Outcome::default();
     for _ in 0..mix.events {
-        if !held.is_empty() && rng.random_range(0..100) < mix.release_percent {
-            let index = rng.random_range(0..held.len());
+        if !held.is_empty() && rng.u32(0..100) < mix.release_percent {
+            let index = rng.usize(0..held.len());
             held.swap_remove(index);
             continue;
         }
-        let mut pick = rng.random_range(0..total_weight);
+        let mut pick = rng.u32(0..total_weight);
         let profile = mix
             .requests
             .iter()

@@ -575,12 +575,10 @@ fn create_object(shared: &Shared, request: &Request, mut obj: Value) -> Answer {
 }
 
 fn generate_name(prefix: &str) -> String {
-    use rand::Rng;
-    let mut rng = rand::rng();
     let prefix: String = prefix.chars().take(GENERATED_NAME_MAX_PREFIX).collect();
     let suffix: String = (0..GENERATED_NAME_SUFFIX_LEN)
         .map(|_| {
-            char::from(GENERATED_NAME_ALPHABET[rng.random_range(0..GENERATED_NAME_ALPHABET.len())])
+            char::from(GENERATED_NAME_ALPHABET[fastrand::usize(..GENERATED_NAME_ALPHABET.len())])
         })
         .collect();
     prefix + &suffix

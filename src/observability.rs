@@ -16,6 +16,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
+use tracing_subscriber::filter::Targets;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct OutcomeLabels {
@@ -436,13 +437,69 @@ pub enum LogFormat {
 
 /// Installs the global tracing subscriber; `RUST_LOG` filters (else `default_level`). Safe to call twice.
 pub fn init_logging(format: LogFormat, default_level: &str) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    let filter = log_filter(std::env::var("RUST_LOG").ok().as_deref(), default_level);
+    let layer = tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
+        .log_internal_errors(true);
+    let registry = tracing_subscriber::registry().with(filter);
     let _ = match format {
-        LogFormat::Text => builder.try_init(),
-        LogFormat::Json => builder.json().with_current_span(true).try_init(),
+        LogFormat::Text => registry.with(layer).try_init(),
+        LogFormat::Json => registry
+            .with(layer.json().with_current_span(true))
+            .try_init(),
     };
+}
+
+/// What `RUST_LOG` lets through: a comma-separated list of `target=level` and bare levels (`warn`,
+/// `gpu_dra=debug,kube=info`). Unset, empty or unreadable, `default_level` applies.
+fn log_filter(rust_log: Option<&str>, default_level: &str) -> Targets {
+    rust_log
+        .filter(|directives| !directives.trim().is_empty())
+        .and_then(|directives| directives.parse().ok())
+        .unwrap_or_else(|| default_level.parse().unwrap_or_default())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::log_filter;
+    use tracing::Level;
+
+    #[test]
+    fn rust_log_is_a_list_of_targets_and_levels() {
+        let filter = log_filter(Some("gpu_dra=debug,kube=warn"), "info");
+        assert!(filter.would_enable("gpu_dra::plugin", &Level::DEBUG));
+        assert!(!filter.would_enable("gpu_dra::plugin", &Level::TRACE));
+        assert!(filter.would_enable("kube::client", &Level::WARN));
+        assert!(!filter.would_enable("kube::client", &Level::INFO));
+        // Targets it does not name are off, as with no bare level.
+        assert!(!filter.would_enable("hyper", &Level::ERROR));
+
+        let filter = log_filter(Some("warn,gpu_dra=trace"), "info");
+        assert!(filter.would_enable("rustls", &Level::WARN));
+        assert!(!filter.would_enable("rustls", &Level::INFO));
+        assert!(filter.would_enable("gpu_dra", &Level::TRACE));
+    }
+
+    #[test]
+    fn without_a_readable_rust_log_the_default_level_applies() {
+        for rust_log in [
+            None,
+            Some(""),
+            Some("  "),
+            Some("gpu_dra=loud"),
+            Some("a=b=c"),
+        ] {
+            let filter = log_filter(rust_log, "info");
+            assert!(filter.would_enable("gpu_dra", &Level::INFO), "{rust_log:?}");
+            assert!(
+                !filter.would_enable("gpu_dra", &Level::DEBUG),
+                "{rust_log:?}"
+            );
+        }
+        let filter = log_filter(None, "error");
+        assert!(filter.would_enable("gpu_dra", &Level::ERROR));
+        assert!(!filter.would_enable("gpu_dra", &Level::WARN));
+    }
 }

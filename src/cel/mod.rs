@@ -9,6 +9,7 @@ mod device;
 mod env;
 mod estimate;
 pub mod eval;
+pub mod extended_resources;
 pub mod input;
 mod library;
 /// The crate's quantity type, where the CEL environment has always offered it.

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # End-to-end run of gpu-dra on a kind cluster with fake GPUs: build and load the image, deploy the fake
-# overlay, run the workloads in e2e/workloads/ (whole GPUs, NVLink, MIG, a time-sliced GPU, an MPS GPU
+# overlay with nvidia.com/gpu served by DRA (e2e/deploy), run the workloads in e2e/workloads/ (whole GPUs,
+# NVLink, MIG, a pod asking for nvidia.com/gpu: 1, a time-sliced GPU, an MPS GPU
 # shared by two pods, one claim shared by two pods), then inject an XID fault through the fake profile and
 # watch the device taint come and go. e2e/down.sh deletes the cluster.
 #
@@ -69,10 +70,10 @@ kubectl config use-context "kind-$CLUSTER_NAME" >/dev/null
 log "loading $IMAGE into the nodes"
 kind load docker-image "$IMAGE" --name "$CLUSTER_NAME"
 
-log "deploying gpu-dra (fake overlay)"
+log "deploying gpu-dra (fake overlay, nvidia.com/gpu served by DRA: e2e/deploy)"
 kubectl apply -f crd/
 kubectl wait --for=condition=Established crd --all --timeout=60s
-kubectl apply -k deploy/overlays/fake
+kubectl apply -k e2e/deploy
 kubectl -n "$NS" rollout status daemonset/gpu-dra-plugin --timeout=180s
 
 workers=$(kubectl get nodes -l gpu-dra.dev/fake=true -o name | wc -l)
@@ -111,6 +112,18 @@ done
 
 n=$(kubectl -n "$WORKLOAD_NS" logs pod/two-gpus-nvlink | grep -c '^GPU_DRA_DEVICE_' || true)
 [ "$n" -eq 2 ] || fail "two-gpus-nvlink sees $n GPU_DRA_DEVICE_ variables, expected 2"
+
+log "checking the pod that asks for nvidia.com/gpu: 1"
+claim=$(kubectl -n "$WORKLOAD_NS" get pod extended-resource-gpu \
+  -o jsonpath='{.status.extendedResourceClaimStatus.resourceClaimName}')
+[ -n "$claim" ] || fail "extended-resource-gpu has no status.extendedResourceClaimStatus (is DRAExtendedResource on?)"
+results=$(kubectl -n "$WORKLOAD_NS" get resourceclaim "$claim" \
+  -o jsonpath='{range .status.allocation.devices.results[*]}{.request} {.driver}{"\n"}{end}')
+[ "$results" = "container-0-request-0 $DRIVER" ] ||
+  fail "claim $claim of extended-resource-gpu: expected one $DRIVER device for container-0-request-0, got: $results"
+n=$(kubectl -n "$WORKLOAD_NS" logs pod/extended-resource-gpu | grep -c '^GPU_DRA_DEVICE_' || true)
+[ "$n" -eq 1 ] || fail "extended-resource-gpu sees $n GPU_DRA_DEVICE_ variables, expected 1"
+printf 'nvidia.com/gpu: 1 -> claim %s, one GPU: ok\n' "$claim"
 
 log "checking the shared GPUs"
 logs_of() { kubectl -n "$WORKLOAD_NS" logs "$@"; }

@@ -7,6 +7,7 @@
 mod admission;
 mod cel_env;
 mod config_admission;
+mod extended_resource;
 mod rbac;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -402,11 +403,18 @@ fn plugin_daemonset_mounts_kubelet_and_cdi_dirs_and_knows_its_node() {
 
 #[test]
 fn workloads_reference_existing_templates_and_device_classes() {
-    let (objects, _) = manifests();
+    let (objects, partial) = manifests();
     let classes: BTreeSet<&str> = objects
         .iter()
         .filter(|d| d.kind() == "DeviceClass")
         .map(Doc::name)
+        .collect();
+    // Extended resources that a class answers to, in deploy/ or in a component's patch of a class there.
+    let extended_resources: BTreeSet<&str> = objects
+        .iter()
+        .chain(&partial)
+        .filter(|d| d.kind() == "DeviceClass" && classes.contains(d.name()))
+        .filter_map(|d| d.value["spec"]["extendedResourceName"].as_str())
         .collect();
     let templates: BTreeSet<(&str, &str)> = objects
         .iter()
@@ -446,9 +454,15 @@ fn workloads_reference_existing_templates_and_device_classes() {
         let pod: Pod = doc.typed();
         let spec = pod.spec.unwrap_or_default();
         let claims = spec.resource_claims.unwrap_or_default();
+        let asks_for_extended_resource = spec.containers.iter().any(|c| {
+            c.resources
+                .iter()
+                .flat_map(|r| r.limits.iter().chain(r.requests.iter()).flatten())
+                .any(|(name, _)| extended_resources.contains(name.as_str()))
+        });
         assert!(
-            !claims.is_empty(),
-            "{}: the workload claims no device",
+            !claims.is_empty() || asks_for_extended_resource,
+            "{}: the workload claims no device and asks for no extended resource a class answers to ({extended_resources:?})",
             doc.origin
         );
         for claim in &claims {

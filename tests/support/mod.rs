@@ -8,5 +8,6 @@ pub mod cluster;
 pub mod grpc_dial;
 pub mod harness;
 pub mod kubelet;
+pub mod kubelet_pods;
 pub mod packing;
 pub mod scheduler;

@@ -1,19 +1,23 @@
 //! The scheduler's allocation step through the API: reads the slices, DeviceClasses, claims and the
 //! Node, lets [`simulate`] decide (the function behind `gpu-dra selectors allocate`), and records the
-//! allocation (status.allocation and reservedFor) the way the real scheduler does.
+//! allocation (status.allocation and reservedFor) the way the real scheduler does. For a pod's extended
+//! resources backed by DRA (gate `DRAExtendedResource`) it also plays the scheduler's PreBind: creates the
+//! pod's special claim, allocates it and records `status.extendedResourceClaimStatus` in the pod.
 
-use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::api::core::v1::{NodeSelector, NodeSelectorRequirement, NodeSelectorTerm};
 use k8s_openapi::api::resource::v1::{
     AllocationResult, DeviceAllocationConfiguration, DeviceAllocationResult, DeviceClass,
     DeviceRequestAllocationResult, ResourceClaim, ResourceClaimConsumerReference,
     ResourceClaimSpec, ResourceClaimStatus, ResourceSlice,
 };
-use kube::api::{Api, ListParams, PostParams};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use thiserror::Error;
 
 pub use super::allocator::Candidate;
 use super::allocator::{self, InUse, Pools};
+use crate::cel::extended_resources::{self as extended, NodeNeed};
 use crate::cel::input::NamedClaim;
 use crate::cel::selectors::simulate::{simulate, Decision, Simulation, SimulationError};
 
@@ -28,6 +32,12 @@ pub enum AllocationError {
         claim: String,
         node: String,
         reason: String,
+    },
+    #[error("pod {pod} does not fit node {node}: it asks for {resource}, which no DeviceClass maps and the node does not advertise")]
+    UnmappedResource {
+        pod: String,
+        node: String,
+        resource: String,
     },
     /// A CEL error or an invalid claim: the scheduler aborts allocation.
     #[error("ResourceClaim {claim}: {source}")]
@@ -114,6 +124,84 @@ pub async fn allocate(
     Ok(claims
         .replace_status(name, &PostParams::default(), &claim)
         .await?)
+}
+
+/// The scheduler's handling of the pod's extended resources on `node` (1.34's dynamicresources plugin):
+/// when some are served by DRA there (a class maps them and the node's allocatable does not list them),
+/// creates the pod's special claim (`<pod>-extended-resources-<random>`, annotated, controlled by the pod)
+/// with one request per container and resource, allocates it on `node` and reserves it for the pod, and
+/// writes `status.extendedResourceClaimStatus` (the claim's name and which container gets which request)
+/// into the pod. `None` when the pod has nothing served by DRA on the node. Call it after the pod's own
+/// claims are allocated: their devices are then in use, as within one scheduling cycle.
+pub async fn allocate_extended_resources(
+    client: &kube::Client,
+    namespace: &str,
+    pod_name: &str,
+    node: &str,
+) -> Result<Option<ResourceClaim>, AllocationError> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
+    let pod = pods.get(pod_name).await?;
+    let classes: Api<DeviceClass> = Api::all(client.clone());
+    let mapping = extended::class_mapping(&classes.list(&ListParams::default()).await?.items);
+    if extended::mapped_resources(&pod, &mapping).is_empty() {
+        return Ok(None);
+    }
+    let nodes: Api<Node> = Api::all(client.clone());
+    let advertised = nodes
+        .get_opt(node)
+        .await?
+        .and_then(|n| n.status?.allocatable)
+        .map(|a| a.into_keys().collect())
+        .unwrap_or_default();
+    let requests = match extended::node_requests(&pod, &mapping, &advertised) {
+        Ok(NodeNeed::Devices(requests)) => requests,
+        Ok(NodeNeed::Nothing) => return Ok(None),
+        Err(resource) => {
+            return Err(AllocationError::UnmappedResource {
+                pod: format!("{namespace}/{pod_name}"),
+                node: node.to_string(),
+                resource,
+            })
+        }
+    };
+    let request_names: Vec<String> = requests.iter().map(|r| r.name.clone()).collect();
+    let pod_uid = pod.metadata.uid.clone().unwrap_or_default();
+    let special = ResourceClaim {
+        metadata: ObjectMeta {
+            namespace: Some(namespace.to_string()),
+            generate_name: Some(format!("{pod_name}{}", extended::CLAIM_NAME_SUFFIX)),
+            annotations: Some(
+                [(extended::CLAIM_ANNOTATION.to_string(), "true".to_string())].into(),
+            ),
+            owner_references: Some(vec![OwnerReference {
+                api_version: "v1".to_string(),
+                kind: "Pod".to_string(),
+                name: pod_name.to_string(),
+                uid: pod_uid.clone(),
+                controller: Some(true),
+                block_owner_deletion: Some(true),
+            }]),
+            ..Default::default()
+        },
+        spec: Some(ResourceClaimSpec {
+            devices: Some(k8s_openapi::api::resource::v1::DeviceClaim {
+                requests: Some(requests),
+                ..Default::default()
+            }),
+        }),
+        status: None,
+    };
+    let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), namespace);
+    let created = claims.create(&PostParams::default(), &special).await?;
+    let claim_name = created.metadata.name.clone().unwrap_or_default();
+    let allocated = allocate(client, namespace, &claim_name, node, (pod_name, &pod_uid)).await?;
+    let status = serde_json::json!({"status": {"extendedResourceClaimStatus": {
+        "resourceClaimName": claim_name,
+        "requestMappings": extended::request_mappings(&pod, &request_names),
+    }}});
+    pods.patch_status(pod_name, &PatchParams::default(), &Patch::Merge(&status))
+        .await?;
+    Ok(Some(allocated))
 }
 
 /// The configs the scheduler copies into the allocation, as upstream's allocator does: for each request

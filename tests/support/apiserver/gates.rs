@@ -1,9 +1,11 @@
 //! Feature gates of the API server double. A real kube-apiserver with a DRA gate off does not reject
 //! the gate's fields in a ResourceSlice: its registry strategy drops them before validation, on create
 //! and on update, unless the object being updated already uses them. This models that for the gates the
-//! driver meets (`pkg/registry/resource/resourceslice/strategy.go`, `dropDisabledFields`).
+//! driver meets (`pkg/registry/resource/resourceslice/strategy.go`, `dropDisabledFields`), and for
+//! `DRAExtendedResource` a DeviceClass's `extendedResourceName` (`.../deviceclass/strategy.go`) and a pod's
+//! `status.extendedResourceClaimStatus` (`pkg/api/pod/util.go`, `dropDisabledPodStatusFields`).
 //!
-//! Not modelled: the gated fields of other kinds (ResourceClaim, DeviceClass), gates the driver never
+//! Not modelled: the gated fields of ResourceClaims and of the other gates of DeviceClasses and pods, gates the driver never
 //! meets (list-type attributes, node-allocatable resources, pool status), and binding conditions also
 //! needing `DRAResourceClaimDeviceStatus` (on by default since 1.33, so taken as on).
 
@@ -25,14 +27,17 @@ pub enum FeatureGate {
     DRAConsumableCapacity,
     /// Per device `bindingConditions`, `bindingFailureConditions`, `bindsToNode`.
     DRADeviceBindingConditions,
+    /// A DeviceClass's `spec.extendedResourceName` and a pod's `status.extendedResourceClaimStatus`.
+    DRAExtendedResource,
 }
 
 impl FeatureGate {
-    pub const ALL: [FeatureGate; 4] = [
+    pub const ALL: [FeatureGate; 5] = [
         FeatureGate::DRAPartitionableDevices,
         FeatureGate::DRADeviceTaints,
         FeatureGate::DRAConsumableCapacity,
         FeatureGate::DRADeviceBindingConditions,
+        FeatureGate::DRAExtendedResource,
     ];
 }
 
@@ -55,8 +60,8 @@ impl FeatureGates {
         }
     }
 
-    /// The gates as a kube-apiserver of `version` starts without `--feature-gates`: all four are alpha
-    /// (off) in 1.34 and 1.35 and beta (on) from 1.36.
+    /// The gates as a kube-apiserver of `version` starts without `--feature-gates`: all five are alpha
+    /// (off) in 1.34 and 1.35 and beta (on) from 1.36 (KEP-5004's beta is planned for 1.36).
     pub fn defaults_of(version: ServerVersion) -> FeatureGates {
         match version {
             ServerVersion::V1_34 | ServerVersion::V1_35 => {
@@ -79,8 +84,26 @@ pub(super) fn drop_disabled_fields(
     obj: &mut Value,
     old: Option<&Value>,
 ) {
-    if def.plural != "resourceslices" {
-        return;
+    let extended_resource = !gates.enabled(FeatureGate::DRAExtendedResource);
+    let in_use = |pointer: &str| {
+        old.and_then(|o| o.pointer(pointer))
+            .is_some_and(|v| !v.is_null())
+    };
+    match def.plural {
+        "deviceclasses" if extended_resource && !in_use("/spec/extendedResourceName") => {
+            if let Some(spec) = obj.get_mut("spec").and_then(Value::as_object_mut) {
+                spec.remove("extendedResourceName");
+            }
+            return;
+        }
+        "pods" if extended_resource && !in_use("/status/extendedResourceClaimStatus") => {
+            if let Some(status) = obj.get_mut("status").and_then(Value::as_object_mut) {
+                status.remove("extendedResourceClaimStatus");
+            }
+            return;
+        }
+        "resourceslices" => {}
+        _ => return,
     }
     let drop_unless_used = |gate: FeatureGate, in_use: fn(&Value) -> bool| {
         !gates.enabled(gate) && !old.is_some_and(in_use)

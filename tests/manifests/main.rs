@@ -1,4 +1,4 @@
-//! Offline checks of the deployment manifests in `deploy/` and the e2e workloads in `e2e/workloads/`:
+//! Offline checks of the deployment manifests in `deploy/`, the e2e workloads in `e2e/workloads/` and the examples in `examples/`:
 //! every object must survive a round trip through its `k8s-openapi` type without losing a key (so a
 //! misspelled or misplaced field fails), and the plugin's DaemonSet must mount and know what it needs.
 //! `rbac` checks the plugin's grants against the calls in `src/`, `admission` the policies that narrow
@@ -214,11 +214,12 @@ fn check_strict(doc: &Doc) -> Result<(), String> {
     }
 }
 
-/// Full objects and patch files under `deploy/` and `e2e/workloads/`, kustomizations left out.
+/// Full objects and patch files under `deploy/`, `e2e/workloads/` and `examples/`, kustomizations left out.
 fn manifests() -> (Vec<Doc>, Vec<Doc>) {
     let mut files = Vec::new();
     yaml_files(&root().join("deploy"), &mut files);
     yaml_files(&root().join("e2e/workloads"), &mut files);
+    yaml_files(&root().join("examples"), &mut files);
     files.sort();
     let patches = patch_files(&files);
     let configurations = configuration_files(&files);

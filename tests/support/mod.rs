@@ -10,4 +10,5 @@ pub mod harness;
 pub mod kubelet;
 pub mod kubelet_pods;
 pub mod packing;
+pub mod pods;
 pub mod scheduler;

@@ -7,6 +7,7 @@
 mod admission;
 mod cel_env;
 mod config_admission;
+mod node_admission;
 mod rbac;
 
 use std::collections::{BTreeMap, BTreeSet};

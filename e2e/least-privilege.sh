@@ -60,9 +60,11 @@ SERVER=$(kubectl config view --minify -o jsonpath='{.clusters[0].cluster.server}
 CA=$(mktemp)
 trap 'rm -f "$CA"' EXIT
 kubectl config view --minify --raw -o jsonpath='{.clusters[0].cluster.certificate-authority-data}' | base64 -d >"$CA"
-raw_patch() {
-  local out code
-  out=$(curl -sS --cacert "$CA" -H "Authorization: Bearer $TOKEN" -H 'Content-Type: application/merge-patch+json' \
+raw_patch() { raw_patch_as "$TOKEN" "$@"; }
+raw_patch_as() { # TOKEN PATH JSON
+  local token=$1 out code
+  shift
+  out=$(curl -sS --cacert "$CA" -H "Authorization: Bearer $token" -H 'Content-Type: application/merge-patch+json' \
     -X PATCH --data "$2" -w '\n%{http_code}' "$SERVER$1")
   code=$(tail -n1 <<<"$out")
   sed '$d' <<<"$out" | jq -r '.message // .metadata.name' 2>/dev/null
@@ -169,6 +171,33 @@ expect allow "the status subresource keeps the finalizer a status update leaves 
 expect deny "update a claim (RBAC)" edit resourceclaim lp-here $CLAIM_NS '.metadata.labels.owned = "yes"'
 expect deny "delete a claim (RBAC)" plugin -n $CLAIM_NS delete resourceclaim lp-there
 
+echo "== Node labels (GpuNodePolicy classicNodeLabels; merge patches as the plugin sends them)"
+GFD='"nvidia.com/gpu.present": "true", "nvidia.com/gpu.product": "NVIDIA-L40S", "nvidia.com/gpu.count": "4",
+     "nvidia.com/gpu.memory": "46068", "nvidia.com/mig.capable": "false"'
+kubectl label node node-1 node-2 team=ml --overwrite >/dev/null
+kubectl annotate node node-1 gpu-dra.dev/probe=1 --overwrite >/dev/null
+expect allow "set GFD's five labels on node-1" raw_patch /api/v1/nodes/node-1 "{\"metadata\": {\"labels\": {$GFD}}}"
+expect allow "change node-1's product label" raw_patch /api/v1/nodes/node-1 \
+  '{"metadata": {"labels": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}}}'
+expect allow "remove node-1's count label" raw_patch /api/v1/nodes/node-1 '{"metadata": {"labels": {"nvidia.com/gpu.count": null}}}'
+expect deny "set GFD's labels on node-2" raw_patch /api/v1/nodes/node-2 "{\"metadata\": {\"labels\": {$GFD}}}"
+expect deny "add another label to node-1" raw_patch /api/v1/nodes/node-1 '{"metadata": {"labels": {"owned": "yes"}}}'
+expect deny "add another nvidia.com label to node-1" raw_patch /api/v1/nodes/node-1 \
+  '{"metadata": {"labels": {"nvidia.com/gpu.family": "ada"}}}'
+expect deny "change node-1's team label" raw_patch /api/v1/nodes/node-1 '{"metadata": {"labels": {"team": "other"}}}'
+expect deny "remove node-1's team label" raw_patch /api/v1/nodes/node-1 '{"metadata": {"labels": {"team": null}}}'
+expect deny "taint node-1" raw_patch /api/v1/nodes/node-1 '{"spec": {"taints": [{"key": "gpu", "effect": "NoSchedule"}]}}'
+expect deny "cordon node-1" raw_patch /api/v1/nodes/node-1 '{"spec": {"unschedulable": true}}'
+expect deny "change node-1's annotation" raw_patch /api/v1/nodes/node-1 '{"metadata": {"annotations": {"gpu-dra.dev/probe": "2"}}}'
+expect deny "add a finalizer to node-1" raw_patch /api/v1/nodes/node-1 '{"metadata": {"finalizers": ["gpu-dra.dev/keep"]}}'
+expect deny "write node-1's status (RBAC)" raw_patch /api/v1/nodes/node-1/status '{"status": {"capacity": {"example.com/x": "1"}}}'
+UNBOUND=$(kubectl -n "$NS" create token "$SA")
+expect deny "label node-1 with a token bound to no pod" raw_patch_as "$UNBOUND" /api/v1/nodes/node-1 \
+  '{"metadata": {"labels": {"nvidia.com/gpu.count": "3"}}}'
+expect allow "only the allowed changes reached node-1" bash -c "kubectl get node node-1 -o json | jq -e '
+  .metadata.labels[\"nvidia.com/gpu.product\"] == \"NVIDIA-H100-80GB-HBM3\" and (.metadata.labels | has(\"nvidia.com/gpu.count\") | not)
+  and .metadata.labels.team == \"ml\" and (.spec.taints // []) == [] and (.spec.unschedulable // false) == false'"
+
 echo "== the rest of the grants"
 expect allow "get its Node" plugin get node node-1
 expect deny "update its Node (RBAC)" edit node node-1 "" '.metadata.labels.owned = "yes"'
@@ -184,6 +213,9 @@ expect allow "patch that Event (a series, as kube's Recorder does)" raw_patch \
 expect deny "read Secrets (RBAC)" plugin -n "$NS" get secrets
 
 kubectl delete resourceslices lp-node-2 --ignore-not-found >/dev/null
+kubectl label node node-1 node-2 team- nvidia.com/gpu.present- nvidia.com/gpu.product- nvidia.com/gpu.count- \
+  nvidia.com/gpu.memory- nvidia.com/mig.capable- >/dev/null 2>&1
+kubectl annotate node node-1 gpu-dra.dev/probe- >/dev/null 2>&1
 for c in lp-here lp-there; do
   remove_claim $c
   kubectl -n $CLAIM_NS delete pod $c --ignore-not-found --force --grace-period=0 >/dev/null 2>&1

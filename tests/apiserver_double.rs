@@ -407,6 +407,9 @@ fn invalid_cases() -> Vec<(&'static str, &'static str, Value, &'static str)> {
     let counters = json!([{"name": "gpu-0-counters", "counters": {"memory": {"value": "80Gi"}}}]);
     vec![
         ("bad name", "/metadata/name", json!("Not_A_Name"), "metadata.name: Invalid value"),
+        ("bad label value", "/metadata/labels", json!({"nvidia.com/gpu.product": "NVIDIA H100"}), "metadata.labels: Invalid value: \"NVIDIA H100\": a valid label must"),
+        ("long label value", "/metadata/labels", json!({"team": long(64)}), "metadata.labels: Invalid value: \"aaaa"),
+        ("bad label key", "/metadata/labels", json!({"nvidia.com/gpu product": "x"}), "metadata.labels: Invalid value: \"nvidia.com/gpu product\": name part"),
         ("no driver", "/spec/driver", json!(""), "spec.driver: Required value"),
         ("bad driver", "/spec/driver", json!("gpu_dra"), "spec.driver: Invalid value"),
         ("long driver", "/spec/driver", json!(long(64)), "spec.driver: Too long"),

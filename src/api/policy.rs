@@ -1,5 +1,6 @@
 //! The `GpuNodePolicy` custom resource (gpu.dra.dev/v1alpha1, cluster-scoped): which nodes it selects,
-//! how GPU health events become taints there, the MIG mode, and whether GPUs are published for sharing.
+//! how GPU health events become taints there, the MIG mode, whether GPUs are published for sharing, and
+//! whether the plugin labels its Node as GPU feature discovery does.
 //! `validate` names every problem by field path; `select` picks the policy in force for a node's labels.
 
 use std::borrow::Cow;
@@ -62,6 +63,11 @@ pub struct GpuNodePolicySpec {
     /// Whether and how whole GPUs are published for sharing among claims.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sharing: Option<SharingSpec>,
+    /// Label this node as GPU feature discovery does (`nvidia.com/gpu.present`, `nvidia.com/gpu.product`,
+    /// `nvidia.com/gpu.count`, `nvidia.com/gpu.memory`, `nvidia.com/mig.capable`), so that nodeSelectors
+    /// written for the device plugin keep working. Do not turn it on where GPU feature discovery runs.
+    #[serde(default)]
+    pub classic_node_labels: bool,
     /// Among several policies that select a node, the highest priority wins; ties go to the oldest
     /// policy, then to the name that sorts first.
     #[serde(default)]

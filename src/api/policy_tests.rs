@@ -68,6 +68,23 @@ fn a_complete_valid_spec_and_an_empty_spec_pass() {
 }
 
 #[test]
+fn classic_node_labels_are_off_unless_a_policy_turns_them_on() {
+    let empty = policy("empty", T0, json!({}));
+    assert!(!empty.spec.classic_node_labels);
+    let on = policy("on", T0, json!({ "classicNodeLabels": true }));
+    assert!(on.spec.classic_node_labels);
+    assert_eq!(on.spec.validate(), Ok(()));
+    let written = serde_json::to_value(&on.spec).expect("spec serializes");
+    assert_eq!(written["classicNodeLabels"], json!(true));
+    // The CRD declares it a boolean, so the API server refuses "yes" before any node reads it.
+    let crd = serde_json::to_value(<GpuNodePolicy as kube::CustomResourceExt>::crd())
+        .expect("CRD serializes");
+    let field = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+        ["properties"]["classicNodeLabels"];
+    assert_eq!(field["type"], json!("boolean"), "{field}");
+}
+
+#[test]
 fn every_problem_is_named_by_its_field_path() {
     // Unknown strings must still decode, so that validation (not decoding) reports them.
     let bad = policy(

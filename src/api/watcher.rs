@@ -36,6 +36,8 @@ pub struct EffectivePolicy {
     pub health: Option<HealthSpec>,
     pub mig_mode: Option<MigModeSpec>,
     pub sharing: Option<SharingSpec>,
+    /// Whether the plugin writes GPU feature discovery's labels on its Node.
+    pub classic_node_labels: bool,
 }
 
 impl EffectivePolicy {
@@ -46,6 +48,7 @@ impl EffectivePolicy {
             health: policy.spec.health.clone(),
             mig_mode: policy.spec.mig_mode.clone(),
             sharing: policy.spec.sharing.clone(),
+            classic_node_labels: policy.spec.classic_node_labels,
         }
     }
 }

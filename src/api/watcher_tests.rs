@@ -139,6 +139,7 @@ async fn an_invalid_edit_keeps_the_last_good_generation_in_force() {
             "nodeSelector": { "matchLabels": { "gpu": "h100" } },
             "health": { "fatalXids": [79], "fatalEffect": "NoExecute" },
             "migMode": "static",
+            "classicNodeLabels": true,
         }),
     );
     let first = h.published_name(Some("h100")).await;
@@ -154,6 +155,7 @@ async fn an_invalid_edit_keeps_the_last_good_generation_in_force() {
             }),
             mig_mode: Some(MigModeSpec::Static),
             sharing: None,
+            classic_node_labels: true,
         })
     );
     h.accepted("h100", "True", "Valid", 1).await;

@@ -5,6 +5,7 @@
 
 pub mod mig;
 pub mod names;
+pub mod node_labels;
 pub mod sharing;
 
 pub use names::DeviceName;

@@ -5,6 +5,7 @@ pub mod feature_gates;
 pub mod gpu_reports;
 mod monitor;
 pub mod node_events;
+pub mod node_labels;
 pub mod selftest;
 pub mod startup;
 mod supervise;
@@ -381,6 +382,14 @@ pub async fn start(
     tasks.push(tokio::spawn(monitor::follow_policies(
         selected_rx,
         policy_tx.clone(),
+    )));
+    // Not vital: labels for device-plugin nodeSelectors are a courtesy, and their failures are retried.
+    let labeler = node_labels::NodeLabeler::new(client.clone(), &config, node_events.clone());
+    let (labeled_gpus, labels_policy) = (inventory_tx.subscribe(), policy_tx.subscribe());
+    tasks.push(tokio::spawn(labeler.run(
+        labeled_gpus,
+        labels_policy,
+        shutdown_rx.clone(),
     )));
 
     let health = HealthService::new(health_rx, DEFAULT_HEALTH_TIMEOUT);

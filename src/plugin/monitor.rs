@@ -35,6 +35,8 @@ pub struct NodePolicy {
     pub mig_mode: Option<MigMode>,
     /// Whole GPUs published for MPS sharing by memory, with these share sizes.
     pub mps_memory_shares: Option<MemoryShares>,
+    /// Write GPU feature discovery's labels on this node (`node_labels`).
+    pub classic_node_labels: bool,
 }
 
 impl NodePolicy {
@@ -85,6 +87,7 @@ impl NodePolicy {
             health,
             mig_mode,
             mps_memory_shares,
+            classic_node_labels: policy.classic_node_labels,
         }
     }
 }

@@ -45,16 +45,26 @@ pub(super) struct Request {
     pub(super) old_object: Json,
 }
 
+/// The API group of the resources the policies see: Nodes are core, the rest `resource.k8s.io`.
+fn group_of(resource: &str) -> &'static str {
+    if resource == "nodes" {
+        ""
+    } else {
+        "resource.k8s.io"
+    }
+}
+
 impl Request {
     fn json(&self) -> Json {
         let (resource, sub_resource) = self.resource.split_once('/').unwrap_or((self.resource, ""));
+        let group = group_of(resource);
         let extra = match self.node {
             Some(node) => json!({ NODE_NAME_KEY: [node] }),
             None => json!({}),
         };
         json!({
             "operation": self.operation,
-            "resource": {"group": "resource.k8s.io", "version": "v1", "resource": resource},
+            "resource": {"group": group, "version": "v1", "resource": resource},
             "subResource": sub_resource,
             "userInfo": {"username": self.username, "extra": extra},
         })
@@ -152,7 +162,7 @@ pub(super) fn matches(
         .into_iter()
         .flatten()
         .any(|rule| {
-            any(&rule.api_groups, "resource.k8s.io")
+            any(&rule.api_groups, group_of(request.resource))
                 && any(&rule.resources, request.resource)
                 && any(&rule.operations, request.operation)
         })
@@ -431,10 +441,10 @@ fn the_policies_are_bound_and_cover_every_write_the_plugin_may_make() {
         .iter()
         .map(|b| super::one(&objects, "ValidatingAdmissionPolicy", &b.spec.policy_name).typed())
         .collect();
-    // Every write the plugin may make on resource.k8s.io objects is seen by a policy.
+    // Every write the plugin may make on resource.k8s.io objects and on Nodes is seen by a policy.
     for grant in plugin_grants(&objects)
         .iter()
-        .filter(|g| g.group == "resource.k8s.io")
+        .filter(|g| g.group == "resource.k8s.io" || (g.group.is_empty() && g.resource == "nodes"))
     {
         let operation = match grant.verb.as_str() {
             "create" => "CREATE",
@@ -515,9 +525,21 @@ pub(super) fn check_expressions(
         .flatten()
         .find(|v| v.name == "driver")
         .map(|v| v.expression.trim_matches(['\'', '"']).to_string());
-    assert_eq!(
-        driver.as_deref(),
-        Some(DRIVER),
-        "{name}: the driver name must be the plugin's default --driver-name"
-    );
+    // Policies on Nodes name no driver; the others must name the plugin's.
+    let on_nodes = spec
+        .match_constraints
+        .as_ref()
+        .and_then(|m| m.resource_rules.as_ref())
+        .is_some_and(|rules| {
+            rules
+                .iter()
+                .all(|r| r.resources.iter().flatten().all(|x| x == "nodes"))
+        });
+    if !on_nodes {
+        assert_eq!(
+            driver.as_deref(),
+            Some(DRIVER),
+            "{name}: the driver name must be the plugin's default --driver-name"
+        );
+    }
 }

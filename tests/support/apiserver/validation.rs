@@ -27,6 +27,7 @@ const DNS_LABEL_MSG: &str = "a lowercase RFC 1123 label must consist of lower ca
 const DNS_SUBDOMAIN_MSG: &str = "a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', and must start and end with an alphanumeric character (e.g. 'example.com', regex used for validation is '[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*')";
 const C_IDENTIFIER_MSG: &str = "a valid C identifier must start with alphabetic character or '_', followed by a string of alphanumeric characters or '_' (e.g. 'my_name',  or 'MY_NAME',  or 'MyName', regex used for validation is '[A-Za-z_][A-Za-z0-9_]*')";
 const LABEL_NAME_MSG: &str = "name part must consist of alphanumeric characters, '-', '_' or '.', and must start and end with an alphanumeric character (e.g. 'MyName',  or 'my.name',  or '123-abc', regex used for validation is '([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]')";
+const LABEL_VALUE_MSG: &str = "a valid label must be an empty string or consist of alphanumeric characters, '-', '_' or '.', and must start and end with an alphanumeric character (e.g. 'MyValue',  or 'my_value',  or '12345', regex used for validation is '(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?')";
 const QUANTITY_MSG: &str =
     "quantities must match the regular expression '^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$'";
 const SEMVER_MSG: &str = "must be a string compatible with semver.org spec 2.0.0";
@@ -222,6 +223,23 @@ fn validate_meta(def: &ResourceDef, obj: &Value, errors: &mut Errors) {
         {
             None => errors.required("metadata.namespace", ""),
             Some(namespace) => dns_label(errors, "metadata.namespace", namespace),
+        }
+    }
+    // ValidateLabels, for every kind: a qualified key and a label value (a JSON string, or decoding fails).
+    if let Some(labels) = meta(obj, "labels").and_then(Value::as_object) {
+        for (key, value) in labels {
+            label_key(errors, "metadata.labels", key);
+            match value.as_str() {
+                Some(text) if text.len() > DNS_LABEL_MAX => errors.invalid(
+                    "metadata.labels",
+                    value,
+                    "must be no more than 63 characters",
+                ),
+                Some(text) if !is_label_value(text) => {
+                    errors.invalid("metadata.labels", value, LABEL_VALUE_MSG)
+                }
+                _ => {}
+            }
         }
     }
 }

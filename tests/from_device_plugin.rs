@@ -157,6 +157,21 @@ async fn row_2_the_product_selector_takes_h100_nodes_only() {
     let prepared = start(&h100, &kubelet, "on-h100").await;
     assert_eq!(prepared.cdi_devices["main"].len(), 1);
 
+    // The nodeSelector of the README's row matches the label `classicNodeLabels` writes on this node.
+    use gpu_dra::gpu::GpuBackend;
+    let labels = gpu_dra::devices::node_labels::classic_labels(
+        &h100.fake_backend().inventory().expect("inventory"),
+    );
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    let product = &labels[gpu_dra::devices::node_labels::PRODUCT];
+    assert!(
+        readme.contains(&format!(
+            "nodeSelector: {{nvidia.com/gpu.product: {product}}}"
+        )),
+        "README's row 2 must show the label value the plugin writes: {product}"
+    );
+
     let (a100, _plugin, _kubelet) = node_with("dgx-a100", MigMode::Static).await;
     apply(&a100, "product-selector.yaml").await;
     let refused = schedule_pod(&a100.api.client(), "default", "on-h100", NODE).await;

@@ -12,18 +12,19 @@ use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use k8s_openapi::api::core::v1::{NodeSelector, Taint, Toleration};
-use k8s_openapi::api::resource::v1::{DeviceRequestAllocationResult, ResourceSlice};
+use k8s_openapi::api::resource::v1::{DeviceRequest, DeviceRequestAllocationResult, ResourceSlice};
 
 use crate::cel::allocator::{self, AllocationError, Candidate, InUse, Pools};
 
 use super::cluster::Cluster;
+use super::extended;
 use super::joint::{Joint, Outcome};
 use super::plan::{self, ClaimPlan};
 use super::reasons::{self, NodeState};
 use super::report::{
     ClaimSummary, NodeVerdict, PlacedDevice, Reason, ReasonKind, Report, SubjectSummary,
 };
-use super::subject::{PodScheduling, Subject};
+use super::subject::{PodScheduling, Subject, SubjectClaim};
 use super::ExplainError;
 
 /// What the scheduler's DRA plugin reports for a node where the allocator found nothing.
@@ -192,17 +193,70 @@ struct NodeInfo {
     labels: BTreeMap<String, String>,
     taints: Vec<Taint>,
     unschedulable: bool,
+    /// `status.allocatable`, for the extended resources device plugins advertise.
+    allocatable: BTreeMap<String, i64>,
+}
+
+/// The claims to place on a node, with how they go to the allocator: the subject's, plus the claim
+/// the scheduler makes for the pod's extended resources where the node needs one (its requests
+/// depend on what the node's device plugins advertise, so nodes share a variant where they agree).
+struct Variant {
+    claims: Vec<SubjectClaim>,
+    joint: Joint,
+    plans: BTreeMap<usize, ClaimPlan>,
+}
+
+impl Variant {
+    fn new(
+        claims: Vec<SubjectClaim>,
+        classes: &BTreeMap<String, Vec<String>>,
+    ) -> Result<Variant, ExplainError> {
+        let joint = Joint::new(&claims);
+        let plans = joint
+            .pending
+            .iter()
+            .map(|&i| Ok((i, plan::plan(&claims[i], classes)?)))
+            .collect::<Result<_, ExplainError>>()?;
+        Ok(Variant {
+            claims,
+            joint,
+            plans,
+        })
+    }
+
+    fn empty() -> Variant {
+        Variant {
+            claims: Vec::new(),
+            joint: Joint::new(&[]),
+            plans: BTreeMap::new(),
+        }
+    }
+}
+
+/// What tells variants apart: the extended resources' claim's requests (none: no such claim).
+type VariantKey = Vec<(String, String, i64)>;
+
+fn variant_key(requests: &[DeviceRequest]) -> VariantKey {
+    requests
+        .iter()
+        .map(|r| {
+            let exactly = r.exactly.as_ref();
+            (
+                r.name.clone(),
+                exactly
+                    .map(|e| e.device_class_name.clone())
+                    .unwrap_or_default(),
+                exactly.and_then(|e| e.count).unwrap_or(1),
+            )
+        })
+        .collect()
 }
 
 /// Decides the subject on every node of the cluster.
 pub fn decide(cluster: &Cluster, subject: &Subject) -> Result<Report, ExplainError> {
     let classes = allocator::class_selectors(&cluster.classes);
-    let joint = Joint::new(&subject.claims);
-    let plans: BTreeMap<usize, ClaimPlan> = joint
-        .pending
-        .iter()
-        .map(|&i| Ok((i, plan::plan(&subject.claims[i], &classes)?)))
-        .collect::<Result<_, ExplainError>>()?;
+    let mut variants: HashMap<VariantKey, Variant> = HashMap::new();
+    variants.insert(Vec::new(), Variant::new(subject.claims.clone(), &classes)?);
     let index = SliceIndex::new(&cluster.slices);
     let held = Held::new(cluster, subject);
     let mut notes = subject.notes.clone();
@@ -216,6 +270,7 @@ pub fn decide(cluster: &Cluster, subject: &Subject) -> Result<Report, ExplainErr
                 labels: node.metadata.labels.clone().unwrap_or_default(),
                 taints: spec.taints.unwrap_or_default(),
                 unschedulable: spec.unschedulable == Some(true),
+                allocatable: extended::allocatable(node),
             }
         })
         .collect();
@@ -232,6 +287,7 @@ pub fn decide(cluster: &Cluster, subject: &Subject) -> Result<Report, ExplainErr
                 labels: BTreeMap::new(),
                 taints: Vec::new(),
                 unschedulable: false,
+                allocatable: BTreeMap::new(),
             })
             .collect();
     }
@@ -244,21 +300,51 @@ pub fn decide(cluster: &Cluster, subject: &Subject) -> Result<Report, ExplainErr
             .collect();
         notes.push(format!("ignored: {}", kinds.join(", ")));
     }
+    // Each node's extended resources' claim: none, or requests that pick (or make) its variant.
+    let mut needs = Vec::with_capacity(nodes.len());
+    for node in &nodes {
+        let need = match &subject.extended {
+            Some(extended) => extended.node_requests(&node.allocatable),
+            None => Ok(None),
+        };
+        let key = match &need {
+            Ok(Some(requests)) => {
+                let key = variant_key(requests);
+                if let (false, Some(extended)) = (variants.contains_key(&key), &subject.extended) {
+                    let mut claims = subject.claims.clone();
+                    claims.push(extended.claim(requests.clone()));
+                    variants.insert(key.clone(), Variant::new(claims, &classes)?);
+                }
+                Ok(key)
+            }
+            Ok(None) => Ok(Vec::new()),
+            Err(resource) => Err(resource.clone()),
+        };
+        needs.push(key);
+    }
     let decider = Decider {
         subject,
         classes: &classes,
-        joint: &joint,
-        plans: &plans,
         index: &index,
         held: &held,
     };
-    let verdicts = nodes.iter().map(|node| decider.node(node)).collect();
+    let verdicts = nodes
+        .iter()
+        .zip(&needs)
+        .map(|(node, key)| match key {
+            Ok(key) => decider.node(node, &variants[key]),
+            Err(resource) => decider.unserved(node, resource),
+        })
+        .collect();
+    let mut claims: Vec<ClaimSummary> = subject.claims.iter().map(ClaimSummary::of).collect();
+    let shown = subject.extended.as_ref().and_then(|e| e.display_claim());
+    claims.extend(shown.as_ref().map(ClaimSummary::of));
     Ok(Report::new(
         SubjectSummary {
             kind: subject.kind.to_string(),
             name: subject.name.clone(),
         },
-        subject.claims.iter().map(ClaimSummary::of).collect(),
+        claims,
         verdicts,
         notes,
     ))
@@ -267,20 +353,41 @@ pub fn decide(cluster: &Cluster, subject: &Subject) -> Result<Report, ExplainErr
 struct Decider<'a> {
     subject: &'a Subject,
     classes: &'a BTreeMap<String, Vec<String>>,
-    joint: &'a Joint,
-    plans: &'a BTreeMap<usize, ClaimPlan>,
     index: &'a SliceIndex<'a>,
     held: &'a Held,
 }
 
 impl Decider<'_> {
-    fn node(&self, node: &NodeInfo) -> NodeVerdict {
+    /// A node where the pod requests an extended resource that neither the node advertises nor a
+    /// class maps. NodeResourcesFit says no first (see [`Decider::node`]); this only answers when it
+    /// does not, as the DRA step would.
+    fn unserved(&self, node: &NodeInfo, resource: &str) -> NodeVerdict {
+        let mut verdict = self.node(node, &Variant::empty());
+        if verdict.fits {
+            verdict.fits = false;
+            verdict.devices.clear();
+            let mut reason = Reason::new(
+                ReasonKind::UnservedResource,
+                format!(
+                    "Insufficient {resource}: no DeviceClass maps it and the node does not advertise it"
+                ),
+            );
+            reason.resource = Some(resource.to_string());
+            verdict.reasons = vec![reason];
+            verdict.scheduler_reason = Some("cannot fit resource".into());
+        }
+        verdict
+    }
+
+    fn node(&self, node: &NodeInfo, variant: &Variant) -> NodeVerdict {
         let mut verdict = NodeVerdict {
             node: node.name.clone(),
             fits: false,
             devices: Vec::new(),
             reasons: Vec::new(),
+            extended_resources: Vec::new(),
             scheduler_reason: None,
+            more_scheduler_reasons: Vec::new(),
             allocator: None,
             error: None,
         };
@@ -302,7 +409,25 @@ impl Decider<'_> {
                 }
             }
         }
-        for claim in &self.subject.claims {
+        if let Some(extended) = &self.subject.extended {
+            let (resources, insufficient) = extended.fit(&node.name, &node.allocatable);
+            verdict.extended_resources = resources;
+            if !insufficient.is_empty() {
+                let (reasons, scheduler): (Vec<Reason>, Vec<String>) =
+                    insufficient.into_iter().unzip();
+                verdict.reasons = reasons;
+                let mut scheduler = scheduler.into_iter();
+                verdict.scheduler_reason = scheduler.next();
+                verdict.more_scheduler_reasons = scheduler.collect();
+                return verdict;
+            }
+            if let Some(reason) = extended.stale_claim() {
+                verdict.reasons.push(reason);
+                verdict.scheduler_reason = Some(extended::STALE_CLAIM.into());
+                return verdict;
+            }
+        }
+        for claim in &variant.claims {
             let Some(allocation) = &claim.allocation else {
                 continue;
             };
@@ -342,20 +467,20 @@ impl Decider<'_> {
             verdict.scheduler_reason = Some("resourceclaim not available on the node".into());
             return verdict;
         }
-        if self.joint.pending.is_empty() {
+        if variant.joint.pending.is_empty() {
             verdict.fits = true;
             return verdict;
         }
         let slices = self.index.slices_for(&node.name);
         let pools = Pools::from_slices(&slices, Some(&allocator_node));
         let in_use = self.held.for_pools(self.index.pools_for(&node.name));
-        let failure = match self.joint.allocate(&pools, self.classes, &in_use) {
+        let failure = match variant.joint.allocate(&pools, self.classes, &in_use) {
             Outcome::Allocated(results) => {
                 verdict.fits = true;
                 verdict.devices.extend(
                     results
                         .iter()
-                        .map(|(claim, r)| placed(&self.subject.claims[*claim].name, r, false)),
+                        .map(|(claim, r)| placed(&variant.claims[*claim].name, r, false)),
                 );
                 return verdict;
             }
@@ -382,13 +507,13 @@ impl Decider<'_> {
             let owned = seen.to_mut();
             for (claim, candidate) in &failure.picks {
                 owned.devices.insert(candidate.clone());
-                pod_held.insert(candidate.clone(), self.subject.claims[*claim].name.clone());
+                pod_held.insert(candidate.clone(), variant.claims[*claim].name.clone());
             }
         }
         let plans: Vec<&ClaimPlan> = failure
             .claims
             .iter()
-            .filter_map(|i| self.plans.get(i))
+            .filter_map(|i| variant.plans.get(i))
             .collect();
         let state = NodeState {
             pools: &pools,
@@ -398,7 +523,7 @@ impl Decider<'_> {
         verdict.reasons = reasons::explain(
             &state,
             &plans,
-            self.subject.claims.len() > 1,
+            variant.claims.len() > 1,
             &failure.error,
             &failure.message,
         );

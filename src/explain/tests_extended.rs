@@ -201,3 +201,221 @@ fn too_few_gpus_anywhere_names_the_device_plugin_and_the_allocator() {
         "device plugin: Insufficient nvidia.com/gpu (requested 9, used 2 of 8)"
     );
 }
+
+/// A Pending pod with `limits` in container `main` and a claim from template `one` (1 GPU).
+fn mixed_pod(name: &str, limits: Value) -> Vec<Value> {
+    let devices =
+        json!({"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.dra.dev"}}]});
+    let mut pod = fixture::limits_pod(NS, name, limits, None);
+    pod["spec"]["resourceClaims"] = json!([{"name": "gpu", "resourceClaimTemplateName": "one"}]);
+    vec![fixture::claim(NS, "one", devices, true), pod]
+}
+
+#[test]
+fn a_pod_mixing_the_extended_resource_with_a_claim_gets_distinct_devices() {
+    let mut objects = mapped();
+    let mut pod = mixed_pod("mix", json!({GPU: "1"}));
+    let pod_object = pod.pop().unwrap();
+    objects.extend(pod);
+    let report = explain_pod(objects.clone(), pod_object);
+    // dra-a has two GPUs free: one for each claim, never the same; the pod's own claims come first,
+    // as in the scheduler's claim store.
+    let a = verdict(&report, "dra-a");
+    assert!(a.fits, "{}", report.to_table());
+    let mut got: Vec<(&str, &str)> = a
+        .devices
+        .iter()
+        .map(|d| (d.claim.as_str(), d.device.as_str()))
+        .collect();
+    got.sort();
+    assert_eq!(
+        got,
+        [
+            ("ml/mix-extended-resources-*", "gpu-7"),
+            ("ml/one", "gpu-6")
+        ]
+    );
+    // With claims of its own, 1.34 makes the DRA claim on device-plugin nodes too.
+    assert!(
+        report
+            .notes
+            .iter()
+            .any(|n| n.contains("also allocates it through DRA")),
+        "{:?}",
+        report.notes
+    );
+    assert_eq!(why(&report, "dp-d"), "no devices published for this node");
+
+    // Two GPUs for the container and one for the claim: three wanted, two free on dra-a.
+    let mut pod = mixed_pod("mix", json!({GPU: "2"}));
+    let pod_object = pod.pop().unwrap();
+    let mut objects = mapped();
+    objects.extend(pod);
+    let report = explain_pod(objects, pod_object);
+    assert_eq!(
+        why(&report, "dra-a"),
+        "requests ml/one:gpu 1, ml/mix-extended-resources-*:container-0-request-0 2 want 3 devices \
+         together; 2 GPUs are free"
+    );
+    assert_eq!(
+        verdict(&report, "dra-a").reasons[0].kind,
+        ReasonKind::Together
+    );
+}
+
+#[test]
+fn a_resource_no_class_maps_and_no_node_advertises_fits_nowhere() {
+    let report = explain_pod(
+        mapped(),
+        fixture::limits_pod(NS, "fpga", json!({GPU: "1", "example.com/fpga": "1"}), None),
+    );
+    assert_eq!(report.exit_code(), 1);
+    for node in ["dra-a", "dp-c", "cpu-e"] {
+        assert_eq!(
+            why(&report, node),
+            "Insufficient example.com/fpga: no DeviceClass maps it and the node does not advertise it"
+        );
+        assert_eq!(
+            verdict(&report, node).reasons[0].kind,
+            ReasonKind::UnservedResource
+        );
+    }
+    assert_eq!(
+        report.summary,
+        "fits on no node (5 nodes: 5 Insufficient example.com/fpga (not advertised, no DeviceClass maps it))"
+    );
+    assert_eq!(
+        report.scheduler.as_deref(),
+        Some("0/5 nodes are available: 5 Insufficient example.com/fpga.")
+    );
+}
+
+#[test]
+fn a_class_implicit_name_is_never_served_by_dra_in_1_34() {
+    // mig.gpu.dra.dev has no extendedResourceName, so its implicit name is in the mapping; but the
+    // name lies under kubernetes.io/: NodeResourcesFit leaves it to DRA, and DRA skips it.
+    let implicit = "deviceclass.resource.kubernetes.io/mig.gpu.dra.dev";
+    let report = explain_pod(
+        mapped(),
+        fixture::limits_pod(NS, "implicit", json!({implicit: "1"}), None),
+    );
+    assert_eq!(report.fitting_nodes, 5, "{}", report.to_table());
+    assert_eq!(
+        why(&report, "dra-b"),
+        format!("{implicit} ignored (no device for it)")
+    );
+    assert!(
+        report
+            .notes
+            .iter()
+            .any(|n| n.contains("it is ignored: the pod fits as if it did not ask")),
+        "{:?}",
+        report.notes
+    );
+    assert_eq!(
+        verdict(&report, "dra-b").extended_resources[0].source,
+        ResourceSource::Ignored
+    );
+
+    // gpu.dra.dev has extendedResourceName, so it does not answer to its implicit name; next to a real
+    // extended resource, NodeResourcesFit then counts the implicit name against the allocatable.
+    let named = "deviceclass.resource.kubernetes.io/gpu.dra.dev";
+    let report = explain_pod(
+        mapped(),
+        fixture::limits_pod(NS, "named", json!({named: "1", GPU: "1"}), None),
+    );
+    assert_eq!(report.exit_code(), 1);
+    assert_eq!(
+        why(&report, "dra-b"),
+        format!("Insufficient {named}: no DeviceClass maps it and the node does not advertise it")
+    );
+    assert!(
+        report.notes.iter().any(|n| n.contains(
+            "DeviceClass gpu.dra.dev answers only to its extendedResourceName nvidia.com/gpu"
+        )),
+        "{:?}",
+        report.notes
+    );
+}
+
+#[test]
+fn a_bound_pod_shows_its_extended_resources_claim_and_a_stale_one_blocks_every_node() {
+    let mut objects = mapped();
+    objects.push(fixture::extended_resource_claim(
+        NS,
+        "train",
+        "dra-b",
+        &[
+            ("container-0-request-0", "gpu-0"),
+            ("container-0-request-0", "gpu-1"),
+        ],
+    ));
+    let report = explain_pod(
+        objects.clone(),
+        fixture::limits_pod(NS, "train", json!({GPU: "2"}), Some("dra-b")),
+    );
+    assert_eq!(report.claims.len(), 1, "no second, synthetic claim");
+    let table = report.to_table();
+    assert!(
+        table.contains(
+            "claim ml/train-extended-resources-x7k2p (for extended resources nvidia.com/gpu, allocated): \
+             container-0-request-0: 2 of class gpu.dra.dev (nvidia.com/gpu of container main)"
+        ),
+        "{table}"
+    );
+    assert_eq!(
+        why(&report, "dra-b"),
+        "gpu-0 (allocated), gpu-1 (allocated)"
+    );
+    assert_eq!(why(&report, "dra-a"), "the pod is bound to node dra-b");
+    assert_eq!(report.fitting_nodes, 1);
+
+    // The same claim for a pod not bound: left from an attempt that failed to bind.
+    let report = explain_pod(
+        objects,
+        fixture::limits_pod(NS, "train", json!({GPU: "2"}), None),
+    );
+    assert_eq!(report.exit_code(), 1);
+    assert_eq!(
+        why(&report, "dra-a"),
+        "claim ml/train-extended-resources-x7k2p for the extended resources is left from an earlier \
+         attempt: the scheduler deletes it and tries again"
+    );
+    assert_eq!(
+        verdict(&report, "dp-d").scheduler_reason.as_deref(),
+        Some("cannot schedule extended resource claim")
+    );
+    // NodeResourcesFit runs first.
+    assert_eq!(
+        verdict(&report, "dp-c").reasons[0].kind,
+        ReasonKind::InsufficientResource
+    );
+}
+
+#[test]
+fn with_the_gate_off_only_the_nodes_allocatable_counts() {
+    // The API server drops extendedResourceName when DRAExtendedResource is off.
+    let report = explain_pod(
+        objects(fixture::device_classes()),
+        fixture::limits_pod(NS, "train", json!({GPU: "2"}), None),
+    );
+    assert_eq!(report.summary, "would fit on 1 of 5 nodes: dp-d");
+    assert_eq!(
+        why(&report, "dra-b"),
+        "Insufficient nvidia.com/gpu: no DeviceClass maps it and the node does not advertise it"
+    );
+    assert_eq!(
+        verdict(&report, "dra-b").scheduler_reason.as_deref(),
+        Some("Insufficient nvidia.com/gpu")
+    );
+    assert!(report.claims.is_empty());
+    let notes = report.notes.join("\n");
+    assert!(
+        notes.contains("no DeviceClass has spec.extendedResourceName"),
+        "{notes}"
+    );
+    assert!(
+        notes.contains("hint: no DeviceClass maps nvidia.com/gpu; DeviceClass gpu.dra.dev selects gpu.dra.dev devices"),
+        "{notes}"
+    );
+}

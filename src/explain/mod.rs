@@ -23,6 +23,7 @@ pub mod cluster;
 pub mod decide;
 mod dump;
 pub mod extended;
+mod index;
 mod joint;
 mod plan;
 mod reasons;

@@ -16,6 +16,10 @@ use gpu_dra::support::cluster::{self as fixture, DRIVER};
 
 const NS: &str = "ml";
 
+/// Pods that ask for `nvidia.com/gpu: N`.
+#[path = "explain/extended.rs"]
+mod extended;
+
 struct Cluster {
     api: ApiServer,
     dir: tempfile::TempDir,

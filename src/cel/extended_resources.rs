@@ -128,33 +128,52 @@ pub enum NodeNeed {
 }
 
 /// The special claim's requests on a node whose allocatable lists `node_resources` (what device plugins
-/// advertise there): every extended resource of the pod that a class maps and the node does not
-/// advertise, per container, as `ExactCount` of its class. `Err(resource)`: the pod requests an extended
-/// resource that neither the node advertises nor a class maps, so the pod does not fit there.
-/// Only for pods with at least one mapped resource (`mapped_resources`): others never reach this step.
+/// advertise there), for a pod without claims of its own: see [`node_requests_with_claims`].
 pub fn node_requests(
     pod: &Pod,
     mapping: &BTreeMap<String, String>,
     node_resources: &BTreeSet<String>,
 ) -> Result<NodeNeed, String> {
-    let mut from_dra = BTreeSet::new();
+    node_requests_with_claims(pod, mapping, node_resources, false)
+}
+
+/// The special claim's requests on a node whose allocatable lists `node_resources`, as upstream 1.34's
+/// `filterExtendedResources` and `createDeviceRequests` make them. `Err(resource)`: the pod requests an
+/// extended resource that neither the node advertises nor a class maps, so the pod does not fit there.
+///
+/// DRA is needed when a mapped resource is not advertised by the node, or when the pod has claims of
+/// its own (`has_user_claims`: the DRA step runs anyway). Then the requests cover every mapped
+/// resource of the pod, per container, as `ExactCount` of its class: also those the node's device
+/// plugin advertises (1.34 records them with a zero count, but `createDeviceRequests` iterates over
+/// all of them and takes the container's quantity), so such a pod is given devices by DRA and is
+/// counted against the device plugin as well.
+/// Only for pods with at least one mapped resource (`mapped_resources`): others never reach this step.
+pub fn node_requests_with_claims(
+    pod: &Pod,
+    mapping: &BTreeMap<String, String>,
+    node_resources: &BTreeSet<String>,
+    has_user_claims: bool,
+) -> Result<NodeNeed, String> {
+    let mut mapped = BTreeSet::new();
+    let mut from_dra = false;
     for (name, value) in containers(pod).into_iter().flat_map(container_requests) {
         if value.sign() == 0 || !is_extended_resource_name(&name) {
             continue;
         }
         match (mapping.contains_key(&name), node_resources.contains(&name)) {
-            (true, false) => {
-                from_dra.insert(name);
+            (true, advertised) => {
+                from_dra |= !advertised;
+                mapped.insert(name);
             }
             (false, false) => return Err(name),
-            (_, true) => {}
+            (false, true) => {}
         }
     }
-    if from_dra.is_empty() {
+    if !from_dra && !has_user_claims {
         return Ok(NodeNeed::Nothing);
     }
     let mut requests = Vec::new();
-    for resource in &from_dra {
+    for resource in &mapped {
         for (index, container) in containers(pod).into_iter().enumerate() {
             let container_requests = container_requests(container);
             // A fraction (`500m`) is no device count: upstream skips it (AsInt64 fails).
@@ -178,6 +197,57 @@ pub fn node_requests(
         }
     }
     Ok(NodeNeed::Devices(requests))
+}
+
+/// `resourcehelper.PodRequests` for the scheduler: the containers' requests summed, sidecars (init
+/// containers with `restartPolicy: Always`) added to them, then the maximum with each regular init
+/// container (plus the sidecars before it), plus the pod's overhead. Values as the scheduler keeps
+/// scalar resources: `Quantity.Value()`, rounded up to a whole number.
+pub fn pod_requests(pod: &Pod) -> BTreeMap<String, i64> {
+    let value = |q: &Quantity| q.ceil_integer().unwrap_or(i64::MAX);
+    let add = |into: &mut BTreeMap<String, i64>, from: &BTreeMap<String, Quantity>| {
+        for (name, quantity) in from {
+            let total = into.entry(name.clone()).or_default();
+            *total = total.saturating_add(value(quantity));
+        }
+    };
+    let Some(spec) = &pod.spec else {
+        return BTreeMap::new();
+    };
+    let mut requests = BTreeMap::new();
+    for container in &spec.containers {
+        add(&mut requests, &container_requests(container));
+    }
+    let mut sidecars = BTreeMap::new();
+    let mut init_max: BTreeMap<String, i64> = BTreeMap::new();
+    for container in spec.init_containers.iter().flatten() {
+        let own = container_requests(container);
+        let in_use = if container.restart_policy.as_deref() == Some("Always") {
+            add(&mut requests, &own);
+            add(&mut sidecars, &own);
+            sidecars.clone()
+        } else {
+            let mut total = sidecars.clone();
+            add(&mut total, &own);
+            total
+        };
+        for (name, amount) in in_use {
+            let max = init_max.entry(name).or_default();
+            *max = (*max).max(amount);
+        }
+    }
+    for (name, amount) in init_max {
+        let max = requests.entry(name).or_default();
+        *max = (*max).max(amount);
+    }
+    let overhead: BTreeMap<String, Quantity> = spec
+        .overhead
+        .iter()
+        .flatten()
+        .filter_map(|(name, q)| Some((name.clone(), Quantity::parse(&q.0).ok()?)))
+        .collect();
+    add(&mut requests, &overhead);
+    requests
 }
 
 /// `pod.status.extendedResourceClaimStatus.requestMappings` for the special claim's requests: which

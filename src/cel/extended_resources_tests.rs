@@ -167,3 +167,45 @@ fn the_special_claim_is_annotated_and_controlled_by_the_pod() {
     assert!(!is_claim_of(&claim(Some("true"), "other-uid", true), &pod));
     assert!(!is_claim_of(&claim(Some("true"), "pod-uid", false), &pod));
 }
+
+#[test]
+fn with_claims_of_its_own_the_pod_gets_devices_from_dra_even_where_the_device_plugin_advertises() {
+    // 1.34's createDeviceRequests iterates over every mapped resource, the advertised ones included.
+    let advertised = BTreeSet::from(["nvidia.com/gpu".to_string()]);
+    let need = node_requests_with_claims(&training_pod(), &mapping(), &advertised, true).unwrap();
+    let NodeNeed::Devices(requests) = need else {
+        panic!("expected device requests, got {need:?}");
+    };
+    let names: Vec<_> = requests.iter().map(|r| r.name.as_str()).collect();
+    assert_eq!(names, ["container-2-request-2"]);
+    assert_eq!(requests[0].exactly.as_ref().unwrap().count, Some(2));
+    // Without claims of its own, the device plugin's node needs nothing from DRA.
+    assert_eq!(
+        node_requests_with_claims(&training_pod(), &mapping(), &advertised, false),
+        Ok(NodeNeed::Nothing)
+    );
+}
+
+#[test]
+fn pod_requests_sum_containers_and_take_the_largest_init_container() {
+    let pod = pod(serde_json::json!({
+        "metadata": {"name": "p"},
+        "spec": {
+            "initContainers": [
+                {"name": "sidecar", "restartPolicy": "Always",
+                 "resources": {"limits": {"nvidia.com/gpu": "1"}}},
+                {"name": "warmup", "resources": {"limits": {"nvidia.com/gpu": "4"}}},
+            ],
+            "containers": [
+                {"name": "a", "resources": {"limits": {"nvidia.com/gpu": "1", "example.com/nic": "500m"}}},
+                {"name": "b", "resources": {"limits": {"nvidia.com/gpu": "2"}}},
+            ],
+            "overhead": {"example.com/nic": "1"},
+        },
+    }));
+    let requests = pod_requests(&pod);
+    // Containers 1 + 2, plus the sidecar 1 = 4; warmup runs beside the sidecar: 4 + 1 = 5.
+    assert_eq!(requests["nvidia.com/gpu"], 5);
+    // 500m rounds up to 1, plus the overhead.
+    assert_eq!(requests["example.com/nic"], 2);
+}

@@ -115,7 +115,8 @@ impl Cluster {
     }
 
     /// Reads what `target` needs from the API server: the pod (if any) and the templates its claims
-    /// name, every ResourceClaim (for the devices they hold), DeviceClass, ResourceSlice and Node.
+    /// name, every ResourceClaim (for the devices they hold), DeviceClass, ResourceSlice and Node; and
+    /// every Pod when the pod requests extended resources (for what device plugins have left).
     pub async fn fetch(client: &kube::Client, target: &Target) -> Result<Cluster, ExplainError> {
         let api_error = |what: String| {
             move |error| ExplainError::Api {
@@ -144,6 +145,20 @@ impl Cluster {
                 {
                     cluster.templates.push(found);
                 }
+            }
+            if super::extended::requests_extended(&pod) {
+                // What device plugins have left on a node follows from the pods bound to it.
+                let all: Api<Pod> = Api::all(client.clone());
+                cluster.pods = all
+                    .list(&ListParams::default())
+                    .await
+                    .map_err(api_error("listing Pods".into()))?
+                    .items;
+                let same = |p: &Pod| {
+                    p.metadata.namespace == pod.metadata.namespace
+                        && p.metadata.name == pod.metadata.name
+                };
+                cluster.pods.retain(|p| !same(p));
             }
             cluster.pods.push(pod);
         }

@@ -3,188 +3,32 @@
 //! allocation selects), then the allocator on the node's pools for the claims that still need devices,
 //! with what other claims hold. A "no" from the allocator is broken down in [`super::reasons`].
 //!
-//! The work is indexed once for the whole cluster: slices by pool, and a pool by the node it is
-//! local to (every slice names that node); pools spanning nodes (`nodeSelector`, `allNodes`,
-//! per-device node selection) go to every node, and `Pools::from_slices` decides which nodes they
-//! serve. Devices held by claims are indexed by pool too, so each node costs only its own pools.
+//! The work is indexed once for the whole cluster ([`super::index`]). A pod's extended resources
+//! ([`super::extended`]) add NodeResourcesFit after the node filters, and on nodes that serve them by
+//! DRA, the claim the scheduler makes for them.
 
 use std::borrow::Cow;
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 
 use k8s_openapi::api::core::v1::{NodeSelector, Taint, Toleration};
-use k8s_openapi::api::resource::v1::{DeviceRequestAllocationResult, ResourceSlice};
+use k8s_openapi::api::resource::v1::{DeviceRequest, DeviceRequestAllocationResult};
 
-use crate::cel::allocator::{self, AllocationError, Candidate, InUse, Pools};
+use crate::cel::allocator::{self, AllocationError, Pools};
 
 use super::cluster::Cluster;
+use super::extended;
+use super::index::{Held, SliceIndex};
 use super::joint::{Joint, Outcome};
 use super::plan::{self, ClaimPlan};
 use super::reasons::{self, NodeState};
 use super::report::{
     ClaimSummary, NodeVerdict, PlacedDevice, Reason, ReasonKind, Report, SubjectSummary,
 };
-use super::subject::{PodScheduling, Subject};
+use super::subject::{PodScheduling, Subject, SubjectClaim};
 use super::ExplainError;
 
 /// What the scheduler's DRA plugin reports for a node where the allocator found nothing.
 const CANNOT_ALLOCATE: &str = "cannot allocate all claims";
-
-type PoolKey = (String, String);
-
-/// Slices by the node whose pools they belong to, and the pools that may serve any node.
-struct SliceIndex<'a> {
-    slices: &'a [ResourceSlice],
-    /// Indexes of each node's slices, in order.
-    local: HashMap<String, Vec<usize>>,
-    local_pools: HashMap<String, Vec<PoolKey>>,
-    spanning: Vec<usize>,
-    spanning_pools: Vec<PoolKey>,
-}
-
-impl<'a> SliceIndex<'a> {
-    fn new(slices: &'a [ResourceSlice]) -> SliceIndex<'a> {
-        let mut by_pool: BTreeMap<(&str, &str), Vec<usize>> = BTreeMap::new();
-        for (i, slice) in slices.iter().enumerate() {
-            let key = (slice.spec.driver.as_str(), slice.spec.pool.name.as_str());
-            by_pool.entry(key).or_default().push(i);
-        }
-        let mut index = SliceIndex {
-            slices,
-            local: HashMap::new(),
-            local_pools: HashMap::new(),
-            spanning: Vec::new(),
-            spanning_pools: Vec::new(),
-        };
-        fn node_of(s: &ResourceSlice) -> Option<&str> {
-            s.spec
-                .node_name
-                .as_deref()
-                .filter(|n| !n.is_empty() && s.spec.per_device_node_selection != Some(true))
-        }
-        for ((driver, pool), members) in by_pool {
-            let key = (driver.to_string(), pool.to_string());
-            let first = members.first().and_then(|i| node_of(&slices[*i]));
-            match first.filter(|node| members.iter().all(|i| node_of(&slices[*i]) == Some(*node))) {
-                Some(node) => {
-                    index
-                        .local
-                        .entry(node.to_string())
-                        .or_default()
-                        .extend(members);
-                    index
-                        .local_pools
-                        .entry(node.to_string())
-                        .or_default()
-                        .push(key);
-                }
-                None => {
-                    index.spanning.extend(members);
-                    index.spanning_pools.push(key);
-                }
-            }
-        }
-        for members in index.local.values_mut() {
-            members.sort_unstable();
-        }
-        index
-    }
-
-    /// The slices of every pool that may serve `node`: borrowed when they lie side by side (as
-    /// `Cluster::sort_slices` puts them) and no pool spans nodes, else copied.
-    fn slices_for(&self, node: &str) -> Cow<'a, [ResourceSlice]> {
-        let local = self.local.get(node).map(Vec::as_slice).unwrap_or_default();
-        let side_by_side = match (local.first(), local.last()) {
-            (Some(first), Some(last)) => last - first + 1 == local.len(),
-            _ => true,
-        };
-        if self.spanning.is_empty() && side_by_side {
-            return Cow::Borrowed(match local.first() {
-                Some(first) => &self.slices[*first..first + local.len()],
-                None => &[],
-            });
-        }
-        Cow::Owned(
-            local
-                .iter()
-                .chain(&self.spanning)
-                .map(|i| self.slices[*i].clone())
-                .collect(),
-        )
-    }
-
-    fn pools_for<'b>(&'b self, node: &str) -> impl Iterator<Item = &'b PoolKey> {
-        self.local_pools
-            .get(node)
-            .into_iter()
-            .flatten()
-            .chain(&self.spanning_pools)
-    }
-}
-
-/// What claims hold, by pool, as `in_use` gathers it from their allocation results.
-struct Held {
-    by_pool: HashMap<PoolKey, InUse>,
-    /// Devices held by the subject's own allocated claims, with the claim's name.
-    by_subject: HashMap<Candidate, String>,
-}
-
-impl Held {
-    fn new(cluster: &Cluster, subject: &Subject) -> Held {
-        let mut results: HashMap<PoolKey, Vec<&DeviceRequestAllocationResult>> = HashMap::new();
-        let replaced: BTreeSet<&str> = subject.replaces.iter().map(String::as_str).collect();
-        for claim in &cluster.claims {
-            let name = format!(
-                "{}/{}",
-                claim.metadata.namespace.as_deref().unwrap_or("default"),
-                claim.metadata.name.as_deref().unwrap_or_default()
-            );
-            if replaced.contains(name.as_str()) {
-                continue;
-            }
-            for result in crate::claims::allocation_results(claim) {
-                results
-                    .entry((result.driver.clone(), result.pool.clone()))
-                    .or_default()
-                    .push(result);
-            }
-        }
-        let mut by_subject = HashMap::new();
-        for claim in &subject.claims {
-            let allocated = claim.allocation.iter().flat_map(|a| a.devices.iter());
-            for result in allocated.flat_map(|d| d.results.iter().flatten()) {
-                by_subject.insert(Candidate::of_result(result), claim.name.clone());
-                if replaced.contains(claim.name.as_str()) {
-                    // A claim from a file with an allocation holds its devices as the stored one did.
-                    results
-                        .entry((result.driver.clone(), result.pool.clone()))
-                        .or_default()
-                        .push(result);
-                }
-            }
-        }
-        let by_pool = results
-            .into_iter()
-            .map(|(key, results)| (key, allocator::in_use(results)))
-            .collect();
-        Held {
-            by_pool,
-            by_subject,
-        }
-    }
-
-    fn for_pools<'a>(&self, pools: impl Iterator<Item = &'a PoolKey>) -> InUse {
-        let mut held = InUse::default();
-        for key in pools {
-            if let Some(pool) = self.by_pool.get(key) {
-                held.devices.extend(pool.devices.iter().cloned());
-                for (device, consumed) in &pool.shares {
-                    held.add_share(device.clone(), consumed.clone());
-                }
-            }
-        }
-        held
-    }
-}
 
 /// A node as the filters and the allocator see it.
 struct NodeInfo {
@@ -192,17 +36,70 @@ struct NodeInfo {
     labels: BTreeMap<String, String>,
     taints: Vec<Taint>,
     unschedulable: bool,
+    /// `status.allocatable`, for the extended resources device plugins advertise.
+    allocatable: BTreeMap<String, i64>,
+}
+
+/// The claims to place on a node, with how they go to the allocator: the subject's, plus the claim
+/// the scheduler makes for the pod's extended resources where the node needs one (its requests
+/// depend on what the node's device plugins advertise, so nodes share a variant where they agree).
+struct Variant {
+    claims: Vec<SubjectClaim>,
+    joint: Joint,
+    plans: BTreeMap<usize, ClaimPlan>,
+}
+
+impl Variant {
+    fn new(
+        claims: Vec<SubjectClaim>,
+        classes: &BTreeMap<String, Vec<String>>,
+    ) -> Result<Variant, ExplainError> {
+        let joint = Joint::new(&claims);
+        let plans = joint
+            .pending
+            .iter()
+            .map(|&i| Ok((i, plan::plan(&claims[i], classes)?)))
+            .collect::<Result<_, ExplainError>>()?;
+        Ok(Variant {
+            claims,
+            joint,
+            plans,
+        })
+    }
+
+    fn empty() -> Variant {
+        Variant {
+            claims: Vec::new(),
+            joint: Joint::new(&[]),
+            plans: BTreeMap::new(),
+        }
+    }
+}
+
+/// What tells variants apart: the extended resources' claim's requests (none: no such claim).
+type VariantKey = Vec<(String, String, i64)>;
+
+fn variant_key(requests: &[DeviceRequest]) -> VariantKey {
+    requests
+        .iter()
+        .map(|r| {
+            let exactly = r.exactly.as_ref();
+            (
+                r.name.clone(),
+                exactly
+                    .map(|e| e.device_class_name.clone())
+                    .unwrap_or_default(),
+                exactly.and_then(|e| e.count).unwrap_or(1),
+            )
+        })
+        .collect()
 }
 
 /// Decides the subject on every node of the cluster.
 pub fn decide(cluster: &Cluster, subject: &Subject) -> Result<Report, ExplainError> {
     let classes = allocator::class_selectors(&cluster.classes);
-    let joint = Joint::new(&subject.claims);
-    let plans: BTreeMap<usize, ClaimPlan> = joint
-        .pending
-        .iter()
-        .map(|&i| Ok((i, plan::plan(&subject.claims[i], &classes)?)))
-        .collect::<Result<_, ExplainError>>()?;
+    let mut variants: HashMap<VariantKey, Variant> = HashMap::new();
+    variants.insert(Vec::new(), Variant::new(subject.claims.clone(), &classes)?);
     let index = SliceIndex::new(&cluster.slices);
     let held = Held::new(cluster, subject);
     let mut notes = subject.notes.clone();
@@ -216,6 +113,7 @@ pub fn decide(cluster: &Cluster, subject: &Subject) -> Result<Report, ExplainErr
                 labels: node.metadata.labels.clone().unwrap_or_default(),
                 taints: spec.taints.unwrap_or_default(),
                 unschedulable: spec.unschedulable == Some(true),
+                allocatable: extended::allocatable(node),
             }
         })
         .collect();
@@ -232,6 +130,7 @@ pub fn decide(cluster: &Cluster, subject: &Subject) -> Result<Report, ExplainErr
                 labels: BTreeMap::new(),
                 taints: Vec::new(),
                 unschedulable: false,
+                allocatable: BTreeMap::new(),
             })
             .collect();
     }
@@ -244,21 +143,51 @@ pub fn decide(cluster: &Cluster, subject: &Subject) -> Result<Report, ExplainErr
             .collect();
         notes.push(format!("ignored: {}", kinds.join(", ")));
     }
+    // Each node's extended resources' claim: none, or requests that pick (or make) its variant.
+    let mut needs = Vec::with_capacity(nodes.len());
+    for node in &nodes {
+        let need = match &subject.extended {
+            Some(extended) => extended.node_requests(&node.allocatable),
+            None => Ok(None),
+        };
+        let key = match &need {
+            Ok(Some(requests)) => {
+                let key = variant_key(requests);
+                if let (false, Some(extended)) = (variants.contains_key(&key), &subject.extended) {
+                    let mut claims = subject.claims.clone();
+                    claims.push(extended.claim(requests.clone()));
+                    variants.insert(key.clone(), Variant::new(claims, &classes)?);
+                }
+                Ok(key)
+            }
+            Ok(None) => Ok(Vec::new()),
+            Err(resource) => Err(resource.clone()),
+        };
+        needs.push(key);
+    }
     let decider = Decider {
         subject,
         classes: &classes,
-        joint: &joint,
-        plans: &plans,
         index: &index,
         held: &held,
     };
-    let verdicts = nodes.iter().map(|node| decider.node(node)).collect();
+    let verdicts = nodes
+        .iter()
+        .zip(&needs)
+        .map(|(node, key)| match key {
+            Ok(key) => decider.node(node, &variants[key]),
+            Err(resource) => decider.unserved(node, resource),
+        })
+        .collect();
+    let mut claims: Vec<ClaimSummary> = subject.claims.iter().map(ClaimSummary::of).collect();
+    let shown = subject.extended.as_ref().and_then(|e| e.display_claim());
+    claims.extend(shown.as_ref().map(ClaimSummary::of));
     Ok(Report::new(
         SubjectSummary {
             kind: subject.kind.to_string(),
             name: subject.name.clone(),
         },
-        subject.claims.iter().map(ClaimSummary::of).collect(),
+        claims,
         verdicts,
         notes,
     ))
@@ -267,20 +196,41 @@ pub fn decide(cluster: &Cluster, subject: &Subject) -> Result<Report, ExplainErr
 struct Decider<'a> {
     subject: &'a Subject,
     classes: &'a BTreeMap<String, Vec<String>>,
-    joint: &'a Joint,
-    plans: &'a BTreeMap<usize, ClaimPlan>,
     index: &'a SliceIndex<'a>,
     held: &'a Held,
 }
 
 impl Decider<'_> {
-    fn node(&self, node: &NodeInfo) -> NodeVerdict {
+    /// A node where the pod requests an extended resource that neither the node advertises nor a
+    /// class maps. NodeResourcesFit says no first (see [`Decider::node`]); this only answers when it
+    /// does not, as the DRA step would.
+    fn unserved(&self, node: &NodeInfo, resource: &str) -> NodeVerdict {
+        let mut verdict = self.node(node, &Variant::empty());
+        if verdict.fits {
+            verdict.fits = false;
+            verdict.devices.clear();
+            let mut reason = Reason::new(
+                ReasonKind::UnservedResource,
+                format!(
+                    "Insufficient {resource}: no DeviceClass maps it and the node does not advertise it"
+                ),
+            );
+            reason.resource = Some(resource.to_string());
+            verdict.reasons = vec![reason];
+            verdict.scheduler_reason = Some("cannot fit resource".into());
+        }
+        verdict
+    }
+
+    fn node(&self, node: &NodeInfo, variant: &Variant) -> NodeVerdict {
         let mut verdict = NodeVerdict {
             node: node.name.clone(),
             fits: false,
             devices: Vec::new(),
             reasons: Vec::new(),
+            extended_resources: Vec::new(),
             scheduler_reason: None,
+            more_scheduler_reasons: Vec::new(),
             allocator: None,
             error: None,
         };
@@ -302,7 +252,25 @@ impl Decider<'_> {
                 }
             }
         }
-        for claim in &self.subject.claims {
+        if let Some(extended) = &self.subject.extended {
+            let (resources, insufficient) = extended.fit(&node.name, &node.allocatable);
+            verdict.extended_resources = resources;
+            if !insufficient.is_empty() {
+                let (reasons, scheduler): (Vec<Reason>, Vec<String>) =
+                    insufficient.into_iter().unzip();
+                verdict.reasons = reasons;
+                let mut scheduler = scheduler.into_iter();
+                verdict.scheduler_reason = scheduler.next();
+                verdict.more_scheduler_reasons = scheduler.collect();
+                return verdict;
+            }
+            if let Some(reason) = extended.stale_claim() {
+                verdict.reasons.push(reason);
+                verdict.scheduler_reason = Some(extended::STALE_CLAIM.into());
+                return verdict;
+            }
+        }
+        for claim in &variant.claims {
             let Some(allocation) = &claim.allocation else {
                 continue;
             };
@@ -342,20 +310,20 @@ impl Decider<'_> {
             verdict.scheduler_reason = Some("resourceclaim not available on the node".into());
             return verdict;
         }
-        if self.joint.pending.is_empty() {
+        if variant.joint.pending.is_empty() {
             verdict.fits = true;
             return verdict;
         }
         let slices = self.index.slices_for(&node.name);
         let pools = Pools::from_slices(&slices, Some(&allocator_node));
         let in_use = self.held.for_pools(self.index.pools_for(&node.name));
-        let failure = match self.joint.allocate(&pools, self.classes, &in_use) {
+        let failure = match variant.joint.allocate(&pools, self.classes, &in_use) {
             Outcome::Allocated(results) => {
                 verdict.fits = true;
                 verdict.devices.extend(
                     results
                         .iter()
-                        .map(|(claim, r)| placed(&self.subject.claims[*claim].name, r, false)),
+                        .map(|(claim, r)| placed(&variant.claims[*claim].name, r, false)),
                 );
                 return verdict;
             }
@@ -382,13 +350,13 @@ impl Decider<'_> {
             let owned = seen.to_mut();
             for (claim, candidate) in &failure.picks {
                 owned.devices.insert(candidate.clone());
-                pod_held.insert(candidate.clone(), self.subject.claims[*claim].name.clone());
+                pod_held.insert(candidate.clone(), variant.claims[*claim].name.clone());
             }
         }
         let plans: Vec<&ClaimPlan> = failure
             .claims
             .iter()
-            .filter_map(|i| self.plans.get(i))
+            .filter_map(|i| variant.plans.get(i))
             .collect();
         let state = NodeState {
             pools: &pools,
@@ -398,7 +366,7 @@ impl Decider<'_> {
         verdict.reasons = reasons::explain(
             &state,
             &plans,
-            self.subject.claims.len() > 1,
+            variant.claims.len() > 1,
             &failure.error,
             &failure.message,
         );

@@ -7,6 +7,8 @@
 //! - [`cluster`]: the objects, from the API server (kubeconfig, as kubectl finds it) or from a dump;
 //! - [`subject`]: what to place: the pod's claims (templates resolved) or the claims of a file;
 //! - [`plan`]: the claims' requests checked (classes exist, selectors compile) before any node;
+//! - [`extended`]: a pod's extended resources (`nvidia.com/gpu: 2`): the device plugin's count, or
+//!   the claim the scheduler makes for them per node;
 //! - [`decide`]: one verdict per node, from the allocator, with [`reasons`] breaking a "no" down;
 //! - [`report`]: the summary and the per-node lines as a table, JSON or YAML, and the exit code.
 //!
@@ -20,6 +22,8 @@
 pub mod cluster;
 pub mod decide;
 mod dump;
+pub mod extended;
+mod index;
 mod joint;
 mod plan;
 mod reasons;
@@ -28,6 +32,8 @@ pub mod subject;
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_extended;
 
 use std::path::PathBuf;
 

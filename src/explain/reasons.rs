@@ -280,6 +280,7 @@ fn shortfall(prefix: &str, alternative: &Alternative, tally: Tally, devices: &[D
         kind,
         message,
         devices: Some(tally.counts),
+        resource: None,
     }
 }
 

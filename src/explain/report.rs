@@ -39,6 +39,13 @@ pub enum ReasonKind {
     NodeTaint,
     /// The pod's `nodeSelector` or required node affinity does not select the node.
     NodeAffinity,
+    /// The node's device plugin has too few of an extended resource left (NodeResourcesFit).
+    InsufficientResource,
+    /// An extended resource that no DeviceClass maps and the node does not advertise.
+    UnservedResource,
+    /// The claim the scheduler made for the pod's extended resources in an earlier attempt is still
+    /// there: the scheduler deletes it first.
+    StaleClaim,
     /// A claim of the pod is allocated, and its allocation's node selector does not select the node.
     ClaimElsewhere,
     /// No device of any driver is published for the node.
@@ -68,6 +75,9 @@ impl ReasonKind {
             ReasonKind::Unschedulable => "unschedulable",
             ReasonKind::NodeTaint => "untolerated node taint",
             ReasonKind::NodeAffinity => "excluded by node affinity",
+            ReasonKind::InsufficientResource => "device plugin",
+            ReasonKind::UnservedResource => "not advertised, no DeviceClass maps it",
+            ReasonKind::StaleClaim => "extended resource claim of an earlier attempt",
             ReasonKind::ClaimElsewhere => "a claim is allocated elsewhere",
             ReasonKind::NoDevices => "no devices",
             ReasonKind::PoolIncomplete => "pool incomplete",
@@ -90,6 +100,9 @@ pub struct Reason {
     /// For reasons about one request: how the node's devices fared.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub devices: Option<DeviceCounts>,
+    /// For reasons about an extended resource: its name (`nvidia.com/gpu`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub resource: Option<String>,
 }
 
 impl Reason {
@@ -98,8 +111,48 @@ impl Reason {
             kind,
             message: message.into(),
             devices: None,
+            resource: None,
         }
     }
+
+    /// How the summary counts it: the kind, and for an extended resource the scheduler's words.
+    fn summary(&self) -> String {
+        match &self.resource {
+            Some(resource) => format!("Insufficient {resource} ({})", self.kind.summary()),
+            None => self.kind.summary().to_string(),
+        }
+    }
+}
+
+/// Where an extended resource of the pod comes from on a node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub enum ResourceSource {
+    /// The node's allocatable lists it: NodeResourcesFit counts it.
+    DevicePlugin,
+    /// A DeviceClass maps it and the node does not advertise it: the claim made for the pod.
+    Dra,
+    /// Neither the device plugin nor DRA counts it (a class's implicit name, see the notes).
+    Ignored,
+    /// No DeviceClass maps it and the node does not advertise it.
+    Unavailable,
+}
+
+/// One extended resource of the pod on one node.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ExtendedResourceVerdict {
+    pub resource: String,
+    pub source: ResourceSource,
+    /// The pod's request (init containers counted as the scheduler does).
+    pub requested: i64,
+    /// What the pods bound to the node request (device plugin only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub used: Option<i64>,
+    /// The node's allocatable (device plugin only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub allocatable: Option<i64>,
+    pub fits: bool,
 }
 
 /// How the devices of a node fared for one request (one alternative of a `firstAvailable` request).
@@ -153,9 +206,16 @@ pub struct NodeVerdict {
     pub devices: Vec<PlacedDevice>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub reasons: Vec<Reason>,
+    /// The pod's extended resources here: from the device plugin, through DRA, or not at all.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub extended_resources: Vec<ExtendedResourceVerdict>,
     /// The reason as the scheduler words it for this node (its event counts these).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub scheduler_reason: Option<String>,
+    /// Further reasons the scheduler gives for the node (NodeResourcesFit names each insufficient
+    /// resource), counted in its event as well.
+    #[serde(skip)]
+    pub more_scheduler_reasons: Vec<String>,
     /// What the allocator itself said, when it said no.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub allocator: Option<String>,
@@ -201,16 +261,18 @@ impl ClaimSummary {
             .into_iter()
             .flatten()
             .map(|r| match (&r.exactly, &r.first_available) {
-                (Some(e), _) => format!(
-                    "{}: {}",
-                    r.name,
-                    describe(
+                (Some(e), _) => {
+                    let described = describe(
                         e.count,
                         e.allocation_mode.as_deref(),
                         &e.device_class_name,
-                        e.selectors.as_ref().map_or(0, Vec::len)
-                    )
-                ),
+                        e.selectors.as_ref().map_or(0, Vec::len),
+                    );
+                    match claim.request_labels.get(&r.name) {
+                        Some(label) => format!("{}: {described} ({label})", r.name),
+                        None => format!("{}: {described}", r.name),
+                    }
+                }
                 (None, Some(subs)) => {
                     let alternatives: Vec<String> = subs
                         .iter()
@@ -309,16 +371,16 @@ impl Report {
         let total = nodes.len();
         let summary = match fitting.as_slice() {
             [] => {
-                let mut by_kind: BTreeMap<ReasonKind, usize> = BTreeMap::new();
+                let mut by_kind: BTreeMap<(ReasonKind, String), usize> = BTreeMap::new();
                 for node in &nodes {
                     if let Some(first) = node.reasons.first() {
-                        *by_kind.entry(first.kind).or_default() += 1;
+                        *by_kind.entry((first.kind, first.summary())).or_default() += 1;
                     }
                 }
                 let errors = nodes.iter().filter(|n| n.error.is_some()).count();
                 let mut parts: Vec<String> = by_kind
                     .iter()
-                    .map(|(kind, count)| format!("{count} {}", kind.summary()))
+                    .map(|((_, summary), count)| format!("{count} {summary}"))
                     .collect();
                 if errors > 0 {
                     parts.push(format!("{errors} error"));
@@ -337,7 +399,8 @@ impl Report {
         let scheduler = (subject.kind == "Pod" && fitting.is_empty() && total > 0).then(|| {
             let mut histogram: BTreeMap<&str, usize> = BTreeMap::new();
             for node in &nodes {
-                if let Some(reason) = &node.scheduler_reason {
+                let reasons = node.scheduler_reason.iter();
+                for reason in reasons.chain(&node.more_scheduler_reasons) {
                     *histogram.entry(reason).or_default() += 1;
                 }
             }
@@ -446,6 +509,12 @@ fn claim_line(claim: &ClaimSummary) -> String {
                 origin.push("not created yet".into());
             }
         }
+        ClaimSource::ExtendedResources { resources, created } => {
+            origin.push(format!("for extended resources {}", resources.join(", ")));
+            if !created {
+                origin.push("made by the scheduler per node".into());
+            }
+        }
     }
     if claim.allocated {
         origin.push("allocated".into());
@@ -473,7 +542,25 @@ fn node_text(node: &NodeVerdict, several_claims: bool) -> String {
             .collect::<Vec<_>>()
             .join("; ");
     }
+    let plugin = node
+        .extended_resources
+        .iter()
+        .filter_map(|r| match r.source {
+            ResourceSource::DevicePlugin => Some(format!(
+                "device plugin: {} fits (requested {}, {} of {} free)",
+                r.resource,
+                r.requested,
+                r.allocatable.unwrap_or(0) - r.used.unwrap_or(0),
+                r.allocatable.unwrap_or(0)
+            )),
+            ResourceSource::Ignored => Some(format!("{} ignored (no device for it)", r.resource)),
+            _ => None,
+        });
+    let plugin: Vec<String> = plugin.collect();
     if node.devices.is_empty() {
+        if !plugin.is_empty() {
+            return plugin.join("; ");
+        }
         return "no devices needed".into();
     }
     let mut by_claim: Vec<(&str, Vec<String>)> = Vec::new();
@@ -500,6 +587,7 @@ fn node_text(node: &NodeVerdict, several_claims: bool) -> String {
                 devices.join(", ")
             }
         })
+        .chain(plugin)
         .collect::<Vec<_>>()
         .join("; ")
 }

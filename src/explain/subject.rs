@@ -10,6 +10,7 @@ use k8s_openapi::api::core::v1::{NodeSelector, Pod, Toleration};
 use k8s_openapi::api::resource::v1::{AllocationResult, ResourceClaim, ResourceClaimSpec};
 
 use super::cluster::Cluster;
+use super::extended::PodExtended;
 use super::ExplainError;
 
 /// What the user asked about.
@@ -49,6 +50,12 @@ pub enum ClaimSource {
     /// Made for the pod from this template; `created` when the claim exists (then it is what is
     /// placed), else the template's spec is placed as the claim it would make.
     Template { template: String, created: bool },
+    /// The claim the scheduler makes for the pod's extended resources (`nvidia.com/gpu: 2`), one
+    /// request per container and resource; `created` when it exists (annotated, owned by the pod).
+    ExtendedResources {
+        resources: Vec<String>,
+        created: bool,
+    },
 }
 
 /// One claim to place.
@@ -63,6 +70,8 @@ pub struct SubjectClaim {
     /// Its allocation, when it has one: it is not allocated again, and pins the pod to the nodes the
     /// allocation's node selector selects.
     pub allocation: Option<AllocationResult>,
+    /// For the extended resources' claim: request name → `nvidia.com/gpu of container main`.
+    pub request_labels: BTreeMap<String, String>,
 }
 
 /// The node filters of the pod that the scheduler runs before DRA's.
@@ -87,6 +96,8 @@ pub struct Subject {
     /// hold is not counted as held by other claims.
     pub replaces: Vec<String>,
     pub notes: Vec<String>,
+    /// The pod's extended resources (`nvidia.com/gpu: 2`), when it requests any.
+    pub extended: Option<PodExtended>,
 }
 
 /// The templates of `pod` whose claim is not named in its status yet.
@@ -144,6 +155,7 @@ impl Subject {
                     claims: vec![existing(claim, None, ClaimSource::ResourceClaim)?],
                     replaces: Vec::new(),
                     notes: Vec::new(),
+                    extended: None,
                 })
             }
             Target::Claims { origin, claims } => Self::file(origin, claims),
@@ -228,6 +240,7 @@ impl Subject {
                         },
                         spec,
                         allocation: None,
+                        request_labels: BTreeMap::new(),
                     });
                 }
                 _ => {
@@ -238,7 +251,8 @@ impl Subject {
                 }
             }
         }
-        if claims.is_empty() {
+        let extended = PodExtended::resolve(cluster, pod, &mut claims, &mut notes);
+        if claims.is_empty() && extended.is_none() {
             notes.push("the pod has no resource claims: only the node filters apply".into());
         }
         let affinity = spec
@@ -261,6 +275,7 @@ impl Subject {
             claims,
             replaces: Vec::new(),
             notes,
+            extended,
         })
     }
 
@@ -301,6 +316,7 @@ impl Subject {
                 },
                 spec,
                 allocation: None,
+                request_labels: BTreeMap::new(),
             });
         }
         if claims.is_empty() {
@@ -316,6 +332,7 @@ impl Subject {
             claims,
             replaces,
             notes: Vec::new(),
+            extended: None,
         })
     }
 }
@@ -336,5 +353,6 @@ fn existing(
         source,
         spec,
         allocation: claim.status.as_ref().and_then(|s| s.allocation.clone()),
+        request_labels: BTreeMap::new(),
     })
 }

@@ -170,3 +170,82 @@ pub fn device_classes() -> Vec<Value> {
         .map(|document| Value::deserialize(document).expect("DeviceClass YAML"))
         .collect()
 }
+
+/// The DeviceClasses `deploy/` ships, with `spec.extendedResourceName: <resource>` on `gpu.dra.dev`
+/// (as an admin sets it with the `DRAExtendedResource` gate on).
+pub fn device_classes_serving(resource: &str) -> Vec<Value> {
+    let mut classes = device_classes();
+    for class in &mut classes {
+        if class["metadata"]["name"] == DRIVER {
+            class["spec"]["extendedResourceName"] = json!(resource);
+        }
+    }
+    classes
+}
+
+/// `node` with `status.allocatable` (what its device plugins advertise, e.g. `nvidia.com/gpu: 8`).
+pub fn with_allocatable(mut node: Value, resources: &[(&str, &str)]) -> Value {
+    let allocatable: serde_json::Map<String, Value> = resources
+        .iter()
+        .map(|(name, value)| (name.to_string(), json!(value)))
+        .collect();
+    node["status"]["allocatable"] = Value::Object(allocatable);
+    node
+}
+
+/// A pod without claims whose one container `main` has these limits (the API server copies them
+/// into the requests), bound to `node` and Running when one is given, else Pending.
+pub fn limits_pod(namespace: &str, name: &str, limits: Value, node: Option<&str>) -> Value {
+    let mut pod = pod(
+        namespace,
+        name,
+        json!([]),
+        json!({"containers": [{"name": "main", "image": "busybox",
+            "resources": {"requests": limits.clone(), "limits": limits}}]}),
+    );
+    if let Some(node) = node {
+        pod["spec"]["nodeName"] = json!(node);
+        pod["status"]["phase"] = json!("Running");
+    }
+    pod
+}
+
+/// The claim the scheduler made for the extended resources of pod `pod` (as `limits_pod` names its
+/// UID), allocated on `node`: `(request, device)` per result, class `gpu.dra.dev`.
+pub fn extended_resource_claim(
+    namespace: &str,
+    pod: &str,
+    node: &str,
+    results: &[(&str, &str)],
+) -> Value {
+    let mut claim = allocated_claim(
+        namespace,
+        &format!("{pod}-extended-resources-x7k2p"),
+        node,
+        &[],
+    );
+    let mut counts: Vec<(String, usize)> = Vec::new();
+    for (request, _) in results {
+        match counts.iter_mut().find(|(r, _)| r == request) {
+            Some((_, n)) => *n += 1,
+            None => counts.push((request.to_string(), 1)),
+        }
+    }
+    let requests: Vec<Value> = counts
+        .iter()
+        .map(|(request, count)| {
+            json!({"name": request, "exactly": {"deviceClassName": DRIVER,
+            "allocationMode": "ExactCount", "count": count}})
+        })
+        .collect();
+    claim["spec"]["devices"]["requests"] = json!(requests);
+    claim["status"]["allocation"]["devices"]["results"] = json!(results
+        .iter()
+        .map(|(request, device)| json!({"request": request, "driver": DRIVER, "pool": node, "device": device}))
+        .collect::<Vec<_>>());
+    claim["metadata"]["annotations"] =
+        json!({"resource.kubernetes.io/extended-resource-claim": "true"});
+    claim["metadata"]["ownerReferences"] = json!([{"apiVersion": "v1", "kind": "Pod", "name": pod,
+        "uid": format!("uid-{namespace}-{pod}"), "controller": true, "blockOwnerDeletion": true}]);
+    claim
+}

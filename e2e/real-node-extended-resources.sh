@@ -12,7 +12,8 @@
 # - a node that lists nvidia.com/gpu in its capacity (what a device plugin leaves behind, at 0) is served by the
 #   device plugin path: the pod stays Pending until the entry is removed, then runs on DRA;
 # - deleting the pods deletes the scheduler's claims and unprepares them;
-# - and it notes (NOTE, no check) what becomes of a pod asking for a class's implicit name.
+# - and it notes (NOTE, no check) what becomes of a pod with a claim and nvidia.com/gpu on a node that
+#   advertises nvidia.com/gpu, and of a pod asking for a class's implicit name.
 #
 #   KUBECONFIG=/tmp/k8s/admin.kubeconfig e2e/real-node-extended-resources.sh     (as root, from the project root)
 #
@@ -138,7 +139,26 @@ check "the scheduler's claim is deleted with its pod" wait_until 60 gone
 unprepared() { [ -n "$uid" ] && [ ! -e "$CDI/k8s.gpu.dra.dev-gpu_$uid.json" ]; }
 check "its CDI spec is removed (unprepared)" wait_until 30 unprepared
 
-# 6. Not a check, a note for deploy/README.md: the implicit name of a class without extendedResourceName.
+# 6. Notes, not checks, for deploy/README.md: a pod with a claim of its own on a node that advertises
+#    nvidia.com/gpu, and the implicit name of a class without extendedResourceName.
+kubectl patch node "$NODE" --subresource=status --type=merge -p '{"status":{"capacity":{"nvidia.com/gpu":"4"}}}' >/dev/null
+wait_until 60 allocatable_lists
+kubectl apply -f - >/dev/null <<YAML
+apiVersion: resource.k8s.io/v1
+kind: ResourceClaim
+metadata: {name: own, namespace: $N}
+spec: {devices: {requests: [{name: gpu, exactly: {deviceClassName: gpu.dra.dev}}]}}
+YAML
+pod both "$(ctr main '{limits: {nvidia.com/gpu: "1"}, claims: [{name: gpu}]}')" "  resourceClaims:
+  - {name: gpu, resourceClaimName: own}" | kubectl apply -f - >/dev/null
+sleep 10
+claim=$(jp pod/both '{.status.extendedResourceClaimStatus.resourceClaimName}')
+echo "NOTE both (a claim and nvidia.com/gpu: 1, node advertising nvidia.com/gpu: 4): node '$(jp pod/both '{.spec.nodeName}')'," \
+  "extended-resource claim '$claim' with devices: $( [ -n "$claim" ] && jp "resourceclaim/$claim" '{.status.allocation.devices.results[*].device}')"
+kubectl delete -n "$N" pod/both --wait --timeout=60s >/dev/null
+kubectl patch node "$NODE" --subresource=status --type=json -p '[{"op":"remove","path":"/status/capacity/nvidia.com~1gpu"}]' >/dev/null
+wait_until 60 allocatable_clear
+
 pod implicit-name "$(ctr main '{limits: {deviceclass.resource.kubernetes.io/mig.gpu.dra.dev: "1"}}')" |
   kubectl apply -f - >/dev/null
 sleep 10

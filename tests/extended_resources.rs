@@ -338,3 +338,33 @@ async fn without_the_gate_the_server_drops_the_fields() {
         .extended_resource_claim_status
         .is_none());
 }
+
+/// 1.34.2's scheduler, seen on a real one: a pod with a claim of its own on a node whose device plugin
+/// advertises `nvidia.com/gpu` still gets its `nvidia.com/gpu` from DRA as well (the special claim covers
+/// every mapped resource once the DRA step runs for the pod's claims).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_a_claim_of_its_own_a_pod_gets_dra_gpus_even_on_a_device_plugin_node() {
+    let node = Harness::new("dgx-h100").await;
+    map_nvidia_gpu(&node).await;
+    let _plugin = node.start_plugin().await;
+    node.wait_for_slices().await;
+    node.api.insert(
+        "nodes",
+        json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE},
+            "status": {"capacity": {"nvidia.com/gpu": "4"}, "allocatable": {"nvidia.com/gpu": "4"}}}),
+    );
+    node.create_claim("own", 1).await;
+    let mut spec = pod(
+        "both",
+        vec![container(
+            "main",
+            json!({"limits": {"nvidia.com/gpu": "1"}, "claims": [{"name": "gpu"}]}),
+        )],
+    );
+    spec["spec"]["resourceClaims"] = json!([{"name": "gpu", "resourceClaimName": "own"}]);
+    create_pod(&node, spec).await;
+    let claim = schedule(&node, "both").await;
+    let allocated = results(&claim);
+    assert_eq!(allocated.len(), 1, "{allocated:?}");
+    assert_eq!(allocated[0].0, "container-0-request-0");
+}

@@ -216,3 +216,43 @@ async fn row_4_the_mig_class_gives_a_1g10gb_device() {
         node.mig_devices()
     );
 }
+
+/// Row 5: where the scheduler says `Insufficient nvidia.com/gpu` or `cannot allocate all claims` for the
+/// row-1 pod, `gpu-dra explain pod` says per node which of the two serves it and what is missing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn row_5_explain_answers_for_the_nvidia_gpu_pod() {
+    use gpu_dra::explain::{explain, Cluster, Target};
+    let (node, _plugin, _kubelet) = node_with("dgx-h100", MigMode::Static).await;
+    node.allocated_claim("busy", 7).await;
+    apply(&node, "nvidia-gpu.yaml").await;
+    let target = Target::Pod {
+        namespace: "default".into(),
+        name: "train".into(),
+    };
+    let answer = |cluster: &Cluster| {
+        let report = explain(cluster, &target).expect("explained");
+        (report.exit_code(), report.to_table())
+    };
+
+    let cluster = Cluster::fetch(&node.api.client(), &target).await.unwrap();
+    let (code, table) = answer(&cluster);
+    assert_eq!(code, 1, "{table}");
+    assert!(table.contains("cannot allocate all claims"), "{table}");
+    assert!(
+        table.contains("container-0-request-0 (2 wanted)"),
+        "{table}"
+    );
+    assert!(table.contains("1 free"), "{table}");
+
+    // The same node once a device plugin advertised nvidia.com/gpu there (and left it at 0).
+    node.api.insert(
+        "nodes",
+        serde_json::json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE},
+            "status": {"capacity": {"nvidia.com/gpu": "0"}, "allocatable": {"nvidia.com/gpu": "0"}}}),
+    );
+    let cluster = Cluster::fetch(&node.api.client(), &target).await.unwrap();
+    let (code, table) = answer(&cluster);
+    assert_eq!(code, 1, "{table}");
+    assert!(table.contains("Insufficient nvidia.com/gpu"), "{table}");
+    assert!(table.contains("device plugin"), "{table}");
+}

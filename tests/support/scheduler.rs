@@ -127,7 +127,8 @@ pub async fn allocate(
 }
 
 /// The scheduler's handling of the pod's extended resources on `node` (1.34's dynamicresources plugin):
-/// when some are served by DRA there (a class maps them and the node's allocatable does not list them),
+/// when some are served by DRA there (a class maps them and the node's allocatable does not list them, or
+/// the pod has claims of its own: then 1.34 asks DRA for every mapped resource, advertised or not),
 /// creates the pod's special claim (`<pod>-extended-resources-<random>`, annotated, controlled by the pod)
 /// with one request per container and resource, allocates it on `node` and reserves it for the pod, and
 /// writes `status.extendedResourceClaimStatus` (the claim's name and which container gets which request)
@@ -153,17 +154,22 @@ pub async fn allocate_extended_resources(
         .and_then(|n| n.status?.allocatable)
         .map(|a| a.into_keys().collect())
         .unwrap_or_default();
-    let requests = match extended::node_requests(&pod, &mapping, &advertised) {
-        Ok(NodeNeed::Devices(requests)) => requests,
-        Ok(NodeNeed::Nothing) => return Ok(None),
-        Err(resource) => {
-            return Err(AllocationError::UnmappedResource {
-                pod: format!("{namespace}/{pod_name}"),
-                node: node.to_string(),
-                resource,
-            })
-        }
-    };
+    let has_user_claims = pod
+        .spec
+        .as_ref()
+        .is_some_and(|s| s.resource_claims.as_ref().is_some_and(|c| !c.is_empty()));
+    let requests =
+        match extended::node_requests_with_claims(&pod, &mapping, &advertised, has_user_claims) {
+            Ok(NodeNeed::Devices(requests)) => requests,
+            Ok(NodeNeed::Nothing) => return Ok(None),
+            Err(resource) => {
+                return Err(AllocationError::UnmappedResource {
+                    pod: format!("{namespace}/{pod_name}"),
+                    node: node.to_string(),
+                    resource,
+                })
+            }
+        };
     let request_names: Vec<String> = requests.iter().map(|r| r.name.clone()).collect();
     let pod_uid = pod.metadata.uid.clone().unwrap_or_default();
     let special = ResourceClaim {

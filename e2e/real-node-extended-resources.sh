@@ -8,9 +8,10 @@
 #   container-0-request-1) is allocated two of our devices, the kubelet prepares it and the container sees both;
 # - a pod mixing nvidia.com/gpu: 1 (one container) with a claim from a template (another container): each
 #   container gets its own GPU;
-# - a pod asking for more GPUs than are free stays Pending (the scheduler's message is printed);
+# - a pod asking for more GPUs than are free stays Pending, and `gpu-dra explain` says why in the scheduler's words;
 # - a node that lists nvidia.com/gpu in its capacity (what a device plugin leaves behind, at 0) is served by the
-#   device plugin path: the pod stays Pending until the entry is removed, then runs on DRA;
+#   device plugin path: the pod stays Pending (explain names the device plugin) until the entry is removed, then
+#   runs on DRA;
 # - deleting the pods deletes the scheduler's claims and unprepares them;
 # - and it notes (NOTE, no check) what becomes of a pod with a claim and nvidia.com/gpu on a node that
 #   advertises nvidia.com/gpu, and of a pod asking for a class's implicit name.
@@ -22,6 +23,7 @@ set -uo pipefail
 : "${KUBECONFIG:?set KUBECONFIG to the admin kubeconfig of the real cluster}"
 export KUBECONFIG
 NODE=${NODE_NAME:-node-1}
+GPU_DRA=${GPU_DRA_BIN:-target/release/gpu-dra}   # for gpu-dra explain
 CDI=${CDI_ROOT:-/var/run/cdi}
 N=gpu-dra-extres
 failures=0
@@ -112,7 +114,11 @@ pod too-many "$(ctr main '{limits: {nvidia.com/gpu: "9"}}')" | kubectl apply -f 
 scheduled_event() { kubectl get events -n "$N" --field-selector involvedObject.name=too-many,reason=FailedScheduling -o jsonpath='{.items[*].message}' 2>/dev/null | grep -q .; }
 wait_until 30 scheduled_event
 echo "  too-many: $(kubectl get events -n "$N" --field-selector involvedObject.name=too-many,reason=FailedScheduling -o jsonpath='{.items[*].message}')"
-check "a pod asking for 9 GPUs (5 free) stays Pending" test "$(jp pod/too-many '{.status.phase}')/$(jp pod/too-many '{.spec.nodeName}')" = "Pending/"
+check "a pod asking for 9 GPUs (4 free) stays Pending" test "$(jp pod/too-many '{.status.phase}')/$(jp pod/too-many '{.spec.nodeName}')" = "Pending/"
+explained=$("$GPU_DRA" explain pod "$N/too-many" --kubeconfig "$KUBECONFIG" 2>&1); code=$?
+echo "$explained" | sed 's/^/  explain: /'
+check "gpu-dra explain: fits nowhere (exit 1), 9 wanted, in the scheduler's words" \
+  test "$code" = 1 -a -n "$(echo "$explained" | grep 'cannot allocate all claims')" -a -n "$(echo "$explained" | grep '9 wanted')"
 kubectl delete -n "$N" pod/too-many pod/two-gpus pod/mixed --wait --timeout=60s >/dev/null
 
 # 4. What a device plugin leaves behind: nvidia.com/gpu: 0 in the node's capacity (the kubelet copies it into
@@ -125,6 +131,10 @@ failed() { kubectl get events -n "$N" --field-selector involvedObject.name=after
 wait_until 30 failed
 echo "  after-plugin: $(kubectl get events -n "$N" --field-selector involvedObject.name=after-plugin,reason=FailedScheduling -o jsonpath='{.items[*].message}')"
 check "with nvidia.com/gpu: 0 in allocatable the pod is not scheduled" test -z "$(jp pod/after-plugin '{.spec.nodeName}')"
+explained=$("$GPU_DRA" explain pod "$N/after-plugin" --kubeconfig "$KUBECONFIG" 2>&1); code=$?
+echo "$explained" | sed 's/^/  explain: /'
+check "gpu-dra explain: the device plugin's Insufficient nvidia.com/gpu on $NODE (exit 1)" \
+  test "$code" = 1 -a -n "$(echo "$explained" | grep "^$NODE .*device plugin: Insufficient nvidia.com/gpu")"
 kubectl patch node "$NODE" --subresource=status --type=json -p '[{"op":"remove","path":"/status/capacity/nvidia.com~1gpu"}]' >/dev/null
 allocatable_clear() { ! allocatable_lists; }
 check "after the capacity entry is removed the kubelet drops it from allocatable" wait_until 60 allocatable_clear

@@ -12,25 +12,9 @@ use gpu_dra::support::harness::{Harness, NODE};
 use gpu_dra::support::kubelet_pods::{prepare_pod, PreparedPod};
 use gpu_dra::support::scheduler::{self, AllocationError};
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim};
+use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use serde_json::json;
-
-/// The component users add to map `nvidia.com/gpu` to whole GPUs, as shipped.
-const COMPONENT_PATCH: &str =
-    include_str!("../deploy/components/extended-resource/deviceclass-patch.yaml");
-
-async fn map_nvidia_gpu(node: &Harness) -> DeviceClass {
-    let patch: serde_json::Value = serde_yaml::from_str(COMPONENT_PATCH).unwrap();
-    Api::<DeviceClass>::all(node.api.client())
-        .patch(
-            "gpu.dra.dev",
-            &PatchParams::default(),
-            &Patch::Merge(&patch),
-        )
-        .await
-        .expect("class patched")
-}
 
 async fn create_pod(node: &Harness, pod: serde_json::Value) -> Pod {
     let pod: Pod = serde_json::from_value(pod).expect("pod JSON");
@@ -78,7 +62,7 @@ fn cdi_of<'a>(prepared: &'a PreparedPod, container: &str) -> &'a [String] {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pod_asking_for_two_gpus_gets_them_through_the_schedulers_claim() {
     let node = Harness::new("dgx-h100").await;
-    let class = map_nvidia_gpu(&node).await;
+    let class = node.apply_extended_resource_component().await;
     assert_eq!(
         class.spec.unwrap().extended_resource_name.as_deref(),
         Some("nvidia.com/gpu")
@@ -156,7 +140,7 @@ async fn a_pod_asking_for_two_gpus_gets_them_through_the_schedulers_claim() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pod_mixing_a_claim_with_nvidia_gpu_gets_distinct_gpus_in_one_call() {
     let node = Harness::new("dgx-h100").await;
-    map_nvidia_gpu(&node).await;
+    node.apply_extended_resource_component().await;
     let _plugin = node.start_plugin().await;
     let kubelet = node.kubelet().await;
     node.wait_for_slices().await;
@@ -201,7 +185,7 @@ async fn a_pod_mixing_a_claim_with_nvidia_gpu_gets_distinct_gpus_in_one_call() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_container_gets_the_devices_of_its_own_request() {
     let node = Harness::new("dgx-h100").await;
-    map_nvidia_gpu(&node).await;
+    node.apply_extended_resource_component().await;
     let _plugin = node.start_plugin().await;
     let kubelet = node.kubelet().await;
     node.wait_for_slices().await;
@@ -244,7 +228,7 @@ async fn each_container_gets_the_devices_of_its_own_request() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn more_gpus_than_the_node_has_are_not_allocated() {
     let node = Harness::new("dgx-h100").await;
-    map_nvidia_gpu(&node).await;
+    node.apply_extended_resource_component().await;
     let _plugin = node.start_plugin().await;
     node.wait_for_slices().await;
     create_pod(
@@ -272,7 +256,7 @@ async fn more_gpus_than_the_node_has_are_not_allocated() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_that_advertises_nvidia_gpu_is_left_to_the_device_plugin() {
     let node = Harness::new("dgx-h100").await;
-    map_nvidia_gpu(&node).await;
+    node.apply_extended_resource_component().await;
     node.api.insert(
         "nodes",
         json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE},
@@ -306,7 +290,7 @@ async fn a_node_that_advertises_nvidia_gpu_is_left_to_the_device_plugin() {
 async fn without_the_gate_the_server_drops_the_fields() {
     let gates = FeatureGates::disabling([FeatureGate::DRAExtendedResource]);
     let node = Harness::with_gates("dgx-h100", ServerVersion::default(), gates).await;
-    let class = map_nvidia_gpu(&node).await;
+    let class = node.apply_extended_resource_component().await;
     assert_eq!(class.spec.unwrap().extended_resource_name, None);
     create_pod(
         &node,
@@ -345,7 +329,7 @@ async fn without_the_gate_the_server_drops_the_fields() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_a_claim_of_its_own_a_pod_gets_dra_gpus_even_on_a_device_plugin_node() {
     let node = Harness::new("dgx-h100").await;
-    map_nvidia_gpu(&node).await;
+    node.apply_extended_resource_component().await;
     let _plugin = node.start_plugin().await;
     node.wait_for_slices().await;
     node.api.insert(

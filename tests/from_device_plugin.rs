@@ -12,8 +12,8 @@ use gpu_dra::support::kubelet_pods::{prepare_pod, PreparedPod};
 use gpu_dra::support::pods::schedule_pod;
 use gpu_dra::support::scheduler::AllocationError;
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceClaimTemplate};
-use kube::api::{Api, Patch, PatchParams, PostParams};
+use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceClaimTemplate};
+use kube::api::{Api, PostParams};
 use serde::Deserialize;
 
 fn example(file: &str) -> Vec<serde_json::Value> {
@@ -73,18 +73,7 @@ async fn node_with(
 ) -> (Harness, gpu_dra::plugin::RunningPlugin, KubeletDouble) {
     let mut node = Harness::new(profile).await;
     node.config.mig_mode = mig;
-    let patch: serde_json::Value = serde_yaml::from_str(include_str!(
-        "../deploy/components/extended-resource/deviceclass-patch.yaml"
-    ))
-    .unwrap();
-    Api::<DeviceClass>::all(node.api.client())
-        .patch(
-            "gpu.dra.dev",
-            &PatchParams::default(),
-            &Patch::Merge(&patch),
-        )
-        .await
-        .expect("class patched");
+    node.apply_extended_resource_component().await;
     let plugin = node.start_plugin().await;
     let kubelet = node.kubelet().await;
     // The whole pool: the scheduler skips a pool with slices missing.

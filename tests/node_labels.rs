@@ -47,6 +47,11 @@ fn policy(spec: Value) -> Value {
     })
 }
 
+/// Stores the GpuNodePolicy with `classicNodeLabels` on or off, as an admin's `kubectl apply`.
+fn set_classic_labels(api: &ApiServer, on: bool) {
+    api.insert("gpunodepolicies", policy(json!({"classicNodeLabels": on})));
+}
+
 fn labels_of(node: &Value) -> Labels {
     serde_json::from_value(node["metadata"]["labels"].clone()).unwrap_or_default()
 }
@@ -158,10 +163,7 @@ async fn on_the_node_gets_gfds_labels_and_changes_by_others_are_corrected() {
         json!({"nvidia.com/gpu.product": "Tesla-T4", "team": "ml"}),
     )
     .await;
-    node.api.insert(
-        "gpunodepolicies",
-        policy(json!({"classicNodeLabels": true})),
-    );
+    set_classic_labels(&node.api, true);
     let plugin = node.start_plugin().await;
     wait_for_labels(&node.api, &l40s_labels()).await;
     let all = labels_of(&node.api.get("nodes", None, NODE).unwrap());
@@ -200,18 +202,12 @@ async fn on_the_node_gets_gfds_labels_and_changes_by_others_are_corrected() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn turned_off_or_removed_the_written_labels_go_and_other_values_stay() {
     let node = harness().await;
-    node.api.insert(
-        "gpunodepolicies",
-        policy(json!({"classicNodeLabels": true})),
-    );
+    set_classic_labels(&node.api, true);
     let plugin = node.start_plugin().await;
     wait_for_labels(&node.api, &l40s_labels()).await;
 
     // Turned off in the policy: every label it wrote goes, the others stay.
-    node.api.insert(
-        "gpunodepolicies",
-        policy(json!({"classicNodeLabels": false})),
-    );
+    set_classic_labels(&node.api, false);
     wait_for_labels(&node.api, &Labels::new()).await;
     assert_eq!(
         labels_of(&node.api.get("nodes", None, NODE).unwrap()),
@@ -220,10 +216,7 @@ async fn turned_off_or_removed_the_written_labels_go_and_other_values_stay() {
 
     // On again, then the plugin stops; while it is down an admin pins the product and deletes the
     // policy. The restarted plugin removes what it wrote (it remembers), but not the admin's value.
-    node.api.insert(
-        "gpunodepolicies",
-        policy(json!({"classicNodeLabels": true})),
-    );
+    set_classic_labels(&node.api, true);
     wait_for_labels(&node.api, &l40s_labels()).await;
     plugin.shutdown().await;
     patch_labels(&node.api, json!({"nvidia.com/gpu.product": "pinned"})).await;
@@ -246,16 +239,10 @@ async fn another_node_is_never_touched() {
     let other =
         json!({"metadata": {"name": "node-b", "labels": {"nvidia.com/gpu.product": "Tesla-T4"}}});
     node.api.insert("nodes", other);
-    node.api.insert(
-        "gpunodepolicies",
-        policy(json!({"classicNodeLabels": true})),
-    );
+    set_classic_labels(&node.api, true);
     let plugin = node.start_plugin().await;
     wait_for_labels(&node.api, &l40s_labels()).await;
-    node.api.insert(
-        "gpunodepolicies",
-        policy(json!({"classicNodeLabels": false})),
-    );
+    set_classic_labels(&node.api, false);
     wait_for_labels(&node.api, &Labels::new()).await;
     assert_eq!(node_writes(&node.api, "node-b"), 0);
     assert_eq!(
@@ -281,10 +268,7 @@ fn with_profile_file(node: &mut Harness) -> (PathBuf, FakeProfile) {
 async fn a_lost_gpu_lowers_the_count_and_its_return_raises_it() {
     let mut node = harness().await;
     let (path, mut profile) = with_profile_file(&mut node);
-    node.api.insert(
-        "gpunodepolicies",
-        policy(json!({"classicNodeLabels": true})),
-    );
+    set_classic_labels(&node.api, true);
     let plugin = node.start_plugin().await;
     wait_for_labels(&node.api, &l40s_labels()).await;
 
@@ -309,10 +293,7 @@ async fn a_refused_write_is_reported_and_retried_and_claims_are_still_prepared()
         code: 403,
         count: 2,
     });
-    node.api.insert(
-        "gpunodepolicies",
-        policy(json!({"classicNodeLabels": true})),
-    );
+    set_classic_labels(&node.api, true);
     let plugin = node.start_plugin().await;
     let kubelet = node.kubelet().await;
 

@@ -181,13 +181,7 @@ impl PolicyWatcher {
         let mut retry_at: Option<Instant> = None;
         let mut retry_delay = RETRY_MIN;
         loop {
-            let pending_retry = retry_at;
-            let retry = async move {
-                match pending_retry {
-                    Some(at) => tokio::time::sleep_until(at).await,
-                    None => std::future::pending().await,
-                }
-            };
+            let retry = sleep_until_retry(retry_at);
             tokio::select! {
                 biased;
                 _ = shutdown.wait_for(|stop| *stop) => break,
@@ -452,3 +446,11 @@ fn now_rfc3339() -> String {
 #[cfg(test)]
 #[path = "watcher_tests.rs"]
 mod tests;
+
+/// Sleeps until a retry is due, or forever when none is pending: one arm of a `select!` loop.
+pub(crate) async fn sleep_until_retry(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}

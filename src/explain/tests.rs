@@ -118,12 +118,12 @@ fn explain_pod(
     )
 }
 
-fn verdict<'a>(report: &'a Report, node: &str) -> &'a NodeVerdict {
+pub(super) fn verdict<'a>(report: &'a Report, node: &str) -> &'a NodeVerdict {
     report.nodes.iter().find(|n| n.node == node).unwrap()
 }
 
 /// The node's line as the table shows it (reasons, or devices).
-fn why(report: &Report, node: &str) -> String {
+pub(super) fn why(report: &Report, node: &str) -> String {
     let table = report.to_table();
     let line = table
         .lines()

@@ -4,7 +4,8 @@
 
 use serde_json::{json, Value};
 
-use super::report::{NodeVerdict, ReasonKind, Report, ResourceSource};
+use super::report::{ReasonKind, Report, ResourceSource};
+use super::tests::{verdict, why};
 use super::*;
 use crate::devices::MigMode;
 use crate::gpu::builtin_profile;
@@ -86,25 +87,6 @@ fn explain_pod(mut objects: Vec<Value>, pod: Value) -> Report {
         },
     )
     .unwrap()
-}
-
-fn verdict<'a>(report: &'a Report, node: &str) -> &'a NodeVerdict {
-    report.nodes.iter().find(|n| n.node == node).unwrap()
-}
-
-/// The node's line as the table shows it.
-fn why(report: &Report, node: &str) -> String {
-    let table = report.to_table();
-    let line = table
-        .lines()
-        .find(|l| l.starts_with(&format!("{node} ")))
-        .unwrap_or_else(|| panic!("no line for {node} in\n{table}"));
-    let after_node = line[node.len()..].trim_start();
-    after_node
-        .split_once(' ')
-        .map_or("", |(_, text)| text)
-        .trim()
-        .to_string()
 }
 
 #[test]

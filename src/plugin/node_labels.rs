@@ -136,13 +136,7 @@ impl NodeLabeler {
                     }
                 }
             }
-            let pending_retry = retry_at;
-            let retry = async move {
-                match pending_retry {
-                    Some(at) => tokio::time::sleep_until(at).await,
-                    None => std::future::pending().await,
-                }
-            };
+            let retry = crate::api::watcher::sleep_until_retry(retry_at);
             tokio::select! {
                 biased;
                 _ = shutdown.wait_for(|stop| *stop) => return,

@@ -6,9 +6,9 @@
 
 use serde_json::{json, Value as Json};
 
-use super::admission::{admit, Request};
+use super::admission::{admit, check_cases, Request};
 use super::rbac::plugin_account;
-use super::{kustomize_dir, manifests, Doc};
+use super::{kustomize_dir, manifests};
 
 /// A Node as the kubelet registers it, with GFD's labels from an earlier run.
 fn node(name: &str) -> Json {
@@ -203,30 +203,10 @@ fn cases(plugin: &str) -> Vec<(&'static str, Request, bool)> {
     ]
 }
 
-fn check_cases(docs: &[Doc], label: &str) {
-    let (namespace, account) = plugin_account(docs);
-    let plugin = format!("system:serviceaccount:{namespace}:{account}");
-    let mut wrong = Vec::new();
-    for (what, request, allowed) in cases(&plugin) {
-        let verdict = admit(docs, &request);
-        if verdict.is_ok() != allowed {
-            wrong.push(format!(
-                "{what}: expected {}, got {verdict:?}",
-                if allowed { "allowed" } else { "denied" }
-            ));
-        }
-    }
-    assert!(
-        wrong.is_empty(),
-        "{label} ({plugin}):\n{}",
-        wrong.join("\n")
-    );
-}
-
 #[test]
 fn the_plugin_may_write_only_gfds_labels_on_its_own_node() {
     let (objects, _) = manifests();
-    check_cases(&objects, "deploy/base");
+    check_cases(&objects, "deploy/base", cases);
 }
 
 #[test]
@@ -235,7 +215,7 @@ fn the_node_policy_still_applies_after_renaming_the_namespace_and_the_account() 
     let Some(docs) = kustomize_dir(overlay) else {
         return;
     };
-    check_cases(&docs, "renamed");
+    check_cases(&docs, "renamed", cases);
 }
 
 #[test]

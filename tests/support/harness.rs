@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
+use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
 use kube::api::{Api, ListParams, PostParams};
 
 use super::apiserver::{ApiServer, FeatureGates, ServerVersion};
@@ -31,6 +31,10 @@ pub fn install_device_classes(api: &ApiServer) {
         api.insert("deviceclasses", class);
     }
 }
+
+/// `deploy/components/extended-resource`'s patch: the whole-GPU class answers to `nvidia.com/gpu`.
+const EXTENDED_RESOURCE_PATCH: &str =
+    include_str!("../../deploy/components/extended-resource/deviceclass-patch.yaml");
 
 pub struct Harness {
     pub api: ApiServer,
@@ -67,6 +71,26 @@ impl Harness {
             ..PluginConfig::fake_node_under(root, DRIVER, NODE, profile)
         };
         Harness { api, dir, config }
+    }
+
+    /// Applies `deploy/components/extended-resource` to the installed DeviceClasses (a merge patch, as
+    /// `kubectl patch` would); returns the class as the API server stored it.
+    pub async fn apply_extended_resource_component(&self) -> DeviceClass {
+        // The file is part of this repository and rendered by tests/manifests.
+        let patch: serde_json::Value =
+            serde_yaml::from_str(EXTENDED_RESOURCE_PATCH).expect("component patch YAML");
+        let name = patch["metadata"]["name"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        Api::<DeviceClass>::all(self.api.client())
+            .patch(
+                &name,
+                &kube::api::PatchParams::default(),
+                &kube::api::Patch::Merge(&patch),
+            )
+            .await
+            .expect("class patched")
     }
 
     pub async fn start_plugin(&self) -> crate::plugin::RunningPlugin {

@@ -365,7 +365,7 @@ fn main() -> Result<()> {
         Command::Fake {
             command: FakeCommand::Profiles,
         } => {
-            print!("{}", gpu_dra::gpu::describe_builtin_profiles());
+            emit(&gpu_dra::gpu::describe_builtin_profiles());
             Ok(())
         }
         Command::Nvml {
@@ -380,7 +380,7 @@ fn main() -> Result<()> {
                 library_path: library,
                 driver_root: container_driver_root.unwrap_or(driver_root),
             })?;
-            print!("{report}");
+            emit(&report.to_string());
             Ok(())
         }
         Command::Fake {
@@ -392,7 +392,7 @@ fn main() -> Result<()> {
                     gpu_dra::gpu::builtin_profile_names().join(", ")
                 )
             })?;
-            print!("{}", serde_yaml::to_string(&profile)?);
+            emit(&serde_yaml::to_string(&profile)?);
             Ok(())
         }
         Command::Fake {
@@ -473,7 +473,7 @@ fn cel_eval(args: CelEvalArgs) -> Result<()> {
     match gpu_dra::cel::eval::eval_file(&args.device, &args.driver, &args.expression, &environment)
     {
         Ok(result) => {
-            println!("{result}");
+            emit(&format!("{result}\n"));
             Ok(())
         }
         Err(error) => {
@@ -504,7 +504,7 @@ fn print_devices(args: DevicesArgs) -> Result<()> {
             .collect(),
         Output::Table => gpu_dra::devices::table(&devices),
     };
-    print!("{text}");
+    emit(&text);
     Ok(())
 }
 
@@ -562,7 +562,7 @@ fn explain(args: ExplainArgs) -> Result<i32> {
         Output::Json => gpu_dra::explain::Output::Json,
         Output::Yaml => gpu_dra::explain::Output::Yaml,
     };
-    print!("{}", report.render(output));
+    emit(&report.render(output));
     if let Some(error) = &report.error {
         eprintln!("error: {error}");
     }
@@ -604,8 +604,8 @@ fn selectors_check(args: SelectorsCheckArgs) -> Result<i32> {
         &selectors::slice_devices(&slices),
     );
     match args.output {
-        CheckOutput::Table => print!("{}", report.to_table()),
-        CheckOutput::Json => print!("{}", report.to_json()),
+        CheckOutput::Table => emit(&report.to_table()),
+        CheckOutput::Json => emit(&report.to_json()),
     }
     Ok(report.exit_code())
 }
@@ -649,8 +649,26 @@ fn selectors_allocate(args: SelectorsAllocateArgs) -> Result<i32> {
     };
     let decision = simulate(&simulation)?;
     match args.output {
-        CheckOutput::Table => print!("{}", decision.to_text()),
-        CheckOutput::Json => print!("{}", decision.to_json()),
+        CheckOutput::Table => emit(&decision.to_text()),
+        CheckOutput::Json => emit(&decision.to_json()),
     }
     Ok(decision.exit_code())
+}
+
+/// Writes a command's output to stdout. A reader that went away (`gpu-dra ... | head`) is not an error:
+/// the rest of the output is dropped, as `print!` would panic on the broken pipe instead.
+fn emit(text: &str) {
+    use std::io::Write;
+    let mut stdout = std::io::stdout().lock();
+    match stdout
+        .write_all(text.as_bytes())
+        .and_then(|()| stdout.flush())
+    {
+        Ok(()) => {}
+        Err(error) if error.kind() == std::io::ErrorKind::BrokenPipe => {}
+        Err(error) => {
+            eprintln!("error: cannot write the output: {error}");
+            std::process::exit(1);
+        }
+    }
 }

@@ -314,3 +314,33 @@ fn plugin_logs_json_and_cleans_up_on_sigint() {
     assert!(!socket.exists());
     assert!(!dir.path().join("plugins/gpu.dra.dev/dra.sock").exists());
 }
+
+/// `gpu-dra devices | head -1`: a reader that has gone away ends the output quietly, not with a panic.
+#[test]
+fn a_closed_pipe_ends_the_output_quietly() {
+    for args in [
+        &[
+            "devices",
+            "--backend",
+            "fake",
+            "--node-name",
+            "n",
+            "-o",
+            "json",
+        ][..],
+        &["fake", "show", "dgx-h100"][..],
+    ] {
+        // The reader is closed before the command writes, so its first write meets a broken pipe.
+        let (reader, writer) = std::io::pipe().expect("pipe");
+        drop(reader);
+        let output = Command::new(env!("CARGO_BIN_EXE_gpu-dra"))
+            .args(args)
+            .stdout(writer)
+            .stderr(std::process::Stdio::piped())
+            .output()
+            .expect("gpu-dra runs");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+        assert_eq!(output.status.code(), Some(0), "{args:?}: {stderr}");
+    }
+}

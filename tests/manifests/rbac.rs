@@ -72,12 +72,36 @@ fn api_method(method: &str) -> Option<(Option<&'static str>, &'static [&'static 
 const METHODS: &str = "get|get_opt|get_metadata|get_metadata_opt|get_status|list|list_metadata|watch|\
 watch_metadata|create|replace|replace_status|patch|patch_metadata|patch_status|delete|delete_collection|entry";
 
-/// The part of a file that is compiled into the plugin: without comments and `#[cfg(test)]` modules (in
-/// this code base they come last in a file).
+/// The part of a file that is compiled into the plugin: without comments and without the items marked
+/// `#[cfg(test)]` (a `mod tests;` declaration, or an item up to its closing brace), wherever they stand.
 fn plugin_code(text: &str) -> String {
-    let code = text.split("#[cfg(test)]").next().unwrap_or_default();
     let comment = Regex::new(r"(?m)//.*$").unwrap();
-    comment.replace_all(code, "").into_owned()
+    let mut code = comment.replace_all(text, "").into_owned();
+    while let Some(start) = code.find("#[cfg(test)]") {
+        let end = test_item_end(&code, start + "#[cfg(test)]".len());
+        code.replace_range(start..end, "");
+    }
+    code
+}
+
+/// Where the item after a `#[cfg(test)]` ends: after its `;` when that comes before any `{`, else after
+/// the brace that closes its first `{`.
+fn test_item_end(code: &str, from: usize) -> usize {
+    let mut depth = 0usize;
+    for (offset, c) in code[from..].char_indices() {
+        match c {
+            ';' if depth == 0 => return from + offset + 1,
+            '{' => depth += 1,
+            '}' if depth > 0 => {
+                depth -= 1;
+                if depth == 0 {
+                    return from + offset + 1;
+                }
+            }
+            _ => {}
+        }
+    }
+    code.len()
 }
 
 /// The API calls in one file's code.
@@ -503,6 +527,12 @@ fn the_call_scanner_finds_every_form_of_call() {
         }
         #[cfg(test)]
         mod tests { fn t() { api.delete("x") } }
+        #[cfg(test)]
+        #[path = "more_tests.rs"]
+        mod more_tests;
+        async fn after_the_tests(claims: &Api<ResourceClaim>) {
+            claims.list(&params).await;
+        }
     "#;
     let calls = calls_in("inline.rs", code).unwrap();
     let found: BTreeSet<String> = calls
@@ -521,6 +551,7 @@ fn the_call_scanner_finds_every_form_of_call() {
         "patch GpuNodePolicy/status",
         "get DeviceClass",
         "get ResourceClaim",
+        "list ResourceClaim",
         "list Node",
         "watch Node",
         "list ResourceSlice",

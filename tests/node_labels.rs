@@ -52,6 +52,19 @@ fn set_classic_labels(api: &ApiServer, on: bool) {
     api.insert("gpunodepolicies", policy(json!({"classicNodeLabels": on})));
 }
 
+/// The plugin keeps no record of labels it owns (it is removed right after the patch's answer).
+async fn assert_no_record(node: &Harness) {
+    let record = node
+        .config
+        .plugin_dir()
+        .join(gpu_dra::plugin::node_labels::RECORD_FILE);
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while record.exists() && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(!record.exists(), "{}", record.display());
+}
+
 fn labels_of(node: &Value) -> Labels {
     serde_json::from_value(node["metadata"]["labels"].clone()).unwrap_or_default()
 }
@@ -144,13 +157,7 @@ async fn off_by_default_the_plugin_writes_no_label_even_beside_gfds() {
     );
     assert_eq!(nvidia_labels(&node.api, NODE), l40s_labels());
     // Not even a record of labels to remove later.
-    // The record goes right after the patch's answer.
-    let record = node.config.plugin_dir().join("node-labels.json");
-    let deadline = tokio::time::Instant::now() + WAIT;
-    while record.exists() && tokio::time::Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    assert!(!record.exists(), "{}", record.display());
+    assert_no_record(&node).await;
     plugin.shutdown().await;
 }
 
@@ -223,13 +230,7 @@ async fn turned_off_or_removed_the_written_labels_go_and_other_values_stay() {
     node.api.remove("gpunodepolicies", None, POLICY);
     let plugin = node.start_plugin().await;
     wait_for_labels(&node.api, &labels(&[("nvidia.com/gpu.product", "pinned")])).await;
-    // The record goes right after the patch's answer.
-    let record = node.config.plugin_dir().join("node-labels.json");
-    let deadline = tokio::time::Instant::now() + WAIT;
-    while record.exists() && tokio::time::Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    assert!(!record.exists(), "{}", record.display());
+    assert_no_record(&node).await;
     plugin.shutdown().await;
 }
 

@@ -443,10 +443,6 @@ fn now_rfc3339() -> String {
         .to_string()
 }
 
-#[cfg(test)]
-#[path = "watcher_tests.rs"]
-mod tests;
-
 /// Sleeps until a retry is due, or forever when none is pending: one arm of a `select!` loop.
 pub(crate) async fn sleep_until_retry(at: Option<Instant>) {
     match at {
@@ -454,3 +450,7 @@ pub(crate) async fn sleep_until_retry(at: Option<Instant>) {
         None => std::future::pending().await,
     }
 }
+
+#[cfg(test)]
+#[path = "watcher_tests.rs"]
+mod tests;

@@ -127,32 +127,31 @@ pub enum NodeNeed {
     Devices(Vec<DeviceRequest>),
 }
 
-/// The special claim's requests on a node whose allocatable lists `node_resources` (what device plugins
-/// advertise there), for a pod without claims of its own: see [`node_requests_with_claims`].
-pub fn node_requests(
-    pod: &Pod,
-    mapping: &BTreeMap<String, String>,
-    node_resources: &BTreeSet<String>,
-) -> Result<NodeNeed, String> {
-    node_requests_with_claims(pod, mapping, node_resources, false)
+/// Whether the pod has claims of its own (`spec.resourceClaims`): then the scheduler's DRA step runs for
+/// it on every node, whatever its extended resources.
+pub fn has_claims_of_its_own(pod: &Pod) -> bool {
+    pod.spec
+        .as_ref()
+        .and_then(|s| s.resource_claims.as_ref())
+        .is_some_and(|claims| !claims.is_empty())
 }
 
-/// The special claim's requests on a node whose allocatable lists `node_resources`, as upstream 1.34's
-/// `filterExtendedResources` and `createDeviceRequests` make them. `Err(resource)`: the pod requests an
-/// extended resource that neither the node advertises nor a class maps, so the pod does not fit there.
+/// The special claim's requests on a node whose allocatable lists `node_resources` (what device plugins
+/// advertise there), as upstream 1.34's `filterExtendedResources` and `createDeviceRequests` make them.
+/// `Err(resource)`: the pod requests an extended resource that neither the node advertises nor a class
+/// maps, so the pod does not fit there.
 ///
 /// DRA is needed when a mapped resource is not advertised by the node, or when the pod has claims of
-/// its own (`has_user_claims`: the DRA step runs anyway). Then the requests cover every mapped
+/// its own ([`has_claims_of_its_own`]: the DRA step runs anyway). Then the requests cover every mapped
 /// resource of the pod, per container, as `ExactCount` of its class: also those the node's device
 /// plugin advertises (1.34 records them with a zero count, but `createDeviceRequests` iterates over
 /// all of them and takes the container's quantity), so such a pod is given devices by DRA and is
 /// counted against the device plugin as well.
 /// Only for pods with at least one mapped resource (`mapped_resources`): others never reach this step.
-pub fn node_requests_with_claims(
+pub fn node_requests(
     pod: &Pod,
     mapping: &BTreeMap<String, String>,
     node_resources: &BTreeSet<String>,
-    has_user_claims: bool,
 ) -> Result<NodeNeed, String> {
     let mut mapped = BTreeSet::new();
     let mut from_dra = false;
@@ -169,7 +168,7 @@ pub fn node_requests_with_claims(
             (false, true) => {}
         }
     }
-    if !from_dra && !has_user_claims {
+    if !from_dra && !has_claims_of_its_own(pod) {
         return Ok(NodeNeed::Nothing);
     }
     let mut requests = Vec::new();

@@ -172,7 +172,12 @@ fn the_special_claim_is_annotated_and_controlled_by_the_pod() {
 fn with_claims_of_its_own_the_pod_gets_devices_from_dra_even_where_the_device_plugin_advertises() {
     // 1.34's createDeviceRequests iterates over every mapped resource, the advertised ones included.
     let advertised = BTreeSet::from(["nvidia.com/gpu".to_string()]);
-    let need = node_requests_with_claims(&training_pod(), &mapping(), &advertised, true).unwrap();
+    let mut with_claim = training_pod();
+    with_claim.spec.as_mut().unwrap().resource_claims = Some(vec![serde_json::from_value(
+        serde_json::json!({"name": "scratch", "resourceClaimName": "scratch"}),
+    )
+    .unwrap()]);
+    let need = node_requests(&with_claim, &mapping(), &advertised).unwrap();
     let NodeNeed::Devices(requests) = need else {
         panic!("expected device requests, got {need:?}");
     };
@@ -181,7 +186,7 @@ fn with_claims_of_its_own_the_pod_gets_devices_from_dra_even_where_the_device_pl
     assert_eq!(requests[0].exactly.as_ref().unwrap().count, Some(2));
     // Without claims of its own, the device plugin's node needs nothing from DRA.
     assert_eq!(
-        node_requests_with_claims(&training_pod(), &mapping(), &advertised, false),
+        node_requests(&training_pod(), &mapping(), &advertised),
         Ok(NodeNeed::Nothing)
     );
 }

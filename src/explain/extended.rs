@@ -51,7 +51,6 @@ pub struct PodExtended {
     requests: BTreeMap<String, i64>,
     /// NodeResourcesFit's `resourceToDeviceClass` is set: the pod requests an extended resource name.
     has_extended: bool,
-    has_user_claims: bool,
     /// The scheduler makes the special claim per node (mapped resources, and no claim exists yet).
     synthesize: bool,
     /// The special claim of an earlier attempt, for a pod not bound yet.
@@ -87,10 +86,6 @@ impl PodExtended {
             BTreeMap::new()
         };
         let mapped = er::mapped_resources(pod, &mapping);
-        let has_user_claims = pod
-            .spec
-            .as_ref()
-            .is_some_and(|s| s.resource_claims.as_ref().is_some_and(|c| !c.is_empty()));
         let bound = pod
             .spec
             .as_ref()
@@ -129,7 +124,6 @@ impl PodExtended {
             gate_on,
             has_extended: requests.keys().any(|r| is_extended_resource_name(r)),
             requests,
-            has_user_claims,
             synthesize: existing.is_none() && !mapped.is_empty(),
             stale,
             used: used_by_pods(cluster, pod),
@@ -181,7 +175,7 @@ impl PodExtended {
             let allocatable = allocatable(node);
             mapped.iter().any(|r| allocatable.contains_key(r))
         });
-        if self.has_user_claims && self.synthesize && advertised_somewhere {
+        if er::has_claims_of_its_own(&self.pod) && self.synthesize && advertised_somewhere {
             notes.push(format!(
                 "the pod has claims of its own, so on nodes whose device plugin advertises {} the 1.34 \
                  scheduler counts it against the device plugin and also allocates it through DRA \
@@ -315,12 +309,7 @@ impl PodExtended {
             return Ok(None);
         }
         let advertised: BTreeSet<String> = allocatable.keys().cloned().collect();
-        match er::node_requests_with_claims(
-            &self.pod,
-            &self.mapping,
-            &advertised,
-            self.has_user_claims,
-        )? {
+        match er::node_requests(&self.pod, &self.mapping, &advertised)? {
             NodeNeed::Nothing => Ok(None),
             NodeNeed::Devices(requests) => Ok(Some(requests)),
         }

@@ -13,7 +13,7 @@ use gpu_dra::support::cluster::node_slices;
 use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::DeviceClaim;
-use k8s_openapi::api::resource::v1::{DeviceClass, DeviceClassSpec, ResourceClaimSpec};
+use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaimSpec};
 use serde_json::Value;
 
 use super::{kustomize_dir, one, read_docs, root, Doc};
@@ -163,29 +163,6 @@ fn the_e2e_pod_asking_for_nvidia_gpu_gets_one_whole_gpu() {
         run.contains("kubectl apply -k e2e/deploy"),
         "e2e/run.sh must deploy e2e/deploy"
     );
-}
-
-/// Without the gate the API server drops `extendedResourceName`: the class is then the plain whole-GPU
-/// class, and no resource maps to it but its implicit name.
-#[test]
-fn without_the_gate_the_class_is_the_plain_whole_gpu_class() {
-    let Some(with) = render("nvml", &[COMPONENT]) else {
-        return;
-    };
-    let dropped: Vec<DeviceClass> = classes(&with)
-        .into_iter()
-        .map(|mut c| {
-            if let Some(DeviceClassSpec {
-                extended_resource_name,
-                ..
-            }) = c.spec.as_mut()
-            {
-                *extended_resource_name = None;
-            }
-            c
-        })
-        .collect();
-    assert!(!class_mapping(&dropped).contains_key("nvidia.com/gpu"));
 }
 
 #[test]

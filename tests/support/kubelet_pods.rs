@@ -152,13 +152,14 @@ pub async fn prepare_pod(
     }
     let mut answers = kubelet.prepare(&refs).await?;
     for claim in &refs {
-        let devices = answers
-            .remove(&claim.uid)
-            .unwrap_or_else(|| Ok(Vec::new()))
-            .map_err(|error| PodPrepareError::Claim {
-                claim: claim.name.clone(),
-                error,
-            })?;
+        // `prepare` already refused an answer that leaves a claim out.
+        let Some(answer) = answers.remove(&claim.uid) else {
+            continue;
+        };
+        let devices = answer.map_err(|error| PodPrepareError::Claim {
+            claim: claim.name.clone(),
+            error,
+        })?;
         prepared.devices.insert(claim.name.clone(), devices);
     }
 

@@ -10,7 +10,7 @@ use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{
     ResourceClaim, ResourceClaimConsumerReference, ResourceClaimTemplate,
 };
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use serde_json::json;
 
@@ -57,14 +57,7 @@ pub async fn schedule_pod(
                             )]
                             .into(),
                         ),
-                        owner_references: Some(vec![OwnerReference {
-                            api_version: "v1".to_string(),
-                            kind: "Pod".to_string(),
-                            name: pod_name.to_string(),
-                            uid: uid.clone(),
-                            controller: Some(true),
-                            block_owner_deletion: Some(true),
-                        }]),
+                        owner_references: Some(vec![scheduler::controlling_pod(pod_name, &uid)]),
                         ..Default::default()
                     },
                     spec: template.spec.and_then(|s| s.spec),

@@ -154,22 +154,17 @@ pub async fn allocate_extended_resources(
         .and_then(|n| n.status?.allocatable)
         .map(|a| a.into_keys().collect())
         .unwrap_or_default();
-    let has_user_claims = pod
-        .spec
-        .as_ref()
-        .is_some_and(|s| s.resource_claims.as_ref().is_some_and(|c| !c.is_empty()));
-    let requests =
-        match extended::node_requests_with_claims(&pod, &mapping, &advertised, has_user_claims) {
-            Ok(NodeNeed::Devices(requests)) => requests,
-            Ok(NodeNeed::Nothing) => return Ok(None),
-            Err(resource) => {
-                return Err(AllocationError::UnmappedResource {
-                    pod: format!("{namespace}/{pod_name}"),
-                    node: node.to_string(),
-                    resource,
-                })
-            }
-        };
+    let requests = match extended::node_requests(&pod, &mapping, &advertised) {
+        Ok(NodeNeed::Devices(requests)) => requests,
+        Ok(NodeNeed::Nothing) => return Ok(None),
+        Err(resource) => {
+            return Err(AllocationError::UnmappedResource {
+                pod: format!("{namespace}/{pod_name}"),
+                node: node.to_string(),
+                resource,
+            })
+        }
+    };
     let request_names: Vec<String> = requests.iter().map(|r| r.name.clone()).collect();
     let pod_uid = pod.metadata.uid.clone().unwrap_or_default();
     let special = ResourceClaim {
@@ -179,14 +174,7 @@ pub async fn allocate_extended_resources(
             annotations: Some(
                 [(extended::CLAIM_ANNOTATION.to_string(), "true".to_string())].into(),
             ),
-            owner_references: Some(vec![OwnerReference {
-                api_version: "v1".to_string(),
-                kind: "Pod".to_string(),
-                name: pod_name.to_string(),
-                uid: pod_uid.clone(),
-                controller: Some(true),
-                block_owner_deletion: Some(true),
-            }]),
+            owner_references: Some(vec![controlling_pod(pod_name, &pod_uid)]),
             ..Default::default()
         },
         spec: Some(ResourceClaimSpec {
@@ -208,6 +196,19 @@ pub async fn allocate_extended_resources(
     pods.patch_status(pod_name, &PatchParams::default(), &Patch::Merge(&status))
         .await?;
     Ok(Some(allocated))
+}
+
+/// The owner reference of a claim made for a pod (from a template, or for its extended resources): the pod
+/// controls it, so the claim goes with the pod.
+pub fn controlling_pod(name: &str, uid: &str) -> OwnerReference {
+    OwnerReference {
+        api_version: "v1".to_string(),
+        kind: "Pod".to_string(),
+        name: name.to_string(),
+        uid: uid.to_string(),
+        controller: Some(true),
+        block_owner_deletion: Some(true),
+    }
 }
 
 /// The configs the scheduler copies into the allocation, as upstream's allocator does: for each request

@@ -59,8 +59,18 @@ pub async fn run(out: &mut impl Write) -> Result<()> {
     let config = PluginConfig {
         http_addr: Some(([127, 0, 0, 1], 0).into()),
         mig_mode: MigMode::Dynamic,
+        // The plugin runs MPS daemons in Pods of its own image; the runner below plays the kubelet.
+        mps: crate::plugin::MpsConfig {
+            image: Some("gpu-dra:demo".to_string()),
+            ..Default::default()
+        },
         ..PluginConfig::fake_node_under(root, DRIVER, NODE, &profile_arg)
     };
+    let _pod_runner = crate::support::pod_runner::PodRunner::start(
+        api.handle(),
+        NODE,
+        crate::support::pod_runner::PodRunner::binary(),
+    );
     let plugin = crate::plugin::start(config.clone(), api.client()).await?;
     step(
         out,
@@ -457,8 +467,8 @@ async fn demo_sharing(
         say(
             out,
             &format!(
-                "MPS control daemon for {NAMESPACE}/{MPS_CLAIM}: pid {} (a stand-in process on fake GPUs), pipe {}",
-                daemon.pid,
+                "MPS control daemon for {NAMESPACE}/{MPS_CLAIM}: Pod gpu-dra/{} (the fake backend's stand-in), pipe {}",
+                daemon.pod,
                 daemon.dir.join("pipe").display()
             ),
         )?;

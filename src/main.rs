@@ -48,6 +48,10 @@ enum Command {
         #[command(subcommand)]
         command: FakeCommand,
     },
+    /// PID 1 of a claim's MPS daemon Pod, which the plugin creates: runs the control daemon and
+    /// applies the claim's limits.
+    #[command(hide = true)]
+    MpsDaemon(MpsDaemonArgs),
     /// NVML tools, for checking a node with real GPUs.
     Nvml {
         #[command(subcommand)]
@@ -220,6 +224,31 @@ enum FakeCommand {
     },
 }
 
+#[derive(Args)]
+struct MpsDaemonArgs {
+    /// The readiness probe: exit 0 when this ready file exists, 1 otherwise.
+    #[arg(long, value_name = "READY_FILE", conflicts_with_all = ["claim", "program"])]
+    check_ready: Option<PathBuf>,
+    #[arg(long, required_unless_present = "check_ready")]
+    claim: Option<String>,
+    #[arg(long, required_unless_present = "check_ready")]
+    pipe_dir: Option<PathBuf>,
+    #[arg(long, required_unless_present = "check_ready")]
+    log_dir: Option<PathBuf>,
+    #[arg(long, required_unless_present = "check_ready")]
+    shm_dir: Option<PathBuf>,
+    #[arg(long)]
+    driver_root: Option<PathBuf>,
+    /// The control program (its path inside the driver root with --driver-root), or `stand-in`.
+    #[arg(long, required_unless_present = "check_ready")]
+    program: Option<String>,
+    #[arg(long)]
+    library_path: Option<PathBuf>,
+    /// A control command that applies a limit; repeated, applied in order.
+    #[arg(long = "command")]
+    commands: Vec<String>,
+}
+
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Backend {
     Nvml,
@@ -313,6 +342,19 @@ struct PluginArgs {
     /// before it goes on without the answer (then --mig-mode applies until the policy is read).
     #[arg(long, env = "STARTUP_API_TIMEOUT_SECONDS", default_value_t = 5)]
     startup_api_timeout_seconds: u64,
+    /// The plugin's namespace, where it makes the Pods of MPS control daemons.
+    #[arg(long, env = "POD_NAMESPACE", default_value = "gpu-dra")]
+    namespace: String,
+    /// The plugin's own Pod; the MPS daemons' Pods run its image unless --mps-daemon-image says otherwise.
+    #[arg(long, env = "POD_NAME")]
+    pod_name: Option<String>,
+    /// The image of the MPS daemons' Pods (it must hold this binary as /usr/local/bin/gpu-dra).
+    #[arg(long, env = "MPS_DAEMON_IMAGE")]
+    mps_daemon_image: Option<String>,
+    /// The size limit of each MPS claim's shared-memory tmpfs (a Kubernetes quantity, e.g. 8Gi);
+    /// half of the node's memory when absent.
+    #[arg(long, env = "MPS_SHM_SIZE")]
+    mps_shm_size: Option<String>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -395,6 +437,7 @@ fn main() -> Result<()> {
             emit(&serde_yaml::to_string(&profile)?);
             Ok(())
         }
+        Command::MpsDaemon(args) => mps_daemon(args),
         Command::Fake {
             command: FakeCommand::MpsControlDaemon { daemon, foreground },
         } => {
@@ -407,6 +450,43 @@ fn main() -> Result<()> {
             std::process::exit(run(mode)?)
         }
     }
+}
+
+fn shm_size(text: &str) -> Result<u64> {
+    let quantity = gpu_dra::quantity::Quantity::parse(text)
+        .with_context(|| format!("--mps-shm-size {text:?} is not a quantity"))?;
+    quantity
+        .as_integer()
+        .and_then(|bytes| u64::try_from(bytes).ok())
+        .filter(|bytes| *bytes >= 1024 * 1024)
+        .with_context(|| {
+            format!("--mps-shm-size {text:?} must be a whole number of bytes, at least 1Mi")
+        })
+}
+
+fn mps_daemon(args: MpsDaemonArgs) -> Result<()> {
+    use gpu_dra::claims::mps::supervisor::{check_ready, supervise, SupervisorArgs};
+    if let Some(ready) = args.check_ready {
+        std::process::exit(check_ready(&ready));
+    }
+    init_logging(LogFormat::Text, "info");
+    let missing = |flag: &str| anyhow::anyhow!("--{flag} is required");
+    let supervisor = SupervisorArgs {
+        claim: args.claim.ok_or_else(|| missing("claim"))?,
+        pipe_dir: args.pipe_dir.ok_or_else(|| missing("pipe-dir"))?,
+        log_dir: args.log_dir.ok_or_else(|| missing("log-dir"))?,
+        shm_dir: args.shm_dir.ok_or_else(|| missing("shm-dir"))?,
+        driver_root: args.driver_root,
+        program: args.program.ok_or_else(|| missing("program"))?,
+        library_path: args.library_path,
+        commands: args.commands,
+    };
+    let code = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?
+        .block_on(supervise(supervisor))?;
+    std::process::exit(code)
 }
 
 fn runtime() -> Result<tokio::runtime::Runtime> {
@@ -442,7 +522,15 @@ fn run_plugin(args: PluginArgs) -> Result<()> {
         mig_mode: args.backend.mig_mode,
         startup_api_timeout: Duration::from_secs(args.startup_api_timeout_seconds.max(1)),
         api: gpu_dra::apiclient::ApiTimeouts::default(),
-        mps_stand_in: None,
+        mps: gpu_dra::plugin::MpsConfig {
+            namespace: args.namespace,
+            own_pod: args.pod_name,
+            image: args.mps_daemon_image,
+            shm_size: match &args.mps_shm_size {
+                Some(size) => shm_size(size)?,
+                None => gpu_dra::claims::mps::mps_shm::default_size(),
+            },
+        },
     };
     let kubeconfig = args.kubeconfig;
     runtime()?.block_on(async move {

@@ -1,29 +1,99 @@
-//! The MPS daemon lifecycle against real processes: the gpu-dra binary's stand-in daemon
-//! (`gpu-dra fake mps-control-daemon`) started, limited, stopped, taken over by a new manager (as
-//! after a plugin restart), restarted after it died, and swept when its claim is gone.
+//! The MPS daemon lifecycle as a node runs it: each claim's daemon in a Pod of its own, which the
+//! plugin creates through the API server (double) and the kubelet (the pod runner double) runs as a
+//! process, with the claim's shared memory on a tmpfs the plugin mounts. Started, limited, surviving
+//! the plugin, restarted by the kubelet after it died, made again for new devices, stopped, swept.
+//!
+//! Mounting a tmpfs needs root (CAP_SYS_ADMIN), as the plugin's privileged container has; CI runs as
+//! root. Without it these tests say so and return.
 
 use std::collections::BTreeSet;
-use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
+use gpu_dra::claims::mps::mps_shm::{is_mount_point, is_tmpfs, tmpfs_size};
+use gpu_dra::claims::mps::stand_in::SHM_SEGMENT;
 use gpu_dra::claims::mps::{
-    MpsDaemonRecord, MpsDaemonSpec, MpsDaemons, MpsDevice, MpsError, MpsProgram, TakeOver, PID_FILE,
+    DaemonPodTemplate, DaemonPods, DaemonProgram, MpsDaemonRecord, MpsDaemonSpec, MpsDaemons,
+    MpsDevice, MpsError, TakeOver, SHM_MARKER,
 };
-use nix::sys::signal::{kill, Signal};
-use nix::unistd::Pid;
+use gpu_dra::support::apiserver::ApiServer;
+use gpu_dra::support::pod_runner::PodRunner;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::Api;
 
 const UID_A: &str = "0b7c4f1e-1111-4a8e-9f00-1d2c3b4a5e6f";
 const UID_B: &str = "0b7c4f1e-2222-4a8e-9f00-1d2c3b4a5e6f";
+const NODE: &str = "node-a";
+const SHM_SIZE: u64 = 32 * 1024 * 1024;
 
-fn daemons(root: &Path) -> MpsDaemons {
-    MpsDaemons::new(
-        root.join("mps"),
-        MpsProgram::StandIn {
-            exe: env!("CARGO_BIN_EXE_gpu-dra").into(),
-        },
-    )
+fn is_root() -> bool {
+    use std::os::unix::fs::MetadataExt;
+    // /proc/self belongs to the process's effective user.
+    let root = std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0);
+    if !root {
+        eprintln!("skipped: mounting a claim's shared-memory tmpfs needs root");
+    }
+    root
+}
+
+/// An API server, a kubelet that runs this node's Pods, and a scratch plugin directory.
+struct Node {
+    api: ApiServer,
+    _runner: PodRunner,
+    dir: tempfile::TempDir,
+}
+
+impl Node {
+    async fn new() -> Node {
+        let api = ApiServer::start().await.expect("API server double");
+        let runner = PodRunner::start(api.handle(), NODE, env!("CARGO_BIN_EXE_gpu-dra").into());
+        // Short: the daemon's socket paths must fit the 107 bytes of a unix socket address.
+        let dir = tempfile::Builder::new()
+            .prefix("mps")
+            .tempdir_in("/tmp")
+            .unwrap();
+        Node {
+            api,
+            _runner: runner,
+            dir,
+        }
+    }
+
+    /// The plugin's view: what a (re)started plugin makes from its config.
+    fn daemons(&self) -> MpsDaemons {
+        MpsDaemons::new(self.dir.path().join("mps"), SHM_SIZE).with_pods(DaemonPods::new(
+            self.api.client(),
+            DaemonPodTemplate {
+                namespace: "gpu-dra".into(),
+                node: NODE.into(),
+                driver: "gpu.dra.dev".into(),
+                image: "gpu-dra:test".into(),
+                host_driver_root: "/".into(),
+                program: DaemonProgram::StandIn,
+            },
+        ))
+    }
+
+    fn pods(&self) -> Api<Pod> {
+        Api::namespaced(self.api.client(), "gpu-dra")
+    }
+
+    async fn pod(&self, claim: &str) -> Option<Pod> {
+        self.pods()
+            .get_opt(&DaemonPodTemplate::pod_name(claim))
+            .await
+            .unwrap()
+    }
+}
+
+impl Drop for Node {
+    /// Unmounts what a failed test left, so the temporary directory can go.
+    fn drop(&mut self) {
+        for claim in [UID_A, UID_B] {
+            let shm = self.dir.path().join("mps").join(claim).join("shm");
+            let _ = nix::mount::umount2(&shm, nix::mount::MntFlags::MNT_DETACH);
+        }
+    }
 }
 
 fn spec(claim_uid: &str) -> MpsDaemonSpec {
@@ -40,7 +110,6 @@ fn spec(claim_uid: &str) -> MpsDaemonSpec {
                 "GPU-4cf8db2d-06c0-7d70-1a51-e59b25b2c16c",
                 Some(4 << 30),
             ),
-            device("gpu-1", "GPU-9a2e51f0-6b1d-4c3e-8f7a-0d2c4b6e8a10", None),
             device(
                 "gpu-2-mig-1g10gb-0",
                 "MIG-1f2e3d4c-5b6a-7980-a1b2-c3d4e5f60718",
@@ -51,331 +120,259 @@ fn spec(claim_uid: &str) -> MpsDaemonSpec {
     }
 }
 
-/// Stops every daemon a test started, whatever the test's outcome, so none outlives it.
-struct Guard<'a> {
-    daemons: &'a MpsDaemons,
-    records: Vec<MpsDaemonRecord>,
-}
-
-impl<'a> Guard<'a> {
-    fn new(daemons: &'a MpsDaemons) -> Self {
-        Self {
-            daemons,
-            records: Vec::new(),
-        }
-    }
-
-    fn start(&mut self, spec: &MpsDaemonSpec) -> MpsDaemonRecord {
-        let record = self.daemons.start(spec).expect("daemon starts");
-        self.records.push(record.clone());
-        record
-    }
-
-    /// A restarted daemon replaces the record of the dead one (stopping that would remove the
-    /// directory the new one runs in).
-    fn track(&mut self, record: &MpsDaemonRecord) {
-        self.records.retain(|r| r.dir != record.dir);
-        self.records.push(record.clone());
-    }
-}
-
-impl Drop for Guard<'_> {
-    fn drop(&mut self) {
-        for record in &self.records {
-            if self.daemons.stop(record).is_err() && self.daemons.is_running(record) {
-                let _ = kill(Pid::from_raw(record.pid as i32), Signal::SIGKILL);
-            }
-        }
-    }
-}
-
 fn control_log(record: &MpsDaemonRecord) -> String {
     std::fs::read_to_string(record.dir.join("log/control.log")).unwrap_or_default()
 }
 
-/// Whether a process is gone or a zombie (its parent, not the test, reaps it).
-fn process_ended(pid: u32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Err(_) => true,
-        Ok(stat) => stat
-            .rsplit_once(')')
-            .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')),
-    }
-}
-
-fn wait_until(what: &str, condition: impl Fn() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !condition() {
+async fn wait_until(what: &str, condition: impl AsyncFn() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !condition().await {
         assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(20));
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 
-#[test]
-fn start_runs_a_daemon_with_the_claims_devices_and_limits() {
-    let tmp = tempfile::tempdir().unwrap();
-    let daemons = daemons(tmp.path());
-    let mut guard = Guard::new(&daemons);
-    let record = guard.start(&spec(UID_A));
+fn restarts(pod: &Pod) -> i32 {
+    pod.status
+        .as_ref()
+        .and_then(|s| s.container_statuses.as_ref())
+        .and_then(|c| c.first())
+        .map_or(0, |c| c.restart_count)
+}
 
-    assert_eq!(record.dir, tmp.path().join("mps").join(UID_A));
-    let pid_file = std::fs::read_to_string(record.dir.join("pipe").join(PID_FILE)).unwrap();
-    assert_eq!(pid_file.trim(), record.pid.to_string());
-    assert!(record.dir.join("pipe/control").exists());
-    assert!(record.dir.join("shm").is_dir());
-    assert!(daemons.is_running(&record));
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claims_daemon_runs_in_its_own_pod_with_its_devices_limits_and_a_shared_tmpfs() {
+    if !is_root() {
+        return;
+    }
+    let node = Node::new().await;
+    let daemons = node.daemons();
+    let record = daemons.start(&spec(UID_A)).await.expect("daemon starts");
 
+    // A Pod bound to this node runs it, with the claim's devices.
+    let pod = node.pod(UID_A).await.expect("the daemon's Pod");
+    assert_eq!(record.pod_uid, pod.metadata.uid.clone().unwrap());
+    assert_eq!(pod.spec.as_ref().unwrap().node_name.as_deref(), Some(NODE));
+    let env = &pod.spec.as_ref().unwrap().containers[0]
+        .env
+        .clone()
+        .unwrap()[0];
+    assert_eq!(
+        env.value.as_deref(),
+        Some("GPU-4cf8db2d-06c0-7d70-1a51-e59b25b2c16c,MIG-1f2e3d4c-5b6a-7980-a1b2-c3d4e5f60718")
+    );
+    // The limits reached the daemon, per device ordinal, in whole MiB.
     let log = control_log(&record);
-    for expected in [
-        "CUDA_VISIBLE_DEVICES=GPU-4cf8db2d-06c0-7d70-1a51-e59b25b2c16c,GPU-9a2e51f0-6b1d-4c3e-8f7a-0d2c4b6e8a10,MIG-1f2e3d4c-5b6a-7980-a1b2-c3d4e5f60718",
-        "Cmd:set_default_active_thread_percentage 50",
-        "Cmd:set_default_device_pinned_mem_limit 0 4096M",
-        "Cmd:set_default_device_pinned_mem_limit 2 1536M",
+    for command in [
+        "set_default_active_thread_percentage 50",
+        "set_default_device_pinned_mem_limit 0 4096M",
+        "set_default_device_pinned_mem_limit 1 1536M",
     ] {
-        assert!(log.contains(expected), "{expected} missing from:\n{log}");
+        assert!(log.contains(command), "{command} missing from:\n{log}");
     }
-    assert!(
-        !log.contains("set_default_device_pinned_mem_limit 1 "),
-        "{log}"
-    );
+    // The claim's /dev/shm is a tmpfs of the configured size, and what the daemon's server keeps in
+    // its /dev/shm is what the claim's containers find in theirs (the CDI mount's host path).
+    let shm = record.dir.join("shm");
+    assert!(is_mount_point(&shm) && is_tmpfs(&shm));
+    assert_eq!(tmpfs_size(&shm), Some(SHM_SIZE));
+    assert!(shm.join(SHM_MARKER).is_file());
+    let segment = std::fs::read_to_string(shm.join(SHM_SEGMENT)).expect("the server's segment");
+    assert!(segment.contains("MIG-1f2e3d4c"), "{segment}");
+    let edits = daemons.container_edits(&record).unwrap();
+    let shm_mount = edits
+        .mounts
+        .iter()
+        .find(|m| m.container_path == "/dev/shm")
+        .unwrap();
+    assert_eq!(Path::new(&shm_mount.host_path), shm);
 
-    // What the daemon holds, asked through the same control path.
-    let ask = |command: &str| daemons.control(&record, command).unwrap();
-    assert_eq!(ask("get_default_active_thread_percentage"), "50.0");
-    assert_eq!(ask("get_default_device_pinned_mem_limit 0"), "4096M");
-    assert_eq!(ask("get_default_device_pinned_mem_limit 1"), "0M");
-    assert_eq!(
-        ask("get_default_device_pinned_mem_limit MIG-1f2e3d4c-5b6a-7980-a1b2-c3d4e5f60718"),
-        "1536M"
-    );
-    // A command the daemon refuses is an error that says what it answered.
-    let refused = daemons
-        .control(&record, "set_default_device_pinned_mem_limit 3 1G")
-        .unwrap_err();
-    assert!(refused.to_string().contains("no device 3"), "{refused}");
-    assert!(refused.to_string().contains(UID_A), "{refused}");
-    for malformed in [
-        "set_default_active_thread_percentage lots",
-        "set_default_device_pinned_mem_limit 0 1.5G",
-        "set_default_device_pinned_mem_limit 0",
-        "start_the_world",
-    ] {
-        assert!(daemons.control(&record, malformed).is_err(), "{malformed}");
+    daemons.stop(&record).await.expect("stop");
+    assert!(node.pod(UID_A).await.is_none(), "the Pod is gone");
+    assert!(!record.dir.exists(), "the directory is removed");
+    // Stopping again is fine.
+    daemons.stop(&record).await.expect("stop again");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_daemon_outlives_the_plugin_and_a_new_plugin_takes_it_over() {
+    if !is_root() {
+        return;
     }
-    // Refused commands change nothing.
-    assert_eq!(ask("get_default_device_pinned_mem_limit 0"), "4096M");
-    assert_eq!(ask("get_default_active_thread_percentage"), "50.0");
-}
-
-#[test]
-fn stop_ends_the_daemon_and_removes_the_directory_and_may_be_repeated() {
-    let tmp = tempfile::tempdir().unwrap();
-    let daemons = daemons(tmp.path());
-    let mut guard = Guard::new(&daemons);
-    let record = guard.start(&spec(UID_A));
-
-    daemons.stop(&record).unwrap();
-    assert!(process_ended(record.pid));
-    assert!(!daemons.is_running(&record));
-    assert!(!record.dir.exists());
-    daemons.stop(&record).unwrap();
-}
-
-#[test]
-fn the_stand_in_leaves_when_its_directory_is_removed() {
-    // A test that drops its temporary directory without unpreparing must not leave a daemon running.
-    let tmp = tempfile::tempdir().unwrap();
-    let daemons = daemons(tmp.path());
-    let mut guard = Guard::new(&daemons);
-    let record = guard.start(&spec(UID_A));
-    std::fs::remove_dir_all(&record.dir).unwrap();
-    wait_until("the stand-in to exit", || process_ended(record.pid));
-}
-
-#[test]
-fn stop_signals_a_daemon_that_no_longer_takes_commands() {
-    let tmp = tempfile::tempdir().unwrap();
-    let daemons = daemons(tmp.path());
-    let mut guard = Guard::new(&daemons);
-    let record = guard.start(&spec(UID_A));
-    // Without its socket, quit cannot reach the daemon: SIGTERM must.
-    std::fs::remove_file(record.dir.join("pipe/control")).unwrap();
-
-    let started = Instant::now();
-    daemons.stop(&record).unwrap();
-    assert!(process_ended(record.pid));
-    assert!(!record.dir.exists());
-    assert!(
-        started.elapsed() < Duration::from_secs(4),
-        "{:?}",
-        started.elapsed()
-    );
-}
-
-#[test]
-fn a_new_manager_takes_over_a_running_daemon_from_its_checkpointed_record() {
-    let tmp = tempfile::tempdir().unwrap();
-    let first = daemons(tmp.path());
-    let mut guard = Guard::new(&first);
-    let record = guard.start(&spec(UID_A));
-    // The record goes through the checkpoint's JSON.
-    let json = serde_json::to_string(&record).unwrap();
-    let restored: MpsDaemonRecord = serde_json::from_str(&json).unwrap();
-
-    let second = daemons(tmp.path());
-    assert_eq!(second.take_over(&restored).unwrap(), TakeOver::TakenOver);
-    assert!(second.is_running(&restored));
+    let node = Node::new().await;
+    let record = node.daemons().start(&spec(UID_A)).await.unwrap();
+    // The plugin goes (a crash, an upgrade): nothing of it stops the daemon's Pod.
+    let before = node.pod(UID_A).await.unwrap();
+    let restarted_plugin = node.daemons();
     assert_eq!(
-        second
-            .control(&restored, "get_default_active_thread_percentage")
+        restarted_plugin
+            .take_over(&record, &spec(UID_A))
+            .await
             .unwrap(),
-        "50.0"
+        TakeOver::TakenOver
     );
-    assert_eq!(
-        control_log(&record)
-            .matches("Starting control daemon")
-            .count(),
-        1
-    );
-    second.stop(&restored).unwrap();
-    assert!(process_ended(record.pid));
+    let after = node.pod(UID_A).await.unwrap();
+    assert_eq!(before.metadata.uid, after.metadata.uid);
+    assert_eq!(restarts(&after), 0);
+    restarted_plugin.stop(&record).await.unwrap();
 }
 
-#[test]
-fn a_daemon_that_died_is_restarted_in_the_same_directories() {
-    let tmp = tempfile::tempdir().unwrap();
-    let daemons = daemons(tmp.path());
-    let mut guard = Guard::new(&daemons);
-    let record = guard.start(&spec(UID_A));
-    let pipe_inode = std::fs::metadata(record.dir.join("pipe")).unwrap().ino();
-    let shm_inode = std::fs::metadata(record.dir.join("shm")).unwrap().ino();
-
-    kill(Pid::from_raw(record.pid as i32), Signal::SIGKILL).unwrap();
-    wait_until("the killed daemon to end", || !daemons.is_running(&record));
-
-    let TakeOver::Restarted(restarted) = daemons.take_over(&record).unwrap() else {
-        panic!("a dead daemon was reported as taken over");
-    };
-    guard.track(&restarted);
-    assert_ne!(restarted.pid, record.pid);
-    assert_eq!(restarted.dir, record.dir);
-    assert_eq!(restarted.devices, record.devices);
-    assert!(daemons.is_running(&restarted));
-    // Containers that mounted the directories keep seeing them: same directories, not new ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_daemon_that_dies_is_started_again_by_the_kubelet_with_its_limits() {
+    if !is_root() {
+        return;
+    }
+    let node = Node::new().await;
+    let daemons = node.daemons();
+    let record = daemons.start(&spec(UID_A)).await.unwrap();
+    let pid: i32 = std::fs::read_to_string(record.dir.join("pipe/nvidia-cuda-mps-control.pid"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    wait_until("the container restarted and Ready", async || {
+        node.pod(UID_A).await.is_some_and(|p| restarts(&p) >= 1)
+            && daemons.is_running(&record).await
+    })
+    .await;
+    let log = control_log(&record);
     assert_eq!(
-        std::fs::metadata(record.dir.join("pipe")).unwrap().ino(),
-        pipe_inode
-    );
-    assert_eq!(
-        std::fs::metadata(record.dir.join("shm")).unwrap().ino(),
-        shm_inode
-    );
-    let pid_file = std::fs::read_to_string(record.dir.join("pipe").join(PID_FILE)).unwrap();
-    assert_eq!(pid_file.trim(), restarted.pid.to_string());
-    let log = control_log(&restarted);
-    assert_eq!(log.matches("Starting control daemon").count(), 2, "{log}");
-    assert_eq!(
-        log.matches("Cmd:set_default_device_pinned_mem_limit 2 1536M")
+        log.matches("set_default_active_thread_percentage 50")
             .count(),
         2,
-        "{log}"
+        "limits applied again:\n{log}"
     );
-    assert_eq!(
-        daemons
-            .control(&restarted, "get_default_device_pinned_mem_limit 0")
-            .unwrap(),
-        "4096M"
-    );
+    daemons.stop(&record).await.unwrap();
 }
 
-#[test]
-fn sweep_stops_daemons_of_claims_no_longer_prepared_and_keeps_the_rest() {
-    let tmp = tempfile::tempdir().unwrap();
-    let daemons = daemons(tmp.path());
-    let mut guard = Guard::new(&daemons);
-    let orphan = guard.start(&spec(UID_A));
-    let kept = guard.start(&spec(UID_B));
-
-    let cleaned = daemons.sweep(&BTreeSet::from([UID_B.to_string()]));
-    assert_eq!(cleaned, [UID_A]);
-    assert!(process_ended(orphan.pid));
-    assert!(!orphan.dir.exists());
-    assert!(daemons.is_running(&kept));
-    assert!(kept.dir.join("pipe/control").exists());
-    // Nothing left to sweep.
-    assert!(daemons
-        .sweep(&BTreeSet::from([UID_B.to_string()]))
-        .is_empty());
-}
-
-/// Writes a claim directory whose pid file names `pid`, as a crashed plugin might leave it.
-fn leftover_dir(daemons: &MpsDaemons, uid: &str, pid: u32) -> PathBuf {
-    let dir = daemons.root().join(uid);
-    std::fs::create_dir_all(dir.join("pipe")).unwrap();
-    std::fs::write(dir.join("pipe").join(PID_FILE), format!("{pid}\n")).unwrap();
-    dir
-}
-
-#[test]
-fn sweep_signals_nothing_that_is_not_the_directorys_mps_daemon() {
-    let tmp = tempfile::tempdir().unwrap();
-    let daemons = daemons(tmp.path());
-    let mut guard = Guard::new(&daemons);
-    let kept = guard.start(&spec(UID_B));
-
-    // A pid file naming a process that is no MPS daemon at all.
-    let mut sleep = Command::new("sleep").arg("30").spawn().unwrap();
-    let not_mps = leftover_dir(&daemons, "0b7c4f1e-3333-4a8e-9f00-1d2c3b4a5e6f", sleep.id());
-    // A pid file naming another claim's daemon (a pid reused since).
-    let other = leftover_dir(&daemons, "0b7c4f1e-4444-4a8e-9f00-1d2c3b4a5e6f", kept.pid);
-
-    let cleaned = daemons.sweep(&BTreeSet::from([UID_B.to_string()]));
-    let sleeping = sleep.try_wait().unwrap().is_none();
-    let _ = sleep.kill();
-    let _ = sleep.wait();
-    assert!(
-        sleeping,
-        "sweep signalled a process that is not an MPS daemon"
-    );
-    assert!(
-        daemons.is_running(&kept),
-        "sweep stopped another claim's daemon"
-    );
-    // The stale directories go; nothing was running for them.
-    assert_eq!(cleaned.len(), 2, "{cleaned:?}");
-    assert!(!not_mps.exists() && !other.exists());
-}
-
-#[test]
-fn start_refuses_claim_uids_that_are_not_plain_names() {
-    let tmp = tempfile::tempdir().unwrap();
-    let daemons = daemons(tmp.path());
-    for uid in ["", "..", "../escape", "a/b", ".hidden"] {
-        let error = daemons.start(&spec(uid)).unwrap_err();
-        assert!(
-            matches!(error, MpsError::InvalidClaimUid { .. }),
-            "{uid:?}: {error}"
-        );
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_daemon_for_devices_that_changed_is_made_again_in_the_same_directories() {
+    if !is_root() {
+        return;
     }
-    assert!(!tmp.path().join("escape").exists());
-    assert!(!tmp.path().join("mps").exists());
+    let node = Node::new().await;
+    let daemons = node.daemons();
+    let record = daemons.start(&spec(UID_A)).await.unwrap();
+    // After a reboot a dynamic MIG device is made again with a new UUID.
+    let mut now = spec(UID_A);
+    now.devices[1].uuid = "MIG-99999999-5b6a-7980-a1b2-c3d4e5f60718".into();
+    let TakeOver::Restarted(started) = daemons.take_over(&record, &now).await.unwrap() else {
+        panic!("a daemon naming the old MIG device was kept");
+    };
+    assert_eq!(started.dir, record.dir);
+    assert_ne!(started.pod_uid, record.pod_uid);
+    let pod = node.pod(UID_A).await.unwrap();
+    let visible = pod.spec.unwrap().containers[0].env.clone().unwrap()[0]
+        .value
+        .clone()
+        .unwrap();
+    assert!(
+        visible.ends_with("MIG-99999999-5b6a-7980-a1b2-c3d4e5f60718"),
+        "{visible}"
+    );
+    daemons.stop(&started).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_reboot_the_tmpfs_is_mounted_again_and_the_daemon_made_again() {
+    if !is_root() {
+        return;
+    }
+    let node = Node::new().await;
+    let daemons = node.daemons();
+    let record = daemons.start(&spec(UID_A)).await.unwrap();
+    // A reboot: the tmpfs is gone (and the kubelet restarts the Pod's container on a plain directory).
+    let shm = record.dir.join("shm");
+    nix::mount::umount2(&shm, nix::mount::MntFlags::MNT_DETACH).unwrap();
+    assert!(!is_mount_point(&shm));
+    let TakeOver::Restarted(started) = daemons.take_over(&record, &spec(UID_A)).await.unwrap()
+    else {
+        panic!("a daemon without its tmpfs was kept");
+    };
+    assert!(is_mount_point(&shm) && is_tmpfs(&shm));
+    assert!(shm.join(SHM_MARKER).is_file());
+    daemons.stop(&started).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sweep_removes_the_pods_and_directories_of_claims_no_longer_prepared() {
+    if !is_root() {
+        return;
+    }
+    let node = Node::new().await;
+    let daemons = node.daemons();
+    let a = daemons.start(&spec(UID_A)).await.unwrap();
+    let b = daemons.start(&spec(UID_B)).await.unwrap();
+    let keep: BTreeSet<String> = [UID_B.to_string()].into();
+    let cleaned = node.daemons().sweep(&keep).await;
+    assert_eq!(cleaned, [UID_A.to_string()]);
+    wait_until("A's Pod is gone", async || node.pod(UID_A).await.is_none()).await;
+    assert!(!a.dir.exists());
+    assert!(node.pod(UID_B).await.is_some());
+    assert!(b.dir.join("shm").join(SHM_MARKER).is_file());
+    daemons.stop(&b).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_daemon_pod_that_never_gets_ready_fails_the_start_with_the_kubelets_reason_and_leaves_nothing(
+) {
+    if !is_root() {
+        return;
+    }
+    let node = Node::new().await;
+    // An image whose command the kubelet cannot run.
+    let daemons =
+        MpsDaemons::new(node.dir.path().join("mps"), SHM_SIZE).with_pods(DaemonPods::new(
+            node.api.client(),
+            DaemonPodTemplate {
+                namespace: "gpu-dra".into(),
+                node: NODE.into(),
+                driver: "gpu.dra.dev".into(),
+                image: "gpu-dra:test".into(),
+                host_driver_root: "/nonexistent-driver-root".into(),
+                program: DaemonProgram::Chroot {
+                    binary: "/usr/bin/nvidia-cuda-mps-control".into(),
+                },
+            },
+        ));
+    let error = daemons.start(&spec(UID_A)).await.unwrap_err();
+    let text = error.to_string();
+    assert!(matches!(error, MpsError::NotReady { .. }), "{text}");
+    assert!(text.contains("hostPath type check failed"), "{text}");
+    assert!(
+        text.contains("kubectl logs -n gpu-dra gpu-dra-mps-"),
+        "{text}"
+    );
+    wait_until("the Pod is gone", async || node.pod(UID_A).await.is_none()).await;
+    assert!(!node.dir.path().join("mps").join(UID_A).exists());
 }
 
 #[test]
-fn a_control_program_that_cannot_run_fails_start_with_its_path() {
-    let tmp = tempfile::tempdir().unwrap();
-    let daemons = MpsDaemons::new(
-        tmp.path().join("mps"),
-        MpsProgram::Nvidia {
-            control: tmp.path().join("driver/usr/bin/nvidia-cuda-mps-control"),
-            library_path: None,
-        },
-    );
-    let error = daemons.start(&spec(UID_A)).unwrap_err().to_string();
-    assert!(
-        error.contains("driver/usr/bin/nvidia-cuda-mps-control"),
-        "{error}"
-    );
-    assert!(error.contains(UID_A), "{error}");
-    assert!(!tmp.path().join("mps").join(UID_A).exists());
+fn the_supervisor_refuses_a_dev_shm_that_is_no_tmpfs() {
+    let dir = tempfile::tempdir().unwrap();
+    let plain = dir.path().join("shm");
+    std::fs::create_dir(&plain).unwrap();
+    if is_tmpfs(&plain) {
+        eprintln!("skipped: the temporary directory is itself on a tmpfs");
+        return;
+    }
+    let pipe: PathBuf = dir.path().join("pipe");
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_gpu-dra"))
+        .args(["mps-daemon", "--claim", UID_A, "--program", "stand-in"])
+        .arg("--pipe-dir")
+        .arg(&pipe)
+        .arg("--log-dir")
+        .arg(dir.path())
+        .arg("--shm-dir")
+        .arg(&plain)
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("is not a tmpfs"), "{stderr}");
+    assert!(!plain.join(SHM_MARKER).exists());
 }

@@ -93,33 +93,41 @@ fn modes(node: &Harness) -> BTreeMap<String, GpuSharingMode> {
     node.fake_backend().sharing_modes()
 }
 
-fn process_runs(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
-        !stat
-            .rsplit(')')
-            .next()
-            .unwrap_or("")
-            .trim_start()
-            .starts_with('Z')
+/// Whether the daemon Pod with this UID exists and is Ready (the kubelet runs its daemon).
+fn process_runs(node: &Harness, pod_uid: &str) -> bool {
+    node.api.list("pods").iter().any(|pod| {
+        pod["metadata"]["uid"] == pod_uid
+            && pod["metadata"].get("deletionTimestamp").is_none()
+            && pod["status"]["conditions"].as_array().is_some_and(|c| {
+                c.iter()
+                    .any(|c| c["type"] == "Ready" && c["status"] == "True")
+            })
     })
 }
 
-async fn wait_gone(pid: u32) {
-    for _ in 0..200 {
-        if !process_runs(pid) {
+async fn wait_gone(node: &Harness, pod_uid: &str) {
+    for _ in 0..400 {
+        if !node
+            .api
+            .list("pods")
+            .iter()
+            .any(|pod| pod["metadata"]["uid"] == pod_uid)
+        {
             return;
         }
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
-    panic!("process {pid} still runs");
+    panic!("daemon Pod {pod_uid} still there");
 }
 
-fn daemon_pid(plugin: &gpu_dra::plugin::RunningPlugin, uid: &str) -> u32 {
+/// The UID of the Pod that runs the claim's MPS daemon.
+fn daemon_pid(plugin: &gpu_dra::plugin::RunningPlugin, uid: &str) -> String {
     plugin.preparer.prepared_claims()[uid]
         .mps
         .as_ref()
         .expect("the claim records its MPS daemon")
-        .pid
+        .pod_uid
+        .clone()
 }
 
 fn mps_dir(node: &Harness, uid: &str) -> std::path::PathBuf {
@@ -178,7 +186,7 @@ async fn an_mps_claim_gets_its_own_daemon_with_its_limits_and_mounts() {
 
     let devices = prepare(&kubelet, &claim).await.expect("prepared");
     let pid = daemon_pid(&plugin, &claim.uid);
-    assert!(process_runs(pid), "daemon {pid} runs");
+    assert!(process_runs(&node, &pid), "daemon Pod {pid} runs");
     let dir = mps_dir(&node, &claim.uid);
     let log = read(&dir.join("log/control.log"));
     assert!(
@@ -218,7 +226,7 @@ async fn an_mps_claim_gets_its_own_daemon_with_its_limits_and_mounts() {
     assert_eq!(daemon_pid(&plugin, &claim.uid), pid);
 
     unprepare(&kubelet, &claim).await;
-    wait_gone(pid).await;
+    wait_gone(&node, &pid).await;
     assert!(!dir.exists(), "the claim's MPS directory is removed");
     assert!(modes(&node).is_empty(), "{:?}", modes(&node));
 }
@@ -237,7 +245,10 @@ async fn mps_daemons_are_taken_over_restarted_or_cleaned_up_across_restarts() {
     let first = daemon_pid(&plugin, &claim.uid);
     drop(kubelet);
     plugin.shutdown().await;
-    assert!(process_runs(first), "the daemon outlives the plugin");
+    assert!(
+        process_runs(&node, &first),
+        "the daemon outlives the plugin"
+    );
 
     // Still running: taken over.
     let plugin = node.start_plugin().await;
@@ -248,13 +259,11 @@ async fn mps_daemons_are_taken_over_restarted_or_cleaned_up_across_restarts() {
     assert_eq!(daemon_pid(&plugin, &claim.uid), first);
     plugin.shutdown().await;
 
-    // Died with the old plugin (as in its container): started again in the same directories.
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(first as i32),
-        nix::sys::signal::Signal::SIGKILL,
-    )
-    .unwrap();
-    wait_gone(first).await;
+    // Its Pod was deleted while no plugin ran (by hand, or evicted): started again in the same
+    // directories.
+    let pod_name = format!("gpu-dra-mps-{}", claim.uid);
+    node.api.remove("pods", Some("gpu-dra"), &pod_name);
+    wait_gone(&node, &first).await;
     let plugin = node.start_plugin().await;
     assert_eq!(
         plugin.recovery.mps_daemons_restarted,
@@ -262,7 +271,7 @@ async fn mps_daemons_are_taken_over_restarted_or_cleaned_up_across_restarts() {
     );
     let second = daemon_pid(&plugin, &claim.uid);
     assert_ne!(second, first);
-    assert!(process_runs(second));
+    assert!(process_runs(&node, &second));
     plugin.shutdown().await;
 
     // The claim is gone from the checkpoint (its unprepare was the last thing the old plugin did
@@ -276,7 +285,7 @@ async fn mps_daemons_are_taken_over_restarted_or_cleaned_up_across_restarts() {
         plugin.recovery.mps_daemons_cleaned_up,
         std::slice::from_ref(&claim.uid)
     );
-    wait_gone(second).await;
+    wait_gone(&node, &second).await;
     assert!(!mps_dir(&node, &claim.uid).exists());
     plugin.shutdown().await;
 }
@@ -443,7 +452,7 @@ async fn shares_of_one_gpu_go_to_several_claims_with_one_interval_and_their_memo
     );
     let pid = daemon_pid(&plugin, &by_memory.uid);
     unprepare(&kubelet, &by_memory).await;
-    wait_gone(pid).await;
+    wait_gone(&node, &pid).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,36 +1,36 @@
 //! MPS control daemons: one per prepared claim that shares its GPUs through MPS. A claim gets
-//! `<plugin-dir>/mps/<claimUID>/{pipe,shm,log}`; its daemon (NVIDIA's `nvidia-cuda-mps-control -d`,
-//! or the fake backend's stand-in `gpu-dra fake mps-control-daemon -d`) listens in `pipe`, and the
-//! claim's containers get `pipe` and `shm` through CDI ([`MpsDaemons::container_edits`]).
+//! `<plugin-dir>/mps/<claimUID>/{pipe,log,shm}`, with a size-limited tmpfs mounted at `shm`
+//! (`mps_shm.rs`), and a Pod of its own that runs the daemon (`mps_pod.rs`, `mps_supervisor.rs`): the
+//! daemon outlives the plugin's container (crash, OOM kill, upgrade), and its memory is the Pod's. The
+//! claim's containers get `pipe`, `log` and `shm` through CDI ([`MpsDaemons::container_edits`]).
 //!
-//! The plugin talks to a daemon the way NVIDIA's own tools do: it runs the control program with
-//! one command on its stdin. The stand-in has the same command line, so the real daemon and the
-//! stand-in go through one code path here. Every call blocks (process starts, bounded waits of a
-//! few seconds): run it on a blocking thread.
-//!
-//! Signals go only to a process proven to be the daemon: the pid and start time of our own record,
-//! or, for a directory nobody claims any more, a process whose command line is an MPS control daemon
-//! and whose `CUDA_MPS_PIPE_DIRECTORY` is that directory's pipe.
+//! The plugin creates and deletes the Pods and waits for them to be Ready; it never signals a process
+//! itself. Every call may wait on the API server and the kubelet for seconds, bounded.
 
 use std::collections::BTreeSet;
 use std::fs;
 use std::io;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::process::Command;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 use tracing::{info, warn};
 
 use crate::cdi::{ContainerEdits, Mount};
-use process::same_process_alive;
+pub use mps_pod::{DaemonPodTemplate, DaemonProgram};
 
-#[path = "mps_process.rs"]
-mod process;
+#[path = "mps_pod.rs"]
+pub mod mps_pod;
+#[path = "mps_shm.rs"]
+pub mod mps_shm;
 #[path = "mps_stand_in.rs"]
 pub mod stand_in;
+#[path = "mps_supervisor.rs"]
+pub mod supervisor;
 
 /// The file, in the pipe directory, where the daemon keeps its pid (the real daemon's name).
 pub const PID_FILE: &str = "nvidia-cuda-mps-control.pid";
@@ -39,66 +39,20 @@ pub const CONTROL_SOCKET: &str = "control";
 /// Where a claim's containers find the pipe directory, and the log directory (read-only).
 pub const CONTAINER_PIPE_DIR: &str = "/tmp/nvidia-mps";
 pub const CONTAINER_LOG_DIR: &str = "/tmp/nvidia-mps-log";
-/// Output of `<control> -d` (and of the stand-in daemon), in the claim's log directory.
-pub const START_LOG: &str = "start.log";
+/// The file the daemon's supervisor writes into the shared memory it sees; the plugin finds it in the
+/// claim's tmpfs, which proves that daemon and clients share one `/dev/shm`.
+pub const SHM_MARKER: &str = ".gpu-dra-mps-daemon";
 
-const READY_TIMEOUT: Duration = Duration::from_secs(10);
-const COMMAND_TIMEOUT: Duration = Duration::from_secs(5);
-const QUIT_WAIT: Duration = Duration::from_secs(5);
-const SIGNAL_WAIT: Duration = Duration::from_secs(2);
-const POLL: Duration = Duration::from_millis(20);
+/// How long a prepare waits for the daemon's Pod to become Ready: the kubelet's own deadline for the
+/// whole call is 45 s, and a prepare that fails here is retried by the kubelet.
+const READY_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long an unprepare waits for the daemon's Pod to be gone (its grace period is 15 s).
+const GONE_TIMEOUT: Duration = Duration::from_secs(25);
+const POLL: Duration = Duration::from_millis(200);
 /// `sun_path` holds 108 bytes with the NUL; the real daemon's longest socket is `control_privileged`.
 const LONGEST_SOCKET: &str = "control_privileged";
 const MAX_SOCKET_PATH: usize = 107;
 const MIB: u64 = 1024 * 1024;
-
-/// The program that plays the control daemon.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum MpsProgram {
-    /// `<container driver root>/usr/bin/nvidia-cuda-mps-control`; `library_path` becomes its
-    /// `LD_LIBRARY_PATH` (the driver root's libraries as this process sees them).
-    Nvidia {
-        control: PathBuf,
-        library_path: Option<String>,
-    },
-    /// The gpu-dra binary itself: `<exe> fake mps-control-daemon`.
-    StandIn { exe: PathBuf },
-}
-
-impl MpsProgram {
-    fn command(&self, args: &[&str]) -> Command {
-        match self {
-            MpsProgram::Nvidia {
-                control,
-                library_path,
-            } => {
-                let mut command = Command::new(control);
-                command.args(args);
-                if let Some(path) = library_path {
-                    command.env("LD_LIBRARY_PATH", path);
-                }
-                // The daemon starts nvidia-cuda-mps-server, which the driver installs beside it.
-                if let Some(dir) = control.parent() {
-                    let inherited = std::env::var("PATH").unwrap_or_default();
-                    command.env("PATH", format!("{}:{inherited}", dir.display()));
-                }
-                command
-            }
-            MpsProgram::StandIn { exe } => {
-                let mut command = Command::new(exe);
-                command.args(["fake", "mps-control-daemon"]).args(args);
-                command
-            }
-        }
-    }
-
-    fn describe(&self) -> String {
-        match self {
-            MpsProgram::Nvidia { control, .. } => control.display().to_string(),
-            MpsProgram::StandIn { exe } => format!("{} fake mps-control-daemon", exe.display()),
-        }
-    }
-}
 
 /// One device a daemon serves, in `CUDA_VISIBLE_DEVICES` order (its index there is the ordinal
 /// the daemon's per-device commands use).
@@ -121,13 +75,17 @@ pub struct MpsDaemonSpec {
     pub active_thread_percentage: Option<u8>,
 }
 
-/// A started daemon, as the checkpoint keeps it.
+/// A started daemon, as the checkpoint keeps it. Records of releases that ran the daemon inside the
+/// plugin (a `pid`, no `pod`) load with an empty `pod`: their daemon died with that container, and
+/// recovery starts a Pod for it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct MpsDaemonRecord {
-    pub pid: u32,
-    /// Field 22 of `/proc/<pid>/stat` (clock ticks after boot): a reused pid has another.
-    pub start_time: u64,
+    /// The daemon's Pod, in the plugin's namespace.
+    #[serde(default)]
+    pub pod: String,
+    #[serde(default)]
+    pub pod_uid: String,
     /// `<root>/<claimUID>` as this process sees it.
     pub dir: PathBuf,
     pub devices: Vec<MpsDevice>,
@@ -145,9 +103,10 @@ impl MpsDaemonRecord {
 /// What [`MpsDaemons::take_over`] found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum TakeOver {
-    /// The recorded daemon still runs; nothing changed.
+    /// The recorded daemon's Pod still runs, Ready, for the same devices; nothing changed.
     TakenOver,
-    /// It had died (with the old plugin container); a new one runs in the same directories.
+    /// Its Pod was gone, not Ready, or served other devices (a MIG device made again after a reboot
+    /// has a new UUID): a new Pod runs in the same directories.
     Restarted(MpsDaemonRecord),
 }
 
@@ -168,41 +127,63 @@ pub enum MpsError {
         path: PathBuf,
         source: io::Error,
     },
-    #[error("MPS daemon for claim {claim}: running {program}: {source}")]
-    Spawn {
+    #[error("MPS daemon for claim {claim}: mounting its shared-memory tmpfs at {}: {source} (the plugin must run privileged, with the plugins directory mounted Bidirectional)", path.display())]
+    Shm {
         claim: String,
-        program: String,
-        source: io::Error,
+        path: PathBuf,
+        source: nix::Error,
     },
-    #[error("MPS daemon for claim {claim}: {program} -d failed: {detail}")]
-    StartFailed {
+    #[error("MPS daemon for claim {claim}: no image to run the daemon's Pod in: the plugin runs outside a Pod (set --mps-daemon-image, or POD_NAME and POD_NAMESPACE)")]
+    NoDaemonPods { claim: String },
+    #[error("MPS daemon for claim {claim}: Pod {namespace}/{pod}: {action}: {source}")]
+    Api {
         claim: String,
-        program: String,
-        detail: String,
+        namespace: String,
+        pod: String,
+        action: &'static str,
+        source: Box<kube::Error>,
     },
-    #[error("MPS daemon for claim {claim}: not answering within {waited:?}: {detail}")]
+    #[error(
+        "MPS daemon for claim {claim}: Pod {namespace}/{pod} not Ready within {waited:?}: {detail}"
+    )]
     NotReady {
         claim: String,
+        namespace: String,
+        pod: String,
         waited: Duration,
         detail: String,
     },
-    #[error("MPS daemon for claim {claim}: command {command:?}: {detail}")]
-    Command {
+    #[error("MPS daemon for claim {claim}: Pod {namespace}/{pod} still there {waited:?} after its deletion")]
+    StillRunning {
         claim: String,
-        command: String,
-        detail: String,
+        namespace: String,
+        pod: String,
+        waited: Duration,
     },
-    #[error("MPS daemon for claim {claim}: process {pid} named in {} is alive but could not be checked: {reason}; left alone", pid_file.display())]
-    Unverifiable {
-        claim: String,
-        pid: u32,
-        pid_file: PathBuf,
-        reason: String,
-    },
-    #[error(
-        "MPS daemon for claim {claim}: process {pid} still runs after quit, SIGTERM and SIGKILL"
-    )]
-    StillRunning { claim: String, pid: u32 },
+}
+
+/// Runs the daemons' Pods: the API and what every Pod of this plugin shares.
+#[derive(Clone)]
+pub struct DaemonPods {
+    api: Api<Pod>,
+    template: DaemonPodTemplate,
+}
+
+impl std::fmt::Debug for DaemonPods {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DaemonPods")
+            .field("template", &self.template)
+            .finish()
+    }
+}
+
+impl DaemonPods {
+    pub fn new(client: kube::Client, template: DaemonPodTemplate) -> Self {
+        Self {
+            api: Api::namespaced(client, &template.namespace),
+            template,
+        }
+    }
 }
 
 /// The per-claim MPS daemons under one directory.
@@ -210,7 +191,8 @@ pub enum MpsError {
 pub struct MpsDaemons {
     root: PathBuf,
     host_root: PathBuf,
-    program: MpsProgram,
+    shm_size: u64,
+    pods: Option<DaemonPods>,
 }
 
 /// A claim's directories, as this process sees them.
@@ -223,10 +205,6 @@ struct ClaimDirs {
 }
 
 impl ClaimDirs {
-    fn pid_file(&self) -> PathBuf {
-        self.pipe.join(PID_FILE)
-    }
-
     fn io(&self, action: &'static str, path: &Path) -> impl FnOnce(io::Error) -> MpsError {
         let (claim, path) = (self.claim.clone(), path.to_path_buf());
         move |source| MpsError::Io {
@@ -240,12 +218,14 @@ impl ClaimDirs {
 
 impl MpsDaemons {
     /// `root` is `<plugin-dir>/mps` as this process sees it; the host sees it at the same path
-    /// unless [`with_host_root`](Self::with_host_root) says otherwise.
-    pub fn new(root: PathBuf, program: MpsProgram) -> Self {
+    /// unless [`with_host_root`](Self::with_host_root) says otherwise. Without
+    /// [`with_pods`](Self::with_pods), MPS claims fail with a clear error.
+    pub fn new(root: PathBuf, shm_size: u64) -> Self {
         Self {
             host_root: root.clone(),
             root,
-            program,
+            shm_size,
+            pods: None,
         }
     }
 
@@ -255,109 +235,255 @@ impl MpsDaemons {
         self
     }
 
+    /// Runs the daemons in Pods made from `pods`.
+    pub fn with_pods(mut self, pods: DaemonPods) -> Self {
+        self.pods = Some(pods);
+        self
+    }
+
     pub fn root(&self) -> &Path {
         &self.root
     }
 
-    /// Starts the claim's daemon with its devices and limits; replaces whatever an earlier,
-    /// interrupted attempt left in the claim's directory.
-    pub fn start(&self, spec: &MpsDaemonSpec) -> Result<MpsDaemonRecord, MpsError> {
+    /// The size of each claim's shared-memory tmpfs, in bytes.
+    pub fn shm_size(&self) -> u64 {
+        self.shm_size
+    }
+
+    /// Makes the claim's directories and tmpfs, starts its daemon's Pod and waits until it is Ready.
+    /// A Pod left by an earlier, interrupted attempt is replaced. On failure nothing is left behind.
+    pub async fn start(&self, spec: &MpsDaemonSpec) -> Result<MpsDaemonRecord, MpsError> {
         let dirs = self.dirs_for_uid(&spec.claim_uid)?;
-        let limits = limit_commands(spec)?;
-        self.prepare_dirs(&dirs)?;
-        let started = self.launch(&dirs, spec, &limits);
+        let pods = self.pods.as_ref().ok_or_else(|| MpsError::NoDaemonPods {
+            claim: dirs.claim.clone(),
+        })?;
+        limit_commands(spec)?;
+        let started = self.launch(pods, &dirs, spec).await;
         match &started {
             Ok(record) => {
-                info!(claim = %dirs.claim, pid = record.pid, devices = %visible_devices(&spec.devices), "MPS control daemon started")
+                info!(claim = %dirs.claim, pod = %record.pod, devices = %visible_devices(&spec.devices), "MPS control daemon started")
             }
             Err(_) => {
-                let _ = fs::remove_dir_all(&dirs.dir);
+                let _ = self.delete_pod(pods, &dirs.claim, None).await;
+                self.remove_dirs(&dirs);
             }
         }
         started
     }
 
-    /// Whether the recorded daemon still runs: same pid, same start time, not a zombie.
-    pub fn is_running(&self, record: &MpsDaemonRecord) -> bool {
-        same_process_alive(record.pid, record.start_time)
+    async fn launch(
+        &self,
+        pods: &DaemonPods,
+        dirs: &ClaimDirs,
+        spec: &MpsDaemonSpec,
+    ) -> Result<MpsDaemonRecord, MpsError> {
+        self.prepare_dirs(dirs)?;
+        mps_shm::mount_tmpfs(&dirs.shm, self.shm_size).map_err(|source| MpsError::Shm {
+            claim: dirs.claim.clone(),
+            path: dirs.shm.clone(),
+            source,
+        })?;
+        let pod = pods.template.pod(spec, &self.host_root.join(&dirs.claim))?;
+        let name = DaemonPodTemplate::pod_name(&dirs.claim);
+        // A Pod of an earlier attempt (or an earlier boot) may hold other devices or a dead mount.
+        self.delete_pod(pods, &dirs.claim, Some(GONE_TIMEOUT))
+            .await?;
+        let created = pods
+            .api
+            .create(&PostParams::default(), &pod)
+            .await
+            .map_err(|e| self.api_error(&dirs.claim, &name, "creating", e))?;
+        let uid = created.metadata.uid.clone().unwrap_or_default();
+        self.wait_ready(pods, dirs, &name, &uid).await?;
+        Ok(MpsDaemonRecord {
+            pod: name,
+            pod_uid: uid,
+            dir: dirs.dir.clone(),
+            devices: spec.devices.clone(),
+            active_thread_percentage: spec.active_thread_percentage,
+        })
     }
 
-    /// At plugin start, for a claim that is still prepared: keeps a running daemon, or starts a
-    /// new one in the same directories (kept, so that containers that mounted them see it). The
-    /// new record replaces the old one in the checkpoint.
-    pub fn take_over(&self, record: &MpsDaemonRecord) -> Result<TakeOver, MpsError> {
+    /// Waits until the Pod (this UID) is Ready and its daemon wrote the marker into the claim's tmpfs.
+    async fn wait_ready(
+        &self,
+        pods: &DaemonPods,
+        dirs: &ClaimDirs,
+        name: &str,
+        uid: &str,
+    ) -> Result<(), MpsError> {
+        let deadline = Instant::now() + READY_TIMEOUT;
+        loop {
+            let detail = match pods.api.get_opt(name).await {
+                Ok(Some(pod)) if pod.metadata.uid.as_deref() != Some(uid) => {
+                    "replaced by another Pod of the same name".to_string()
+                }
+                Ok(Some(pod)) if is_ready(&pod) => {
+                    if dirs.shm.join(SHM_MARKER).is_file() {
+                        return Ok(());
+                    }
+                    format!(
+                        "Ready, but the daemon's /dev/shm is not the claim's tmpfs {} (no {SHM_MARKER} there)",
+                        dirs.shm.display()
+                    )
+                }
+                Ok(Some(pod)) => not_ready_reason(&pod),
+                Ok(None) => "the Pod is gone".to_string(),
+                Err(e) => format!("reading the Pod: {e}"),
+            };
+            if Instant::now() >= deadline {
+                return Err(MpsError::NotReady {
+                    claim: dirs.claim.clone(),
+                    namespace: pods.template.namespace.clone(),
+                    pod: name.to_string(),
+                    waited: READY_TIMEOUT,
+                    detail: format!(
+                        "{detail}; `kubectl logs -n {} {name}` says why",
+                        pods.template.namespace
+                    ),
+                });
+            }
+            tokio::time::sleep(POLL).await;
+        }
+    }
+
+    /// Whether the recorded daemon's Pod still runs and is Ready.
+    pub async fn is_running(&self, record: &MpsDaemonRecord) -> bool {
+        let Some(pods) = &self.pods else {
+            return false;
+        };
+        matches!(pods.api.get_opt(&record.pod).await,
+            Ok(Some(pod)) if pod.metadata.uid.as_deref() == Some(record.pod_uid.as_str()) && is_ready(&pod))
+    }
+
+    /// At plugin start, for a claim that is still prepared: keeps a Ready daemon Pod that serves
+    /// `spec`'s devices, or starts a new one in the same directories (kept, so that containers that
+    /// mounted them see it). `spec` comes from the claim's devices as they are now, so a MIG device
+    /// made again after a reboot (new UUID) gets a daemon that names it.
+    pub async fn take_over(
+        &self,
+        record: &MpsDaemonRecord,
+        spec: &MpsDaemonSpec,
+    ) -> Result<TakeOver, MpsError> {
         let dirs = self.dirs_for_record(record)?;
-        if self.is_running(record) {
-            info!(claim = %dirs.claim, pid = record.pid, "MPS control daemon taken over");
+        let same_devices = record.devices == spec.devices
+            && record.active_thread_percentage == spec.active_thread_percentage;
+        let mounted = mps_shm::is_mount_point(&dirs.shm) && mps_shm::is_tmpfs(&dirs.shm);
+        if same_devices && mounted && self.is_running(record).await {
+            info!(claim = %dirs.claim, pod = %record.pod, "MPS control daemon taken over");
             return Ok(TakeOver::TakenOver);
         }
-        let spec = MpsDaemonSpec {
-            claim_uid: dirs.claim.clone(),
-            devices: record.devices.clone(),
-            active_thread_percentage: record.active_thread_percentage,
-        };
-        let limits = limit_commands(&spec)?;
-        self.prepare_dirs(&dirs)?;
-        let restarted = self.launch(&dirs, &spec, &limits)?;
-        info!(claim = %dirs.claim, old_pid = record.pid, pid = restarted.pid, "MPS control daemon had stopped; restarted");
+        let pods = self.pods.as_ref().ok_or_else(|| MpsError::NoDaemonPods {
+            claim: dirs.claim.clone(),
+        })?;
+        limit_commands(spec)?;
+        let restarted = self.launch(pods, &dirs, spec).await?;
+        info!(claim = %dirs.claim, old_pod_uid = %record.pod_uid, pod_uid = %restarted.pod_uid, same_devices, "MPS control daemon started again");
         Ok(TakeOver::Restarted(restarted))
     }
 
-    /// Stops the daemon (`quit`, then SIGTERM, then SIGKILL, each waited for) and removes the
-    /// claim's directory. A daemon already gone is fine; one its pid file names (a restart the
-    /// record missed) is stopped as well, after the same checks as [`sweep`](Self::sweep)'s.
-    pub fn stop(&self, record: &MpsDaemonRecord) -> Result<(), MpsError> {
+    /// Deletes the daemon's Pod and waits until it is gone, then unmounts the claim's tmpfs and
+    /// removes its directory. A Pod already gone is fine; so is a repeat.
+    pub async fn stop(&self, record: &MpsDaemonRecord) -> Result<(), MpsError> {
         let dirs = self.dirs_for_record(record)?;
-        self.stop_process(&dirs, record.pid, record.start_time)?;
-        self.stop_leftover(&dirs)?;
-        remove_dir_all(&dirs.dir).map_err(dirs.io("removing", &dirs.dir))?;
-        info!(claim = %dirs.claim, pid = record.pid, "MPS control daemon stopped");
+        if let Some(pods) = &self.pods {
+            self.delete_pod(pods, &dirs.claim, Some(GONE_TIMEOUT))
+                .await?;
+        }
+        self.remove_dirs(&dirs);
+        if dirs.dir.exists() {
+            return Err(MpsError::Io {
+                claim: dirs.claim.clone(),
+                action: "removing",
+                path: dirs.dir.clone(),
+                source: io::Error::other("still there (see the log)"),
+            });
+        }
+        info!(claim = %dirs.claim, pod = %record.pod, "MPS control daemon stopped");
         Ok(())
     }
 
-    /// At plugin start: for every claim directory not in `keep`, stops the daemon its pid file
-    /// names (only if that process is this directory's MPS daemon) and removes the directory.
-    /// Returns the claim UIDs cleaned up; failures are logged and the directory stays.
-    pub fn sweep(&self, keep: &BTreeSet<String>) -> Vec<String> {
-        let entries = match fs::read_dir(&self.root) {
-            Ok(entries) => entries,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Vec::new(),
-            Err(e) => {
-                warn!(dir = %self.root.display(), error = %e, "cannot list MPS daemon directories");
-                return Vec::new();
-            }
-        };
-        let mut names: Vec<String> = entries
-            .filter_map(|entry| entry.ok())
-            .filter(|entry| entry.file_type().is_ok_and(|t| t.is_dir()))
-            .filter_map(|entry| entry.file_name().into_string().ok())
-            .filter(|name| is_plain_name(name) && !keep.contains(name))
-            .collect();
-        names.sort();
-        let mut cleaned = Vec::new();
-        for name in names {
-            let dirs = match self.dirs_for_uid(&name) {
-                Ok(dirs) => dirs,
-                Err(_) => continue,
-            };
-            let result = self
-                .stop_leftover(&dirs)
-                .and_then(|()| remove_dir_all(&dirs.dir).map_err(dirs.io("removing", &dirs.dir)));
-            match result {
-                Ok(()) => {
-                    info!(claim = %name, "MPS daemon directory of a claim no longer prepared removed");
-                    cleaned.push(name);
+    /// At plugin start: deletes this node's daemon Pods and removes the directories of claims not
+    /// in `keep`. Returns the claim UIDs cleaned up; failures are logged and retried at the next start.
+    pub async fn sweep(&self, keep: &BTreeSet<String>) -> Vec<String> {
+        let mut cleaned = BTreeSet::new();
+        if let Some(pods) = &self.pods {
+            let template = &pods.template;
+            let params = ListParams::default()
+                .labels(&format!(
+                    "{}={},{}={}",
+                    mps_pod::COMPONENT_LABEL,
+                    mps_pod::COMPONENT,
+                    mps_pod::DRIVER_LABEL,
+                    template.driver
+                ))
+                .fields(&format!("spec.nodeName={}", template.node));
+            match pods.api.list(&params).await {
+                Ok(list) => {
+                    for pod in list.items {
+                        let Some(uid) = pod
+                            .metadata
+                            .labels
+                            .as_ref()
+                            .and_then(|l| l.get(mps_pod::CLAIM_LABEL))
+                            .cloned()
+                        else {
+                            continue;
+                        };
+                        if keep.contains(&uid) || !is_plain_name(&uid) {
+                            continue;
+                        }
+                        match self.delete_pod(pods, &uid, None).await {
+                            Ok(()) => {
+                                cleaned.insert(uid);
+                            }
+                            Err(e) => {
+                                warn!(claim = %uid, error = %e, "MPS daemon Pod of a claim no longer prepared left in place")
+                            }
+                        }
+                    }
                 }
                 Err(e) => {
-                    warn!(claim = %name, error = %e, "MPS daemon of a claim no longer prepared left in place")
+                    warn!(error = %e, "listing this node's MPS daemon Pods failed; none deleted")
                 }
             }
         }
-        cleaned
+        let entries = match fs::read_dir(&self.root) {
+            Ok(entries) => entries.filter_map(|e| e.ok()).collect::<Vec<_>>(),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Vec::new(),
+            Err(e) => {
+                warn!(dir = %self.root.display(), error = %e, "cannot list MPS daemon directories");
+                Vec::new()
+            }
+        };
+        for entry in entries {
+            let Ok(name) = entry.file_name().into_string() else {
+                continue;
+            };
+            if !entry.file_type().is_ok_and(|t| t.is_dir())
+                || !is_plain_name(&name)
+                || keep.contains(&name)
+            {
+                continue;
+            }
+            let Ok(dirs) = self.dirs_for_uid(&name) else {
+                continue;
+            };
+            self.remove_dirs(&dirs);
+            if dirs.dir.exists() {
+                warn!(claim = %name, "MPS daemon directory of a claim no longer prepared left in place");
+            } else {
+                cleaned.insert(name);
+            }
+        }
+        for uid in &cleaned {
+            info!(claim = %uid, "MPS daemon of a claim no longer prepared removed");
+        }
+        cleaned.into_iter().collect()
     }
 
     /// What a container of the claim needs to reach the daemon: the pipe and log directories and
-    /// the shared-memory directory, at the host's paths.
+    /// the shared-memory tmpfs, at the host's paths.
     pub fn container_edits(&self, record: &MpsDaemonRecord) -> Result<ContainerEdits, MpsError> {
         let dirs = self.dirs_for_record(record)?;
         let host = self.host_root.join(&dirs.claim);
@@ -389,10 +515,51 @@ impl MpsDaemons {
         })
     }
 
-    /// Sends one control command to the recorded daemon and returns its answer.
-    pub fn control(&self, record: &MpsDaemonRecord, command: &str) -> Result<String, MpsError> {
-        let dirs = self.dirs_for_record(record)?;
-        self.run_control(&dirs, command, COMMAND_TIMEOUT)
+    /// Deletes the claim's daemon Pod; with `wait`, until it is gone (the kubelet ended it).
+    async fn delete_pod(
+        &self,
+        pods: &DaemonPods,
+        claim: &str,
+        wait: Option<Duration>,
+    ) -> Result<(), MpsError> {
+        let name = DaemonPodTemplate::pod_name(claim);
+        match pods.api.delete(&name, &DeleteParams::default()).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(status)) if status.code == 404 => return Ok(()),
+            Err(e) => return Err(self.api_error(claim, &name, "deleting", e)),
+        }
+        let Some(waited) = wait else {
+            return Ok(());
+        };
+        let deadline = Instant::now() + waited;
+        loop {
+            match pods.api.get_opt(&name).await {
+                Ok(None) => return Ok(()),
+                Ok(Some(_)) | Err(_) if Instant::now() < deadline => tokio::time::sleep(POLL).await,
+                Ok(Some(_)) | Err(_) => {
+                    return Err(MpsError::StillRunning {
+                        claim: claim.to_string(),
+                        namespace: pods.template.namespace.clone(),
+                        pod: name,
+                        waited,
+                    })
+                }
+            }
+        }
+    }
+
+    fn api_error(&self, claim: &str, pod: &str, action: &'static str, e: kube::Error) -> MpsError {
+        MpsError::Api {
+            claim: claim.to_string(),
+            namespace: self
+                .pods
+                .as_ref()
+                .map(|p| p.template.namespace.clone())
+                .unwrap_or_default(),
+            pod: pod.to_string(),
+            action,
+            source: Box::new(e),
+        }
     }
 
     fn dirs_for_uid(&self, claim_uid: &str) -> Result<ClaimDirs, MpsError> {
@@ -424,10 +591,10 @@ impl MpsDaemons {
         self.dirs_for_uid(uid).map_err(|_| foreign())
     }
 
-    /// Makes the directories (keeping existing ones: containers may have them mounted), stops a
-    /// daemon a crashed attempt left there, and clears stale sockets and pid file from `pipe`.
-    /// Modes: MPS servers run as the client's user, so they must reach and write `pipe`, `shm`
-    /// and `log`; those are sticky and world-writable like `/tmp`, their parents only traversable.
+    /// Makes the directories (keeping existing ones: containers may have them mounted) and clears
+    /// a stale ready file. Modes: MPS servers run as the client's user, so they must reach and write
+    /// `pipe` and `log`; those are sticky and world-writable like `/tmp`, their parents only
+    /// traversable. The tmpfs on `shm` gets the same mode when mounted.
     fn prepare_dirs(&self, dirs: &ClaimDirs) -> Result<(), MpsError> {
         let socket = dirs.pipe.join(LONGEST_SOCKET);
         if socket.as_os_str().len() > MAX_SOCKET_PATH {
@@ -440,25 +607,71 @@ impl MpsDaemons {
             (&self.root, 0o711),
             (&dirs.dir, 0o711),
             (&dirs.pipe, 0o1777),
-            (&dirs.shm, 0o1777),
             (&dirs.log, 0o1777),
+            (&dirs.shm, 0o1777),
         ] {
             fs::create_dir_all(dir).map_err(dirs.io("creating", dir))?;
-            fs::set_permissions(dir, fs::Permissions::from_mode(mode))
-                .map_err(dirs.io("setting the mode of", dir))?;
+            if !mps_shm::is_mount_point(dir) {
+                fs::set_permissions(dir, fs::Permissions::from_mode(mode))
+                    .map_err(dirs.io("setting the mode of", dir))?;
+            }
         }
-        self.stop_leftover(dirs)?;
-        for entry in fs::read_dir(&dirs.pipe).map_err(dirs.io("listing", &dirs.pipe))? {
-            let path = entry.map_err(dirs.io("listing", &dirs.pipe))?.path();
-            let removed = if path.is_dir() && !path.is_symlink() {
-                fs::remove_dir_all(&path)
-            } else {
-                fs::remove_file(&path)
-            };
-            removed.map_err(dirs.io("removing", &path))?;
+        let ready = dirs.log.join(mps_pod::READY_FILE);
+        match fs::remove_file(&ready) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => Err(dirs.io("removing", &ready)(e)),
+            _ => Ok(()),
         }
-        Ok(())
     }
+
+    /// Unmounts the tmpfs and removes the claim's directory; failures are logged.
+    fn remove_dirs(&self, dirs: &ClaimDirs) {
+        if let Err(e) = mps_shm::unmount(&dirs.shm) {
+            warn!(claim = %dirs.claim, path = %dirs.shm.display(), error = %e, "unmounting the MPS shared memory failed");
+            return;
+        }
+        if let Err(e) = remove_dir_all(&dirs.dir) {
+            warn!(claim = %dirs.claim, path = %dirs.dir.display(), error = %e, "removing the MPS daemon directory failed");
+        }
+    }
+}
+
+fn is_ready(pod: &Pod) -> bool {
+    pod.metadata.deletion_timestamp.is_none()
+        && pod
+            .status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
+/// Why a Pod is not Ready, in the kubelet's words where it gave some.
+fn not_ready_reason(pod: &Pod) -> String {
+    let status = pod.status.as_ref();
+    let container = status
+        .and_then(|s| s.container_statuses.as_ref())
+        .and_then(|c| c.first());
+    let state = container.and_then(|c| c.state.as_ref());
+    if let Some(waiting) = state.and_then(|s| s.waiting.as_ref()) {
+        return format!(
+            "container waiting: {} {}",
+            waiting.reason.as_deref().unwrap_or_default(),
+            waiting.message.as_deref().unwrap_or_default()
+        )
+        .trim()
+        .to_string();
+    }
+    if let Some(terminated) = container
+        .and_then(|c| c.last_state.as_ref())
+        .and_then(|s| s.terminated.as_ref())
+    {
+        return format!(
+            "container exited with {} ({})",
+            terminated.exit_code,
+            terminated.reason.as_deref().unwrap_or("no reason")
+        );
+    }
+    let phase = status.and_then(|s| s.phase.as_deref()).unwrap_or("Pending");
+    format!("phase {phase}, not Ready yet")
 }
 
 /// The commands that apply a spec's limits, checked before anything starts.

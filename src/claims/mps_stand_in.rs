@@ -8,6 +8,11 @@
 //! one answer line each) and logs every command to `<log>/control.log`. It keeps the default
 //! active thread percentage and per-device pinned memory limits it is given. What it does not
 //! model: MPS servers and clients, `ps`, `get_server_list`, per-server settings, user ids.
+//!
+//! Like the real daemon's server, it keeps its state in `/dev/shm` (`GPU_DRA_FAKE_MPS_SHM` where the
+//! test doubles run it without a mount namespace): a file `cuda.shm.mps-stand-in` naming its devices,
+//! which a client container finds in its own `/dev/shm` only when both share one tmpfs. It refuses to
+//! start on a `/dev/shm` that is no tmpfs.
 
 use std::collections::BTreeMap;
 use std::fs::{self, OpenOptions};
@@ -26,6 +31,9 @@ use tokio::sync::Notify;
 
 use super::{CONTROL_SOCKET, PID_FILE};
 use crate::fsutil::write_atomically;
+
+/// The stand-in server's state in shared memory.
+pub const SHM_SEGMENT: &str = "cuda.shm.mps-stand-in";
 
 /// How the program was started.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -213,6 +221,20 @@ fn foreground() -> Result<i32, StandInError> {
         eprintln!("An instance of this daemon is already running (pid {pid})");
         return Ok(1);
     }
+    let shm = std::env::var_os(super::supervisor::STAND_IN_SHM_ENV)
+        .filter(|v| !v.is_empty())
+        .map_or_else(|| PathBuf::from("/dev/shm"), PathBuf::from);
+    if !super::mps_shm::is_tmpfs(&shm) {
+        log.line(&format!(
+            "{} is not a tmpfs; MPS servers and clients cannot share memory",
+            shm.display()
+        ));
+        eprintln!(
+            "{} is not a tmpfs: MPS servers and clients share memory there",
+            shm.display()
+        );
+        return Ok(1);
+    }
     let devices: Vec<String> = std::env::var("CUDA_VISIBLE_DEVICES")
         .unwrap_or_default()
         .split(',')
@@ -223,7 +245,15 @@ fn foreground() -> Result<i32, StandInError> {
         .enable_all()
         .build()
         .map_err(io_error("starting the runtime for", &pipe))?;
+    let segment = shm.join(SHM_SEGMENT);
+    write_atomically(
+        &segment,
+        format!("{}\n", devices.join(",")).as_bytes(),
+        0o644,
+    )
+    .map_err(io_error("writing", &segment))?;
     let result = runtime.block_on(serve(&pipe, devices, log.clone()));
+    let _ = fs::remove_file(&segment);
     let _ = fs::remove_file(pipe.join(CONTROL_SOCKET));
     if read_pid(&pid_file) == Some(std::process::id()) {
         let _ = fs::remove_file(&pid_file);

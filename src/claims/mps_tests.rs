@@ -1,4 +1,3 @@
-use super::process::*;
 use super::*;
 
 fn spec(devices: &[(&str, &str, Option<u64>)], percentage: Option<u8>) -> MpsDaemonSpec {
@@ -78,70 +77,12 @@ fn claim_uids_must_be_plain_names() {
 }
 
 #[test]
-fn stat_fields_are_counted_after_the_command_name() {
-    // A command name with spaces and parentheses, as a process may give itself.
-    let mut fields = vec!["S", "1", "4242", "4242"];
-    fields.extend(std::iter::repeat_n("0", 15));
-    fields.push("987654");
-    let text = format!("4242 (a) b (c)) {} 0 0\n", fields.join(" "));
-    assert_eq!(
-        parse_stat(&text),
-        Some(ProcStat {
-            state: 'S',
-            pgrp: 4242,
-            start_time: 987654
-        })
-    );
-    assert!(parse_stat("4242 (short) S 1").is_none());
-    let zombie = parse_stat(&text.replacen(") S ", ") Z ", 1)).unwrap();
-    assert!(!zombie.alive());
-}
-
-#[test]
-fn this_process_stat_matches_the_kernel() {
-    let me = proc_stat(std::process::id()).unwrap();
-    assert!(me.alive());
-    assert!(me.start_time > 0);
-    assert!(same_process_alive(std::process::id(), me.start_time));
-    assert!(!same_process_alive(std::process::id(), me.start_time + 1));
-}
-
-#[test]
-fn only_daemon_command_lines_count_as_mps_daemons() {
-    let yes: [&[&str]; 4] = [
-        &["nvidia-cuda-mps-control", "-d"],
-        &["/driver-root/usr/bin/nvidia-cuda-mps-control", "-f"],
-        &["/usr/bin/gpu-dra", "fake", "mps-control-daemon", "-f"],
-        &["./gpu-dra", "fake", "mps-control-daemon", "-d"],
-    ];
-    let no: [&[&str]; 6] = [
-        &["nvidia-cuda-mps-control"],
-        &["/usr/bin/gpu-dra", "fake", "mps-control-daemon"],
-        &["sleep", "30"],
-        &["sh", "-c", "nvidia-cuda-mps-control -d"],
-        &["/usr/bin/nvidia-cuda-mps-control-not", "-d"],
-        &[],
-    ];
-    for args in yes {
-        assert!(is_daemon_command_line(args), "{args:?}");
-    }
-    for args in no {
-        assert!(!is_daemon_command_line(args), "{args:?}");
-    }
-}
-
-#[test]
 fn container_edits_mount_the_claim_directories_at_the_host_paths() {
-    let daemons = MpsDaemons::new(
-        "/plugin/mps".into(),
-        MpsProgram::StandIn {
-            exe: "/gpu-dra".into(),
-        },
-    )
-    .with_host_root("/var/lib/kubelet/plugins/gpu.dra.dev/mps".into());
+    let daemons = MpsDaemons::new("/plugin/mps".into(), 1 << 26)
+        .with_host_root("/var/lib/kubelet/plugins/gpu.dra.dev/mps".into());
     let record = MpsDaemonRecord {
-        pid: 10,
-        start_time: 20,
+        pod: "gpu-dra-mps-uid-1".into(),
+        pod_uid: "pod-uid".into(),
         dir: "/plugin/mps/uid-1".into(),
         devices: vec![],
         active_thread_percentage: None,
@@ -187,14 +128,9 @@ fn container_edits_mount_the_claim_directories_at_the_host_paths() {
     .unwrap();
 }
 
-#[test]
-fn records_outside_the_root_are_refused() {
-    let daemons = MpsDaemons::new(
-        "/plugin/mps".into(),
-        MpsProgram::StandIn {
-            exe: "/gpu-dra".into(),
-        },
-    );
+#[tokio::test]
+async fn records_outside_the_root_are_refused() {
+    let daemons = MpsDaemons::new("/plugin/mps".into(), 1 << 26);
     for dir in [
         "/etc",
         "/plugin/mps",
@@ -203,14 +139,17 @@ fn records_outside_the_root_are_refused() {
         "/plugin/mps/..",
     ] {
         let record = MpsDaemonRecord {
-            pid: 10,
-            start_time: 20,
+            pod: "gpu-dra-mps-uid-1".into(),
+            pod_uid: "pod-uid".into(),
             dir: dir.into(),
             devices: vec![],
             active_thread_percentage: None,
         };
         assert!(
-            matches!(daemons.stop(&record), Err(MpsError::ForeignDir { .. })),
+            matches!(
+                daemons.stop(&record).await,
+                Err(MpsError::ForeignDir { .. })
+            ),
             "{dir}"
         );
         assert!(daemons.container_edits(&record).is_err(), "{dir}");
@@ -220,8 +159,8 @@ fn records_outside_the_root_are_refused() {
 #[test]
 fn records_are_camel_case_and_omit_absent_limits() {
     let record = MpsDaemonRecord {
-        pid: 10,
-        start_time: 20,
+        pod: "gpu-dra-mps-uid-1".into(),
+        pod_uid: "pod-uid".into(),
         dir: "/plugin/mps/uid-1".into(),
         devices: vec![MpsDevice {
             device: "gpu-0".into(),
@@ -234,7 +173,7 @@ fn records_are_camel_case_and_omit_absent_limits() {
     assert_eq!(
         json,
         serde_json::json!({
-            "pid": 10, "startTime": 20, "dir": "/plugin/mps/uid-1",
+            "pod": "gpu-dra-mps-uid-1", "podUid": "pod-uid", "dir": "/plugin/mps/uid-1",
             "devices": [{"device": "gpu-0", "uuid": "GPU-a"}],
             "activeThreadPercentage": 30
         })
@@ -252,4 +191,29 @@ fn error_answers_are_recognised() {
     assert!(reports_error("Invalid argument"));
     assert!(!reports_error("50.0"));
     assert!(!reports_error(""));
+}
+
+#[test]
+fn records_of_daemons_that_ran_in_the_plugin_load_without_a_pod() {
+    // What releases before daemon Pods wrote: recovery then starts a Pod for the claim.
+    let old = serde_json::json!({
+        "pid": 10, "startTime": 20, "dir": "/plugin/mps/uid-1",
+        "devices": [{"device": "gpu-0", "uuid": "GPU-a"}]
+    });
+    let record: MpsDaemonRecord = serde_json::from_value(old).unwrap();
+    assert_eq!(record.pod, "");
+    assert_eq!(record.claim_uid(), Some("uid-1"));
+}
+
+#[tokio::test]
+async fn without_daemon_pods_a_start_says_what_is_missing() {
+    let root = tempfile::tempdir().unwrap();
+    let daemons = MpsDaemons::new(root.path().join("mps"), 1 << 26);
+    let error = daemons
+        .start(&spec(&[("gpu-0", "GPU-a", None)], None))
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("--mps-daemon-image"), "{error}");
+    assert!(!root.path().join("mps").exists(), "nothing is made");
 }

@@ -176,7 +176,7 @@ impl Preparer {
                         recovery.rolled_back.push(uid);
                         continue;
                     }
-                    self.restore_mps(&uid, &mut record, &mut recovery);
+                    self.restore_mps(&uid, &mut record, &inventory, &mut recovery);
                     // /var/run/cdi is tmpfs: after a reboot the spec is gone and is written again;
                     // one that a power cut left unreadable is replaced the same way.
                     if rewrite || !matches!(self.cdi.read_claim_spec(&uid), Ok(Some(_))) {

@@ -164,10 +164,10 @@ impl Preparer {
                 })
             }
         };
-        let daemons = self.mps.clone();
-        let record = tokio::task::spawn_blocking(move || daemons.start(&spec))
+        let record = self
+            .mps
+            .start(&spec)
             .await
-            .map_err(|e| super::internal(&claim.to_string(), e))?
             .map_err(|error| ClaimError::Sharing {
                 claim: claim.to_string(),
                 reason: format!("starting the MPS control daemon: {error}"),
@@ -175,7 +175,7 @@ impl Preparer {
         if let Some(held) = lock(&self.state).data.claims.get_mut(&claim.uid) {
             held.mps = Some(record.clone());
         }
-        info!(pid = record.pid, "MPS control daemon started");
+        info!(pod = %record.pod, "MPS control daemon started");
         Ok(Some(record))
     }
 
@@ -184,29 +184,50 @@ impl Preparer {
         let Some(daemon) = record.mps.clone() else {
             return Ok(());
         };
-        let daemons = self.mps.clone();
-        tokio::task::spawn_blocking(move || daemons.stop(&daemon))
+        self.mps
+            .stop(&daemon)
             .await
-            .map_err(|e| e.to_string())?
             .map_err(|e| format!("stopping the MPS control daemon: {e}"))
     }
 }
 
 impl Preparer {
-    /// At start, for a kept claim with an MPS daemon: takes the daemon over if it still runs, starts it
-    /// again in the same directories if it died (so that the claim's new containers work again). A
-    /// daemon that cannot be started again is reported and forgotten; the claim stays prepared.
-    pub(super) fn restore_mps(&self, uid: &str, record: &mut ClaimRecord, recovery: &mut Recovery) {
+    /// At start, for a kept claim with an MPS daemon: takes the daemon's Pod over if it still runs for
+    /// the claim's devices as they are now, starts it again in the same directories otherwise (it
+    /// died, or a MIG device was made again after a reboot and has a new UUID), so that the claim's
+    /// new containers work again. A daemon that cannot be started again is reported and forgotten;
+    /// the claim stays prepared. Runs on a blocking thread of the runtime (recovery's).
+    pub(super) fn restore_mps(
+        &self,
+        uid: &str,
+        record: &mut ClaimRecord,
+        inventory: &Inventory,
+        recovery: &mut Recovery,
+    ) {
         let Some(daemon) = record.mps.clone() else {
             return;
         };
-        match self.mps.take_over(&daemon) {
+        let spec = match mps_spec(uid, &record.devices, inventory) {
+            Ok(Some(spec)) => spec,
+            Ok(None) => {
+                warn!(claim = %super::describe(uid, record), "MPS daemon recorded for a claim without MPS devices; forgotten");
+                record.mps = None;
+                return;
+            }
+            Err(reason) => {
+                warn!(claim = %super::describe(uid, record), %reason, "the claim's MPS daemon cannot be started again");
+                record.mps = None;
+                return;
+            }
+        };
+        let handle = tokio::runtime::Handle::current();
+        match handle.block_on(self.mps.take_over(&daemon, &spec)) {
             Ok(TakeOver::TakenOver) => {
-                info!(claim = %super::describe(uid, record), pid = daemon.pid, "MPS control daemon taken over");
+                info!(claim = %super::describe(uid, record), pod = %daemon.pod, "MPS control daemon taken over");
                 recovery.mps_daemons_taken_over.push(uid.to_string());
             }
             Ok(TakeOver::Restarted(started)) => {
-                warn!(claim = %super::describe(uid, record), pid = started.pid, "MPS control daemon had stopped; started again");
+                warn!(claim = %super::describe(uid, record), pod = %started.pod, "MPS control daemon was gone, not Ready or named other devices; started again");
                 record.mps = Some(started);
                 recovery.mps_daemons_restarted.push(uid.to_string());
             }
@@ -227,7 +248,7 @@ impl Preparer {
             .chain(&data.left_in_place)
             .cloned()
             .collect();
-        let cleaned = self.mps.sweep(&keep);
+        let cleaned = tokio::runtime::Handle::current().block_on(self.mps.sweep(&keep));
         for uid in &cleaned {
             info!(claim_uid = %uid, "MPS control daemon of a claim no longer prepared stopped");
         }

@@ -81,9 +81,31 @@ pub struct PluginConfig {
     /// Timeouts towards the API server: the client's, the watches', and the per-claim budget of a
     /// prepare. The client built by [`kube_client`] must be made with the same values.
     pub api: ApiTimeouts,
-    /// The program that plays MPS control daemons on the fake backend (`<it> fake
-    /// mps-control-daemon`); `None`: this binary.
-    pub mps_stand_in: Option<PathBuf>,
+    /// How MPS control daemons are run: each in a Pod of its own.
+    pub mps: MpsConfig,
+}
+
+/// Where and how the Pods of MPS control daemons run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MpsConfig {
+    /// The plugin's namespace; the daemons' Pods are made there.
+    pub namespace: String,
+    /// The plugin's own Pod (`POD_NAME`), whose image the daemons run unless `image` is set.
+    pub own_pod: Option<String>,
+    pub image: Option<String>,
+    /// The size limit of each claim's shared-memory tmpfs, in bytes.
+    pub shm_size: u64,
+}
+
+impl Default for MpsConfig {
+    fn default() -> Self {
+        MpsConfig {
+            namespace: "gpu-dra".to_string(),
+            own_pod: None,
+            image: None,
+            shm_size: 64 * 1024 * 1024,
+        }
+    }
 }
 
 impl PluginConfig {
@@ -111,7 +133,7 @@ impl PluginConfig {
             mig_mode: MigMode::Static,
             startup_api_timeout: startup::DEFAULT_STARTUP_API_TIMEOUT,
             api: ApiTimeouts::default(),
-            mps_stand_in: None,
+            mps: MpsConfig::default(),
         }
     }
 
@@ -302,7 +324,7 @@ pub async fn start(
             driver_edits: driver_edits(&config, &inventory)?,
             startup_api_timeout: config.startup_api_timeout,
             claim_read_budget: config.api.claim_read,
-            mps: mps_daemons(&config, &plugin_dir)?,
+            mps: mps_daemons(&config, &plugin_dir, &client).await,
         },
         client.clone(),
         backend.clone(),
@@ -541,36 +563,66 @@ fn driver_edits(config: &PluginConfig, inventory: &Inventory) -> Result<DriverEd
 }
 
 /// The claims' MPS control daemons, under `<plugin-dir>/mps` (the DaemonSet mounts the plugins
-/// directory at the host's own path, so the CDI mounts name the same path): NVIDIA's
-/// `nvidia-cuda-mps-control` from the driver root, or the stand-in on the fake backend.
-fn mps_daemons(
+/// directory at the host's own path, so the CDI mounts and the daemons' hostPath volumes name the same
+/// path), each run by a Pod of this plugin's image. Without an image (the plugin runs outside a Pod
+/// and none is configured) MPS claims fail at prepare with a clear error; nothing else is affected.
+async fn mps_daemons(
     config: &PluginConfig,
     plugin_dir: &std::path::Path,
-) -> Result<claims::mps::MpsDaemons, PluginError> {
-    let program = match &config.backend {
-        BackendChoice::Nvml { driver_root, .. } => {
-            let (control, library_dir) =
-                crate::gpu::find_driver_binary(driver_root, "nvidia-cuda-mps-control")
-                    .unwrap_or_else(|| (driver_root.join("usr/bin/nvidia-cuda-mps-control"), None));
-            claims::mps::MpsProgram::Nvidia {
-                control,
-                library_path: library_dir.map(|dir| dir.display().to_string()),
-            }
-        }
-        BackendChoice::Fake { .. } => claims::mps::MpsProgram::StandIn {
-            exe: match &config.mps_stand_in {
-                Some(exe) => exe.clone(),
-                None => std::env::current_exe().map_err(|source| PluginError::Directory {
-                    path: "the running binary (for the fake MPS daemon)".to_string(),
-                    source,
-                })?,
-            },
-        },
+    client: &kube::Client,
+) -> claims::mps::MpsDaemons {
+    use claims::mps::{DaemonPodTemplate, DaemonPods, DaemonProgram, MpsDaemons};
+    let daemons = MpsDaemons::new(plugin_dir.join("mps"), config.mps.shm_size);
+    let (program, host_driver_root) = match &config.backend {
+        BackendChoice::Nvml {
+            driver_root,
+            host_driver_root,
+        } => (
+            claims::mps::mps_pod::program_for_root(driver_root),
+            host_driver_root.clone(),
+        ),
+        BackendChoice::Fake { .. } => (DaemonProgram::StandIn, PathBuf::from("/")),
     };
-    Ok(claims::mps::MpsDaemons::new(
-        plugin_dir.join("mps"),
-        program,
+    let image = match (&config.mps.image, &config.mps.own_pod) {
+        (Some(image), _) => Some(image.clone()),
+        (None, Some(pod)) => own_image(client, &config.mps.namespace, pod).await,
+        (None, None) => None,
+    };
+    let Some(image) = image else {
+        warn!("no image for MPS daemon Pods (not running in a Pod, and no --mps-daemon-image): MPS claims will fail at prepare");
+        return daemons;
+    };
+    daemons.with_pods(DaemonPods::new(
+        client.clone(),
+        DaemonPodTemplate {
+            namespace: config.mps.namespace.clone(),
+            node: config.node_name.clone(),
+            driver: config.driver_name.clone(),
+            image,
+            host_driver_root,
+            program,
+        },
     ))
+}
+
+/// The image of the plugin's own container: an upgrade of the DaemonSet then also upgrades the
+/// daemons it starts from then on (running ones keep theirs).
+async fn own_image(client: &kube::Client, namespace: &str, pod: &str) -> Option<String> {
+    use k8s_openapi::api::core::v1::Pod;
+    use kube::Api;
+    let own_pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
+    match own_pods.get(pod).await {
+        Ok(pod) => pod.spec.and_then(|spec| {
+            spec.containers
+                .into_iter()
+                .find(|c| c.name == "plugin")
+                .and_then(|c| c.image)
+        }),
+        Err(error) => {
+            warn!(%error, pod, namespace, "reading the plugin's own Pod for its image failed");
+            None
+        }
+    }
 }
 
 async fn stopped(mut shutdown: watch::Receiver<bool>) {

@@ -45,9 +45,9 @@ pub(super) struct Request {
     pub(super) old_object: Json,
 }
 
-/// The API group of the resources the policies see: Nodes are core, the rest `resource.k8s.io`.
+/// The API group of the resources the policies see: Nodes and Pods are core, the rest `resource.k8s.io`.
 fn group_of(resource: &str) -> &'static str {
-    if resource == "nodes" {
+    if resource == "nodes" || resource == "pods" {
         ""
     } else {
         "resource.k8s.io"

@@ -8,6 +8,7 @@ mod admission;
 mod cel_env;
 mod config_admission;
 mod extended_resource;
+mod mps_pod_admission;
 mod node_admission;
 mod rbac;
 

@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
 use k8s_openapi::api::apps::v1::DaemonSet;
-use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
 use regex::Regex;
 
 use super::{manifests, one, read_docs, root, Doc};
@@ -358,24 +358,64 @@ pub fn plugin_grants(docs: &[Doc]) -> BTreeSet<Grant> {
         !grants.is_empty(),
         "no ClusterRole is bound to {namespace}/{account}"
     );
+    // Namespaced grants (the Pods of MPS daemons) come from Roles in the plugin's own namespace; the
+    // plugin makes those calls only there.
+    for binding in docs
+        .iter()
+        .filter(|d| d.kind() == "RoleBinding")
+        .map(|d| d.typed::<RoleBinding>())
+        .filter(|b| b.metadata.namespace.as_deref() == Some(&namespace))
+        .filter(|b| {
+            b.subjects.iter().flatten().any(|s| {
+                s.kind == "ServiceAccount"
+                    && s.name == account
+                    && s.namespace.as_deref() == Some(&namespace)
+            })
+        })
+    {
+        assert_eq!(
+            binding.role_ref.kind, "Role",
+            "a RoleBinding of the plugin names a Role"
+        );
+        let role: Role = docs
+            .iter()
+            .find(|d| {
+                d.kind() == "Role"
+                    && d.value["metadata"]["name"] == binding.role_ref.name.as_str()
+                    && d.value["metadata"]["namespace"] == namespace.as_str()
+            })
+            .unwrap_or_else(|| panic!("no Role {} in {namespace}", binding.role_ref.name))
+            .typed();
+        grants.extend(rule_grants(
+            &format!("Role {namespace}/{}", binding.role_ref.name),
+            role.rules.iter().flatten(),
+        ));
+    }
     grants
 }
 
 /// The grants of ClusterRole `name` in `docs`; no wildcards, resourceNames or nonResourceURLs.
 fn role_grants(docs: &[Doc], name: &str) -> BTreeSet<Grant> {
     let role: ClusterRole = one(docs, "ClusterRole", name).typed();
+    rule_grants(&format!("ClusterRole {name}"), role.rules.iter().flatten())
+}
+
+fn rule_grants<'a>(
+    name: &str,
+    rules: impl Iterator<Item = &'a k8s_openapi::api::rbac::v1::PolicyRule>,
+) -> BTreeSet<Grant> {
     let mut grants = BTreeSet::new();
-    for rule in role.rules.iter().flatten() {
+    for rule in rules {
         assert!(
             rule.resource_names.is_none() && rule.non_resource_urls.is_none(),
-            "ClusterRole {name}: resourceNames and nonResourceURLs are not checked here"
+            "{name}: resourceNames and nonResourceURLs are not checked here"
         );
         for group in rule.api_groups.iter().flatten() {
             for resource in rule.resources.iter().flatten() {
                 for verb in &rule.verbs {
                     assert!(
                         group != "*" && resource != "*" && verb != "*",
-                        "ClusterRole {name}: no wildcards"
+                        "{name}: no wildcards"
                     );
                     grants.insert(Grant {
                         group: group.clone(),

@@ -40,6 +40,9 @@ pub struct Harness {
     pub api: ApiServer,
     pub dir: tempfile::TempDir,
     pub config: PluginConfig,
+    /// The kubelet's part for the Pods the plugin makes (MPS daemons); runs while the harness lives,
+    /// across plugin restarts.
+    pub pods: super::pod_runner::PodRunner,
 }
 
 impl Harness {
@@ -67,10 +70,23 @@ impl Harness {
         let root = dir.path();
         let config = PluginConfig {
             rescan_interval: Duration::from_millis(100),
-            mps_stand_in: stand_in_beside_test_binary(),
+            mps: crate::plugin::MpsConfig {
+                image: Some("gpu-dra:test".to_string()),
+                ..Default::default()
+            },
             ..PluginConfig::fake_node_under(root, DRIVER, NODE, profile)
         };
-        Harness { api, dir, config }
+        let pods = super::pod_runner::PodRunner::start(
+            api.handle(),
+            NODE,
+            super::pod_runner::PodRunner::binary(),
+        );
+        Harness {
+            api,
+            dir,
+            config,
+            pods,
+        }
     }
 
     /// Applies `deploy/components/extended-resource` to the installed DeviceClasses (a merge patch, as
@@ -312,16 +328,4 @@ pub fn h100_profile(count: usize) -> crate::gpu::FakeProfile {
 /// `spec.devices` of a claim for `count` whole GPUs.
 fn gpus_request(count: i64) -> serde_json::Value {
     serde_json::json!({"requests": [{"name": "gpus", "exactly": {"deviceClassName": DRIVER, "count": count}}]})
-}
-
-/// The gpu-dra binary cargo builds beside a test binary (`target/<profile>/deps/<test>` →
-/// `target/<profile>/gpu-dra`), which plays the fake MPS daemons; `None` (this binary) when the
-/// harness runs inside gpu-dra itself, as in the demo.
-pub fn stand_in_beside_test_binary() -> Option<std::path::PathBuf> {
-    let exe = std::env::current_exe().ok()?;
-    if exe.file_name().is_some_and(|name| name == "gpu-dra") {
-        return None;
-    }
-    let beside = exe.parent()?.parent()?.join("gpu-dra");
-    beside.exists().then_some(beside)
 }

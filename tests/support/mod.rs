@@ -10,5 +10,6 @@ pub mod harness;
 pub mod kubelet;
 pub mod kubelet_pods;
 pub mod packing;
+pub mod pod_runner;
 pub mod pods;
 pub mod scheduler;

@@ -570,59 +570,34 @@ impl ApiServer {
         self.shared.store().revision
     }
 
-    /// Creates or replaces an object without validation, as a controller or the kubelet would have written
-    /// it. Fills kind, apiVersion, uid, creationTimestamp and generation where missing; bumps the
-    /// resourceVersion and notifies watches. Returns the stored object.
-    pub fn insert(&self, resource: &str, mut obj: Value) -> Value {
-        let def = hook_resource(resource);
-        fill_type_meta(def, &mut obj);
-        if def.namespaced && meta_str(&obj, "namespace").is_none() {
-            set_meta(&mut obj, "namespace", json!("default"));
+    /// A handle on the stored objects, for the doubles of other components (the pod runner plays the
+    /// kubelet) that write as a controller or the kubelet would, without HTTP: their traffic is not among
+    /// [`ApiServer::requests`], so tests of what the plugin sends see only the plugin.
+    pub fn handle(&self) -> ApiHandle {
+        ApiHandle {
+            shared: self.shared.clone(),
         }
-        let mut store = self.shared.store();
-        let existing = store.objects.get(&ObjectKey::of(def, &obj)).cloned();
-        let kind = match &existing {
-            Some(old) => {
-                for field in ["uid", "creationTimestamp"] {
-                    if let (None, Some(value)) = (meta(&obj, field), meta(old, field)) {
-                        set_meta(&mut obj, field, value.clone());
-                    }
-                }
-                EventType::Modified
-            }
-            None => EventType::Added,
-        };
-        fill_system_meta(&mut obj);
-        self.shared.commit(&mut store, def, kind, obj)
+    }
+
+    /// Creates or replaces an object without validation, as a controller or the kubelet would have written
+    /// it; see [`ApiHandle::insert`].
+    pub fn insert(&self, resource: &str, obj: Value) -> Value {
+        self.handle().insert(resource, obj)
     }
 
     /// One stored object.
     pub fn get(&self, resource: &str, namespace: Option<&str>, name: &str) -> Option<Value> {
-        let key = ObjectKey::new(hook_resource(resource), namespace, name);
-        self.shared.store().objects.get(&key).cloned()
+        self.handle().get(resource, namespace, name)
     }
 
     /// All stored objects of a resource, in namespace/name order.
     pub fn list(&self, resource: &str) -> Vec<Value> {
-        let def = hook_resource(resource);
-        let store = self.shared.store();
-        store
-            .objects
-            .iter()
-            .filter(|(key, _)| key.resource == def.plural)
-            .map(|(_, obj)| obj.clone())
-            .collect()
+        self.handle().list(resource)
     }
 
     /// Deletes an object at once (finalizers ignored), notifying watches. Returns what was stored.
     pub fn remove(&self, resource: &str, namespace: Option<&str>, name: &str) -> Option<Value> {
-        let def = hook_resource(resource);
-        let mut store = self.shared.store();
-        let obj = store
-            .objects
-            .get(&ObjectKey::new(def, namespace, name))?
-            .clone();
-        Some(self.shared.commit(&mut store, def, EventType::Deleted, obj))
+        self.handle().remove(resource, namespace, name)
     }
 
     /// Deletes every object of `resource` for which `pred` holds, as the kubelet wipes a node's slices.
@@ -799,6 +774,69 @@ fn fill_system_meta(obj: &mut Value) {
     }
     if meta(obj, "generation").and_then(Value::as_i64).is_none() {
         set_meta(obj, "generation", json!(1));
+    }
+}
+
+/// The stored objects of a running [`ApiServer`], shared with the doubles of other components.
+#[derive(Clone)]
+pub struct ApiHandle {
+    shared: Arc<Shared>,
+}
+
+impl ApiHandle {
+    /// Creates or replaces an object without validation, as a controller or the kubelet would have written
+    /// it. Fills kind, apiVersion, uid, creationTimestamp and generation where missing; bumps the
+    /// resourceVersion and notifies watches. Returns the stored object.
+    pub fn insert(&self, resource: &str, mut obj: Value) -> Value {
+        let def = hook_resource(resource);
+        fill_type_meta(def, &mut obj);
+        if def.namespaced && meta_str(&obj, "namespace").is_none() {
+            set_meta(&mut obj, "namespace", json!("default"));
+        }
+        let mut store = self.shared.store();
+        let existing = store.objects.get(&ObjectKey::of(def, &obj)).cloned();
+        let kind = match &existing {
+            Some(old) => {
+                for field in ["uid", "creationTimestamp"] {
+                    if let (None, Some(value)) = (meta(&obj, field), meta(old, field)) {
+                        set_meta(&mut obj, field, value.clone());
+                    }
+                }
+                EventType::Modified
+            }
+            None => EventType::Added,
+        };
+        fill_system_meta(&mut obj);
+        self.shared.commit(&mut store, def, kind, obj)
+    }
+
+    /// One stored object.
+    pub fn get(&self, resource: &str, namespace: Option<&str>, name: &str) -> Option<Value> {
+        let key = ObjectKey::new(hook_resource(resource), namespace, name);
+        self.shared.store().objects.get(&key).cloned()
+    }
+
+    /// All stored objects of a resource, in namespace/name order.
+    pub fn list(&self, resource: &str) -> Vec<Value> {
+        let def = hook_resource(resource);
+        let store = self.shared.store();
+        store
+            .objects
+            .iter()
+            .filter(|(key, _)| key.resource == def.plural)
+            .map(|(_, obj)| obj.clone())
+            .collect()
+    }
+
+    /// Deletes an object at once (finalizers ignored), notifying watches. Returns what was stored.
+    pub fn remove(&self, resource: &str, namespace: Option<&str>, name: &str) -> Option<Value> {
+        let def = hook_resource(resource);
+        let mut store = self.shared.store();
+        let obj = store
+            .objects
+            .get(&ObjectKey::new(def, namespace, name))?
+            .clone();
+        Some(self.shared.commit(&mut store, def, EventType::Deleted, obj))
     }
 }
 

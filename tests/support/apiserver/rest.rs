@@ -855,6 +855,24 @@ fn delete(shared: &Shared, request: &Request, body: &[u8]) -> Answer {
     let has_finalizers = meta(&old, "finalizers")
         .and_then(Value::as_array)
         .is_some_and(|f| !f.is_empty());
+    // A Pod bound to a node is deleted gracefully, as the real server's pod strategy does: it gets a
+    // deletionTimestamp and stays until its kubelet has ended the containers and deletes it with a
+    // grace period of 0 (or someone forces that).
+    if let Some(grace) = graceful_pod_deletion(request.def, &old, &options) {
+        if dry_run {
+            return Ok((200, old));
+        }
+        if meta(&old, "deletionTimestamp").is_some() {
+            return Ok((200, old));
+        }
+        let mut marked = old;
+        set_meta(&mut marked, "deletionTimestamp", json!(now_timestamp()));
+        set_meta(&mut marked, "deletionGracePeriodSeconds", json!(grace));
+        return Ok((
+            200,
+            shared.commit(&mut store, request.def, EventType::Modified, marked),
+        ));
+    }
     if has_finalizers {
         // The object stays until its finalizers are removed; the real server answers with it.
         if meta(&old, "deletionTimestamp").is_some() || dry_run {
@@ -886,4 +904,30 @@ fn delete(shared: &Shared, request: &Request, body: &[u8]) -> Answer {
             },
         }),
     ))
+}
+
+/// The grace period of a Pod's deletion when it is graceful: the Pod is bound to a node, has not
+/// finished, and the request does not ask for 0 (the options' `gracePeriodSeconds`, else the Pod's
+/// `terminationGracePeriodSeconds`, else 30).
+fn graceful_pod_deletion(def: &ResourceDef, pod: &Value, options: &Value) -> Option<i64> {
+    if def.plural != "pods" {
+        return None;
+    }
+    let bound = pod
+        .pointer("/spec/nodeName")
+        .and_then(Value::as_str)
+        .is_some_and(|n| !n.is_empty());
+    let finished = matches!(
+        pod.pointer("/status/phase").and_then(Value::as_str),
+        Some("Succeeded" | "Failed")
+    );
+    let grace = options
+        .get("gracePeriodSeconds")
+        .and_then(Value::as_i64)
+        .or_else(|| {
+            pod.pointer("/spec/terminationGracePeriodSeconds")
+                .and_then(Value::as_i64)
+        })
+        .unwrap_or(30);
+    (bound && !finished && grace > 0).then_some(grace)
 }

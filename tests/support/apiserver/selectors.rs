@@ -84,6 +84,9 @@ fn field_value(def: &ResourceDef, obj: &Value, field: &str) -> Option<String> {
         (_, "metadata.namespace") => Some(text("/metadata/namespace")),
         ("resourceslices", "spec.nodeName") => Some(text("/spec/nodeName")),
         ("resourceslices", "spec.driver") => Some(text("/spec/driver")),
+        // The pod fields the real server indexes for selectors that the plugin and kubelet use.
+        ("pods", "spec.nodeName") => Some(text("/spec/nodeName")),
+        ("pods", "status.phase") => Some(text("/status/phase")),
         ("resourceslices", "spec.pool.name") => Some(text("/spec/pool/name")),
         ("nodes", "spec.unschedulable") => Some(
             obj.pointer("/spec/unschedulable")

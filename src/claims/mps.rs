@@ -404,50 +404,18 @@ impl MpsDaemons {
     }
 
     /// At plugin start: deletes this node's daemon Pods and removes the directories of claims not
-    /// in `keep`. Returns the claim UIDs cleaned up; failures are logged and retried at the next start.
+    /// in `keep` ([`sweep_dirs`](Self::sweep_dirs), then [`sweep_pods`](Self::sweep_pods)). Returns
+    /// the claim UIDs cleaned up; failures are logged and retried at the next start.
     pub async fn sweep(&self, keep: &BTreeSet<String>) -> Vec<String> {
-        let mut cleaned = BTreeSet::new();
-        if let Some(pods) = &self.pods {
-            let template = &pods.template;
-            let params = ListParams::default()
-                .labels(&format!(
-                    "{}={},{}={}",
-                    mps_pod::COMPONENT_LABEL,
-                    mps_pod::COMPONENT,
-                    mps_pod::DRIVER_LABEL,
-                    template.driver
-                ))
-                .fields(&format!("spec.nodeName={}", template.node));
-            match pods.api.list(&params).await {
-                Ok(list) => {
-                    for pod in list.items {
-                        let Some(uid) = pod
-                            .metadata
-                            .labels
-                            .as_ref()
-                            .and_then(|l| l.get(mps_pod::CLAIM_LABEL))
-                            .cloned()
-                        else {
-                            continue;
-                        };
-                        if keep.contains(&uid) || !is_plain_name(&uid) {
-                            continue;
-                        }
-                        match self.delete_pod(pods, &uid, None).await {
-                            Ok(()) => {
-                                cleaned.insert(uid);
-                            }
-                            Err(e) => {
-                                warn!(claim = %uid, error = %e, "MPS daemon Pod of a claim no longer prepared left in place")
-                            }
-                        }
-                    }
-                }
-                Err(e) => {
-                    warn!(error = %e, "listing this node's MPS daemon Pods failed; none deleted")
-                }
-            }
-        }
+        let mut cleaned: BTreeSet<String> = self.sweep_dirs(keep).await.into_iter().collect();
+        cleaned.extend(self.sweep_pods(keep).await);
+        cleaned.into_iter().collect()
+    }
+
+    /// For each claim directory not in `keep`: deletes the claim's daemon Pod (by name), then unmounts
+    /// its tmpfs and removes the directory. Touches the API server only where there is something to
+    /// clean, so a start with an unreachable API server is not held up by it.
+    pub async fn sweep_dirs(&self, keep: &BTreeSet<String>) -> Vec<String> {
         let entries = match fs::read_dir(&self.root) {
             Ok(entries) => entries.filter_map(|e| e.ok()).collect::<Vec<_>>(),
             Err(e) if e.kind() == io::ErrorKind::NotFound => Vec::new(),
@@ -456,6 +424,7 @@ impl MpsDaemons {
                 Vec::new()
             }
         };
+        let mut cleaned = Vec::new();
         for entry in entries {
             let Ok(name) = entry.file_name().into_string() else {
                 continue;
@@ -469,17 +438,74 @@ impl MpsDaemons {
             let Ok(dirs) = self.dirs_for_uid(&name) else {
                 continue;
             };
+            if let Some(pods) = &self.pods {
+                // The Pod goes first: it mounts the directory.
+                if let Err(e) = self.delete_pod(pods, &name, Some(GONE_TIMEOUT)).await {
+                    warn!(claim = %name, error = %e, "MPS daemon Pod of a claim no longer prepared left in place; its directory too");
+                    continue;
+                }
+            }
             self.remove_dirs(&dirs);
             if dirs.dir.exists() {
                 warn!(claim = %name, "MPS daemon directory of a claim no longer prepared left in place");
             } else {
-                cleaned.insert(name);
+                info!(claim = %name, "MPS daemon of a claim no longer prepared removed");
+                cleaned.push(name);
             }
         }
-        for uid in &cleaned {
-            info!(claim = %uid, "MPS daemon of a claim no longer prepared removed");
+        cleaned
+    }
+
+    /// Deletes this node's daemon Pods whose claims are not in `keep` and have no directory (a plugin
+    /// that died between removing the two, or ran with another plugin directory). A Pod whose claim has
+    /// a directory is left alone: that claim is kept or is being prepared.
+    pub async fn sweep_pods(&self, keep: &BTreeSet<String>) -> Vec<String> {
+        let Some(pods) = &self.pods else {
+            return Vec::new();
+        };
+        let template = &pods.template;
+        let params = ListParams::default()
+            .labels(&format!(
+                "{}={},{}={}",
+                mps_pod::COMPONENT_LABEL,
+                mps_pod::COMPONENT,
+                mps_pod::DRIVER_LABEL,
+                template.driver
+            ))
+            .fields(&format!("spec.nodeName={}", template.node));
+        let list = match pods.api.list(&params).await {
+            Ok(list) => list,
+            Err(e) => {
+                warn!(error = %e, "listing this node's MPS daemon Pods failed; none deleted");
+                return Vec::new();
+            }
+        };
+        let mut cleaned = Vec::new();
+        for pod in list.items {
+            let Some(uid) = pod
+                .metadata
+                .labels
+                .as_ref()
+                .and_then(|l| l.get(mps_pod::CLAIM_LABEL))
+                .cloned()
+            else {
+                continue;
+            };
+            // A directory means the claim is kept, or being prepared now (this runs beside prepares).
+            if keep.contains(&uid) || !is_plain_name(&uid) || self.root.join(&uid).exists() {
+                continue;
+            }
+            match self.delete_pod(pods, &uid, None).await {
+                Ok(()) => {
+                    info!(claim = %uid, "MPS daemon Pod of a claim no longer prepared deleted");
+                    cleaned.push(uid);
+                }
+                Err(e) => {
+                    warn!(claim = %uid, error = %e, "MPS daemon Pod of a claim no longer prepared left in place")
+                }
+            }
         }
-        cleaned.into_iter().collect()
+        cleaned
     }
 
     /// What a container of the claim needs to reach the daemon: the pipe and log directories and

@@ -7,7 +7,7 @@
 
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::process::{ExitStatus, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use thiserror::Error;
@@ -176,7 +176,7 @@ pub async fn supervise(args: SupervisorArgs) -> Result<i32, SupervisorError> {
         }
         status = daemon.wait() => {
             let _ = fs::remove_file(args.ready_file());
-            let status = status.map_or_else(|e| e.to_string(), |s| describe(s));
+            let status = status.map_or_else(|e| e.to_string(), |s| s.to_string());
             tracing::error!(claim = %args.claim, %status, "MPS control daemon exited; the kubelet starts it again");
             Ok(1)
         }
@@ -208,8 +208,7 @@ async fn wait_ready(args: &SupervisorArgs, daemon: &mut Child) -> Result<(), Sup
     loop {
         if let Ok(Some(status)) = daemon.try_wait() {
             return Err(args.failed(format!(
-                "the control daemon exited while starting: {}",
-                describe(status)
+                "the control daemon exited while starting: {status}"
             )));
         }
         let last = match control(args, "get_default_active_thread_percentage").await {
@@ -248,7 +247,7 @@ async fn control(args: &SupervisorArgs, command: &str) -> Result<String, String>
         String::from_utf8_lossy(&output.stderr).trim()
     );
     if !output.status.success() {
-        return Err(format!("{}: {}", describe(output.status), said.trim()));
+        return Err(format!("{}: {}", output.status, said.trim()));
     }
     if reports_error(&answer) {
         return Err(said.trim().to_string());
@@ -268,8 +267,4 @@ async fn stop(args: &SupervisorArgs, daemon: &mut Child) {
         tracing::warn!(claim = %args.claim, "the MPS control daemon still runs after quit; killing it");
         let _ = daemon.kill().await;
     }
-}
-
-fn describe(status: ExitStatus) -> String {
-    status.to_string()
 }

@@ -248,7 +248,12 @@ impl Preparer {
             .chain(&data.left_in_place)
             .cloned()
             .collect();
-        let cleaned = tokio::runtime::Handle::current().block_on(self.mps.sweep(&keep));
+        // Daemon Pods without a directory are looked for in the background: a list that waits on an
+        // unreachable API server must not hold up the start.
+        let handle = tokio::runtime::Handle::current();
+        let cleaned = handle.block_on(self.mps.sweep_dirs(&keep));
+        let mps = self.mps.clone();
+        handle.spawn(async move { mps.sweep_pods(&keep).await });
         for uid in &cleaned {
             info!(claim_uid = %uid, "MPS control daemon of a claim no longer prepared stopped");
         }

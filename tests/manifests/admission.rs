@@ -448,10 +448,10 @@ fn the_policies_are_bound_and_cover_every_write_the_plugin_may_make() {
         .map(|b| super::one(&objects, "ValidatingAdmissionPolicy", &b.spec.policy_name).typed())
         .collect();
     // Every write the plugin may make on resource.k8s.io objects and on Nodes is seen by a policy.
-    for grant in plugin_grants(&objects)
-        .iter()
-        .filter(|g| g.group == "resource.k8s.io" || (g.group.is_empty() && g.resource == "nodes"))
-    {
+    for grant in plugin_grants(&objects).iter().filter(|g| {
+        g.group == "resource.k8s.io"
+            || (g.group.is_empty() && (g.resource == "nodes" || g.resource == "pods"))
+    }) {
         let operation = match grant.verb.as_str() {
             "create" => "CREATE",
             "update" | "patch" => "UPDATE",

@@ -21,7 +21,7 @@ use k8s_openapi::api::admissionregistration::v1::{
 };
 use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Pod, ServiceAccount};
-use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceClaimTemplate};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -201,6 +201,8 @@ fn check_strict(doc: &Doc) -> Result<(), String> {
         ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding") => {
             round_trip::<ClusterRoleBinding>(v)
         }
+        ("rbac.authorization.k8s.io/v1", "Role") => round_trip::<Role>(v),
+        ("rbac.authorization.k8s.io/v1", "RoleBinding") => round_trip::<RoleBinding>(v),
         ("resource.k8s.io/v1", "DeviceClass") => round_trip::<DeviceClass>(v),
         ("resource.k8s.io/v1", "ResourceClaimTemplate") => round_trip::<ResourceClaimTemplate>(v),
         ("resource.k8s.io/v1", "ResourceClaim") => round_trip::<ResourceClaim>(v),

@@ -15,7 +15,7 @@ use super::spec::{ContainerEdits, Mount};
 use hooks::{hook_cli, hook_override, library_hooks, HOOK_BINARIES};
 pub use hooks::{CdiHook, HookCli};
 pub use search::LibraryClass;
-use search::{library_dirs, Finder, BINARIES, REQUIRED};
+use search::{library_dirs, Finder, BINARIES, CUDA_LIBRARY, NVML_LIBRARY};
 
 const MOUNT_OPTIONS: [&str; 4] = ["ro", "nosuid", "nodev", "bind"];
 
@@ -69,7 +69,7 @@ pub enum HostDriverError {
     MissingLibraries {
         root: PathBuf,
         version: String,
-        /// The missing file names, e.g. `libcuda.so.550.90.07`.
+        /// The missing file name, e.g. `libnvidia-ml.so.550.90.07`.
         missing: String,
         searched: String,
         hint: String,
@@ -150,29 +150,55 @@ impl HostDriver {
         }
         let (mut files, other_versions) = finder.libraries(&dirs, driver_version);
 
-        let missing: Vec<String> = REQUIRED
-            .iter()
-            .map(|stem| format!("{stem}.so.{driver_version}"))
-            .filter(|name| !files.iter().any(|f| f.container_path.ends_with(name)))
-            .collect();
-        if !missing.is_empty() {
-            let hint = if other_versions.is_empty() {
-                "no version of them is there either: is the driver installed at this root?"
+        let has = |stem: &str| {
+            let name = format!("{stem}.so.{driver_version}");
+            files.iter().any(|f| f.container_path.ends_with(&name))
+        };
+        let searched = dirs.join(", ");
+        let found_instead = |stem: &str| -> Vec<String> {
+            let prefix = format!("{stem}.so.");
+            other_versions
+                .iter()
+                .filter(|name| name.starts_with(&prefix))
+                .cloned()
+                .collect()
+        };
+        if !has(NVML_LIBRARY) {
+            let others: Vec<String> = other_versions.iter().cloned().collect();
+            let hint = if others.is_empty() {
+                "no version of it is there either: is the driver installed at this root?"
                     .to_string()
             } else {
-                let found: Vec<_> = other_versions.into_iter().collect();
                 format!(
                     "found {} instead: the driver at this root is not version {driver_version}",
-                    found.join(", ")
+                    others.join(", ")
                 )
             };
             return Err(HostDriverError::MissingLibraries {
                 root: driver_root.into(),
                 version: driver_version.into(),
-                missing: missing.join(" and "),
-                searched: dirs.join(", "),
+                missing: format!("{NVML_LIBRARY}.so.{driver_version}"),
+                searched,
                 hint,
             });
+        }
+        let mut warnings = Vec::new();
+        if !has(CUDA_LIBRARY) {
+            let others = found_instead(CUDA_LIBRARY);
+            let instead = if others.is_empty() {
+                String::new()
+            } else {
+                format!(", only {}", others.join(", "))
+            };
+            warnings.push(format!(
+                "{CUDA_LIBRARY}.so.{driver_version} not found under driver root {} (searched \
+                 {searched}){instead}, although {NVML_LIBRARY}.so.{driver_version} is there: \
+                 containers get the driver's other files but no libcuda, so CUDA cannot start in \
+                 them unless their image brings a CUDA forward-compatibility libcuda; install the \
+                 driver's CUDA library at this root (libcuda1 or libnvidia-compute-<branch> on \
+                 Debian and Ubuntu) to run CUDA workloads",
+                driver_root.display()
+            ));
         }
 
         for name in BINARIES {
@@ -191,7 +217,7 @@ impl HostDriver {
                 })
             }),
         };
-        let warnings = finder.into_warnings();
+        warnings.extend(finder.into_warnings());
         Ok(Self {
             driver_root: driver_root.into(),
             version: driver_version.into(),
@@ -265,11 +291,12 @@ mod tests {
         let err = error_text(root.path(), "560.35.03");
         let root_text = root.path().display().to_string();
         for part in [
-            "libcuda.so.560.35.03 and libnvidia-ml.so.560.35.03 not found",
+            "libnvidia-ml.so.560.35.03 not found",
             root_text.as_str(),
             &native_dir(),
             "/usr/lib64",
             &format!("libcuda.so.{VERSION}"),
+            &format!("libnvidia-ml.so.{VERSION}"),
             "not version 560.35.03",
         ] {
             assert!(err.contains(part), "{err:?} lacks {part:?}");
@@ -277,13 +304,13 @@ mod tests {
     }
 
     #[test]
-    fn missing_libcuda_or_an_empty_root_is_an_error() {
+    fn a_root_without_libnvidia_ml_is_an_error() {
         let root = FakeRoot::new();
-        root.lib(&format!("/usr/lib64/libnvidia-ml.so.{VERSION}"));
+        root.lib(&format!("/usr/lib64/libcuda.so.{VERSION}"));
         let err = error_text(root.path(), VERSION);
         assert!(
             err.starts_with(&format!(
-                "libcuda.so.{VERSION} not found under driver root {}",
+                "libnvidia-ml.so.{VERSION} not found under driver root {}",
                 root.path().display()
             )),
             "{err}"
@@ -292,7 +319,7 @@ mod tests {
         let empty = FakeRoot::new();
         let err = error_text(empty.path(), VERSION);
         assert!(
-            err.contains("is the driver installed at this root?"),
+            err.contains("no version of it is there either: is the driver installed at this root?"),
             "{err}"
         );
 
@@ -300,6 +327,39 @@ mod tests {
         assert!(error_text(&missing, VERSION).contains("nope"));
         assert!(error_text(empty.path(), "../550").contains("not a version"));
         assert!(error_text(Path::new("driver-root"), VERSION).contains("not an absolute path"));
+    }
+
+    /// NVIDIA's mock NVML lays out a driver root with libnvidia-ml only, as does a node with the
+    /// distribution's NVML package but not its CUDA one: the GPUs still work for NVML, so discovery
+    /// goes on and says what is missing, where it looked and what that costs.
+    #[test]
+    fn a_root_without_libcuda_is_discovered_with_a_warning_naming_the_file_and_the_dirs() {
+        let root = FakeRoot::new();
+        root.lib(&format!("/usr/lib64/libnvidia-ml.so.{VERSION}"))
+            .lib("/usr/lib64/libcuda.so.535.183.01");
+        let driver = HostDriver::discover(root.path(), VERSION)
+            .unwrap_or_else(|e| panic!("a root without libcuda is refused: {e}"));
+        assert_eq!(
+            container_paths(&driver),
+            [format!("/usr/lib64/libnvidia-ml.so.{VERSION}")]
+        );
+        let warning = driver
+            .warnings()
+            .iter()
+            .find(|w| w.contains("libcuda"))
+            .unwrap_or_else(|| panic!("no warning about libcuda: {:?}", driver.warnings()));
+        for part in [
+            format!(
+                "libcuda.so.{VERSION} not found under driver root {}",
+                root.path().display()
+            ),
+            "/usr/lib64".to_string(),
+            "only libcuda.so.535.183.01".to_string(),
+            format!("libnvidia-ml.so.{VERSION} is there"),
+            "CUDA cannot start".to_string(),
+        ] {
+            assert!(warning.contains(&part), "{warning:?} lacks {part:?}");
+        }
     }
 
     #[test]

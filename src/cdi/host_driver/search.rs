@@ -53,9 +53,16 @@ const LIBRARIES: [(&str, LibraryClass, Option<&str>); 13] = [
     ),
 ];
 
-/// Without these the driver is unusable in a container: CUDA needs libcuda; NVML and nvidia-smi need
-/// libnvidia-ml.
-pub(super) const REQUIRED: [&str; 2] = ["libcuda", "libnvidia-ml"];
+/// The driver's two core libraries, whose other versions discovery reports when the wanted one is
+/// missing: libnvidia-ml (NVML, nvidia-smi) and libcuda (CUDA).
+pub(super) const CORE: [&str; 2] = [NVML_LIBRARY, CUDA_LIBRARY];
+/// Required: the plugin talks to the driver through it, so a driver root without it is not the root
+/// of the driver that answered.
+pub(super) const NVML_LIBRARY: &str = "libnvidia-ml";
+/// Expected but not required: without it CUDA cannot start in a container (unless the image brings a
+/// forward-compatibility libcuda), yet the GPUs can still be published, watched and used by NVML-only
+/// workloads; NVIDIA's Container Toolkit treats it as optional too.
+pub(super) const CUDA_LIBRARY: &str = "libcuda";
 
 /// Applications dlopen these by their bare `.so` name, so the toolkit links that name to the soname too.
 const DEV_LINKS: [&str; 2] = ["libcuda", "libnvidia-opticalflow"];
@@ -257,7 +264,7 @@ impl<'a> Finder<'a> {
                 };
                 let (stem, class, soname) = LIBRARIES[index];
                 if file_version != version {
-                    if REQUIRED.contains(&stem) && file_version.contains('.') {
+                    if CORE.contains(&stem) && file_version.contains('.') {
                         other_versions.insert(name);
                     }
                     continue;

@@ -150,6 +150,18 @@ pub struct MigRequest {
     pub placement: MigPlacement,
 }
 
+/// Why a dynamic MIG device could not be made: switching the GPU's MIG mode on failed, for `why` (NVML's
+/// answer, with the call it came from). The fake backend words it the same way, so tests see what users
+/// see; the device model offers MIG devices of a GPU with MIG mode off only where it can be switched on
+/// without a reset, so this is where such a GPU says it cannot.
+pub fn mig_enable_failed(gpu: &str, why: &str) -> String {
+    format!(
+        "switching MIG mode on failed: {why}; dynamic MIG switches it on for the GPU's first MIG \
+         device: switch it on beforehand (`nvidia-smi -i {gpu} -mig 1`), or publish only the MIG \
+         devices an admin made (--mig-mode static)"
+    )
+}
+
 /// One row of a model table: (id, name, compute slices, memory MiB, SMs, CE, DEC, ENC, JPEG, OFA,
 /// placement starts, placement size).
 type Row = (

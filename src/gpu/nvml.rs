@@ -166,14 +166,19 @@ impl GpuBackend for NvmlBackend {
     }
 
     fn create_mig(&self, request: &MigRequest) -> Result<MigInstance, GpuError> {
-        self.mig_locks.with(&request.parent_uuid, || {
-            self.create_mig_device(request, false).map(|(made, _)| made)
+        let gpu = &request.parent_uuid;
+        self.mig_locks.with(gpu, || {
+            self.create_mig_device(request, false)
+                .map(|(made, _)| made)
+                .map_err(|e| support::on_gpu(gpu, e))
         })
     }
 
     fn create_or_adopt_mig(&self, request: &MigRequest) -> Result<(MigInstance, bool), GpuError> {
-        self.mig_locks.with(&request.parent_uuid, || {
+        let gpu = &request.parent_uuid;
+        self.mig_locks.with(gpu, || {
             self.create_mig_device(request, true)
+                .map_err(|e| support::on_gpu(gpu, e))
         })
     }
 
@@ -185,6 +190,7 @@ impl GpuBackend for NvmlBackend {
     ) -> Result<MigDestroyed, GpuError> {
         self.mig_locks.with(parent_uuid, || {
             self.destroy_mig_device(parent_uuid, gpu_instance_id, expected_uuid)
+                .map_err(|e| support::on_gpu(parent_uuid, e))
         })
     }
 

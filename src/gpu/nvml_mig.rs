@@ -21,6 +21,7 @@ use super::nvml::{
 };
 use super::nvml_inventory::architecture_code;
 use super::nvml_support::{self as support, RawProfile};
+use super::mig::mig_enable_failed;
 use super::{
     caps, ComputeShare, GpuError, MigDestroyed, MigInfo, MigInstance, MigPlacement, MigRequest,
 };
@@ -71,7 +72,11 @@ impl NvmlBackend {
             memory_bytes,
             product_name,
             instances,
-        );
+        )
+        .map_err(|reason| GpuError::Nvml {
+            call: "nvmlDeviceGetGpuInstanceProfileInfo".to_string(),
+            reason,
+        })?;
         if enabled {
             info.disable_failed = device
                 .uuid()
@@ -214,10 +219,19 @@ impl NvmlBackend {
                     support::architecture_name(arch.unwrap_or(u32::MAX))
                 )));
             }
-            let status = device.set_mig_mode(true).named("nvmlDeviceSetMigMode")?;
-            if status != 0 {
-                let why = support::return_code_text(status);
-                return Err(mig_err(format!("switching MIG mode on failed: {why}")));
+            let why = match device.set_mig_mode(true) {
+                Ok(0) => None,
+                Ok(status) => Some(format!(
+                    "NVML nvmlDeviceSetMigMode activation status: {}",
+                    support::return_code_text(status)
+                )),
+                Err(e) => Some(format!(
+                    "NVML nvmlDeviceSetMigMode: {}",
+                    support::describe_nvml_error(&e)
+                )),
+            };
+            if let Some(why) = why {
+                return Err(mig_err(mig_enable_failed(gpu, &why)));
             }
             // The driver may re-probe the GPU when the mode changes: take a fresh handle.
             device = self.device_by_uuid(gpu)?;

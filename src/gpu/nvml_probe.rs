@@ -40,12 +40,24 @@ pub fn probe(options: NvmlOptions) -> Result<String, GpuError> {
             Err(e) => line::<u32>(&mut out, 1, "handle", Err(e)),
         }
     }
-    let _ = writeln!(out, "\nNVLink domains (as the inventory derives them)");
+    let _ = writeln!(
+        out,
+        "\nNVLink domains (as the inventory derives them), and GPUs it leaves out"
+    );
     match backend.inventory() {
         Ok(inventory) => {
             for gpu in inventory.gpus {
                 let domain = gpu.nvlink_domain.unwrap_or_else(|| "none".into());
                 let _ = writeln!(out, "  gpu-{} {}: {domain}", gpu.minor, gpu.uuid);
+            }
+            // What the plugin would leave out and report (a GpuUnreadable Event), and why.
+            for bad in inventory.unreadable {
+                let uuid = bad.uuid.unwrap_or_else(|| "(UUID unknown)".into());
+                let _ = writeln!(
+                    out,
+                    "  GPU index {} {uuid}: unreadable, left out: {}",
+                    bad.index, bad.reason
+                );
             }
         }
         Err(e) => {

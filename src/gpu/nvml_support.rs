@@ -10,7 +10,7 @@ use nvml_wrapper::struct_wrappers::device::ProfileInfo;
 
 use super::mig::{builtin_profiles_for, MigInfo, MigInstance, MigPlacement, MigProfile};
 use super::nvlink::FabricInfo;
-use super::GpuEventKind;
+use super::{GpuError, GpuEventKind};
 
 /// NVML's `nvmlGpuFabricState_t` value for a GPU whose fabric registration finished.
 pub const FABRIC_STATE_COMPLETED: u8 = 3;
@@ -252,6 +252,9 @@ pub struct RawProfile {
 /// (older drivers answer NOT_SUPPORTED while MIG mode is off) takes them from the built-in table of
 /// its model, matched by id and size; with no such table it is left out, since a profile without
 /// placements cannot be offered. With MIG mode off and no profile at all, the model table stands in.
+/// With MIG mode on and no usable profile, the GPU's MIG devices can be neither read nor made (the
+/// whole GPU is unusable in MIG mode): an error, so that the GPU is reported unreadable instead of
+/// silently publishing nothing (NVIDIA's mock NVML lists no profile at all).
 pub fn mig_info(
     enabled: bool,
     toggles_without_reset: bool,
@@ -259,7 +262,7 @@ pub fn mig_info(
     total_memory_bytes: u64,
     product_name: &str,
     instances: Vec<MigInstance>,
-) -> MigInfo {
+) -> Result<MigInfo, String> {
     let builtin = builtin_profiles_for(product_name).unwrap_or_default();
     let mut profiles: Vec<MigProfile> = Vec::new();
     for p in raw {
@@ -300,13 +303,28 @@ pub fn mig_info(
     if profiles.is_empty() && !enabled {
         profiles = builtin;
     }
+    if profiles.is_empty() && enabled {
+        let listed = if raw.is_empty() {
+            "lists no GPU-instance profile (every profile index answered not supported)".to_string()
+        } else {
+            format!(
+                "gives no placements for any of its {} GPU-instance profiles and {product_name:?} has \
+                 no built-in MIG table",
+                raw.len()
+            )
+        };
+        return Err(format!(
+            "MIG mode is on, but NVML {listed}: the GPU's MIG devices can be neither read nor made, \
+             and in MIG mode the whole GPU is unusable; check the driver with `nvidia-smi mig -lgip`"
+        ));
+    }
     let memory_slices = profiles
         .iter()
         .flat_map(|p| p.placements.iter().map(|pl| pl.start + pl.size))
         .max()
         .unwrap_or(8);
     let compute_slices = profiles.iter().map(|p| p.compute_slices).max().unwrap_or(7);
-    MigInfo {
+    Ok(MigInfo {
         enabled,
         toggles_without_reset,
         memory_slices,
@@ -314,7 +332,7 @@ pub fn mig_info(
         profiles,
         instances,
         disable_failed: None,
-    }
+    })
 }
 
 /// The name and meaning of an `nvmlReturn_t`, including codes newer than nvml-wrapper knows.
@@ -382,6 +400,18 @@ pub fn describe_nvml_error(error: &NvmlError) -> String {
             format!("the driver's libnvidia-ml lacks this function (driver too old?): {message}")
         }
         other => other.to_string(),
+    }
+}
+
+/// An error of an operation on one GPU (a MIG create or destroy) as one that names the GPU:
+/// `GpuError::Nvml` carries only the failed call, and a claim's error should say which GPU as well.
+pub fn on_gpu(gpu: &str, error: GpuError) -> GpuError {
+    match error {
+        GpuError::Nvml { call, reason } => GpuError::Mig {
+            gpu: gpu.to_string(),
+            reason: format!("NVML {call} failed: {reason}"),
+        },
+        other => other,
     }
 }
 
@@ -600,7 +630,8 @@ mod tests {
             H100_TOTAL,
             "NVIDIA H100 80GB HBM3",
             vec![],
-        );
+        )
+        .unwrap();
         assert_eq!((info.memory_slices, info.compute_slices), (8, 7));
         assert_eq!(info.profiles.len(), 2, "duplicate ids collapse");
         assert_eq!(info.profile(0).unwrap().name, "7g.80gb");
@@ -620,19 +651,58 @@ mod tests {
             H100_TOTAL,
             "NVIDIA H100 80GB HBM3",
             vec![],
-        );
+        )
+        .unwrap();
         assert_eq!(info.profiles.len(), 1);
         assert_eq!(info.profiles[0].placements.len(), 7, "from the H100 table");
-        let unknown = mig_info(false, true, &profiles, H100_TOTAL, "NVIDIA B200", vec![]);
+        let unknown =
+            mig_info(false, true, &profiles, H100_TOTAL, "NVIDIA B200", vec![]).unwrap();
         assert!(unknown.profiles.is_empty());
         assert_eq!((unknown.memory_slices, unknown.compute_slices), (8, 7));
         // A driver that lists nothing while MIG mode is off: the whole model table.
-        let h200 = mig_info(false, true, &[], H200_TOTAL, "NVIDIA H200", vec![]);
+        let h200 = mig_info(false, true, &[], H200_TOTAL, "NVIDIA H200", vec![]).unwrap();
         assert_eq!(h200.profile(0).map(|p| p.name.as_str()), Some("7g.141gb"));
-        // With MIG mode on, NVML is the truth: no invented profiles.
-        assert!(mig_info(true, true, &[], H200_TOTAL, "NVIDIA H200", vec![])
-            .profiles
-            .is_empty());
+        // With MIG mode on, NVML is the truth: no invented profiles, and none at all is an error
+        // (NVIDIA's mock NVML: MIG mode on, every profile NOT_SUPPORTED) rather than a GPU that
+        // silently publishes nothing.
+        let err = mig_info(true, true, &[], H200_TOTAL, "NVIDIA H200", vec![]).unwrap_err();
+        assert!(
+            err.contains("MIG mode is on") && err.contains("lists no GPU-instance profile"),
+            "{err}"
+        );
+        let err = mig_info(true, true, &profiles[1..], H100_TOTAL, "NVIDIA B200", vec![])
+            .unwrap_err();
+        assert!(
+            err.contains("no placements for any of its 1") && err.contains("NVIDIA B200"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn nvml_failures_of_an_operation_on_a_gpu_name_the_gpu_and_the_call() {
+        let failed = GpuError::Nvml {
+            call: "nvmlDeviceCreateGpuInstanceWithPlacement".into(),
+            reason: return_code_text(3),
+        };
+        let text = on_gpu("GPU-01000100-0000", failed).to_string();
+        assert!(
+            text.starts_with("GPU GPU-01000100-0000: NVML nvmlDeviceCreateGpuInstanceWithPlacement failed")
+                && text.contains("NVML_ERROR_NOT_SUPPORTED"),
+            "{text}"
+        );
+        // Errors that name their GPU already are left as they are.
+        let in_use = GpuError::MigInUse {
+            gpu: "GPU-1".into(),
+            uuid: "MIG-2".into(),
+        };
+        assert_eq!(
+            on_gpu("GPU-1", in_use).to_string(),
+            GpuError::MigInUse {
+                gpu: "GPU-1".into(),
+                uuid: "MIG-2".into()
+            }
+            .to_string()
+        );
     }
 
     #[test]

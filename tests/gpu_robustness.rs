@@ -3,7 +3,8 @@
 //! compute instances per GPU instance; a prepare cancelled by the kubelet's deadline mid-create is
 //! adopted by the retry; parallel prepares and an unprepare on one GPU with slow MIG operations; a
 //! MIG device held by a process makes unprepare a per-claim error the kubelet retries; a GPU whose MIG
-//! mode cannot be switched off is no longer offered whole.
+//! mode cannot be switched off is no longer offered whole; one whose MIG mode cannot be switched on fails
+//! a dynamic MIG prepare with a per-claim error naming the GPU and the NVML call.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -448,4 +449,42 @@ async fn a_gpu_whose_mig_mode_cannot_be_switched_off_is_not_offered_whole() {
         events[0].1.contains("In use by another client"),
         "{events:?}"
     );
+}
+
+/// NVIDIA's mock NVML (and a real GPU a process holds) refuses `nvmlDeviceSetMigMode`: the prepare of a
+/// dynamic MIG device is a per-claim error naming the GPU and the call, with nothing left behind, and
+/// the GPU is still offered whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gpu_whose_mig_mode_cannot_be_switched_on_fails_the_prepare_naming_the_gpu_and_the_call() {
+    let node = Node::new(1, MigMode::Dynamic, |p| {
+        p.gpus[0].mig_enable_fails = Some("Not Supported".into())
+    })
+    .await;
+    let _plugin = node.harness.start_plugin().await;
+    let kubelet = node.harness.kubelet().await;
+    node.device_names_where(|n| n.iter().any(|d| d.contains("-mig-")))
+        .await;
+    let claim = node
+        .harness
+        .allocated_claim_with("mig", mig_request("1g.10gb"))
+        .await
+        .unwrap();
+    let answer = kubelet.prepare(std::slice::from_ref(&claim)).await.unwrap();
+    let error = answer[&claim.uid].clone().unwrap_err();
+    let gpu = node.harness.fake_backend().inventory().unwrap().gpus[0]
+        .uuid
+        .clone();
+    for part in [
+        "default/mig",
+        gpu.as_str(),
+        "switching MIG mode on failed",
+        "nvmlDeviceSetMigMode",
+        "Not Supported",
+    ] {
+        assert!(error.contains(part), "{error:?} lacks {part:?}");
+    }
+    assert!(node.mig_devices().is_empty());
+    assert!(node.spec(&claim).is_none());
+    let names = node.device_names_where(|n| !n.is_empty()).await;
+    assert!(names.iter().any(|n| n == "gpu-0"), "{names:?}");
 }

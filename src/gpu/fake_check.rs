@@ -64,9 +64,11 @@ fn check_mig(index: usize, gpu: &FakeGpuSpec) -> Result<(), String> {
             || !gpu.mig_instances.is_empty()
             || !gpu.mig_in_use.is_empty()
             || gpu.mig_disable_fails.is_some()
+            || gpu.mig_enable_fails.is_some()
         {
             return Err(format!(
-                "gpus[{index}]: migEnabled, migInstances, migInUse and migDisableFails need migCapable: true"
+                "gpus[{index}]: migEnabled, migInstances, migInUse, migDisableFails and migEnableFails \
+                 need migCapable: true"
             ));
         }
         return Ok(());

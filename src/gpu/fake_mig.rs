@@ -7,8 +7,10 @@
 use std::time::Duration;
 
 use super::fake::{fake_device_files, gpu_instance_id, lock, FakeBackend};
-use super::mig::{MigDestroyed, MigInfo, MigInstance, MigPlacement, MigProfile, MigRequest};
-use super::profiles::FakeProfile;
+use super::mig::{
+    mig_enable_failed, MigDestroyed, MigInfo, MigInstance, MigPlacement, MigProfile, MigRequest,
+};
+use super::profiles::{FakeGpuSpec, FakeProfile};
 use super::{Gpu, GpuError};
 
 impl FakeBackend {
@@ -89,8 +91,14 @@ impl FakeBackend {
             )));
         }
         physically_fits(mig, wanted, request.placement).map_err(refuse)?;
-        // Step 1: MIG mode on.
+        // Step 1: MIG mode on, which the GPU may refuse as NVML does.
         if !mig.enabled {
+            if let Some(why) = spec_of(self, &profile, &gpu.uuid).and_then(|s| s.mig_enable_fails) {
+                return Err(refuse(mig_enable_failed(
+                    &gpu.uuid,
+                    &format!("NVML nvmlDeviceSetMigMode: {why}"),
+                )));
+            }
             let mut hardware = lock(&self.hardware);
             let mut next = hardware.clone();
             next.mig_enabled.insert(gpu.uuid.clone());
@@ -158,14 +166,7 @@ impl FakeBackend {
                 found: first.uuid.clone(),
             });
         }
-        let spec = profile
-            .gpus
-            .iter()
-            .enumerate()
-            .find(|(index, spec)| {
-                self.gpu_uuid(spec, spec.minor.unwrap_or(*index as u32)) == gpu.uuid
-            })
-            .map(|(_, spec)| spec.clone());
+        let spec = spec_of(self, &profile, &gpu.uuid);
         let held = spec
             .as_ref()
             .is_some_and(|s| s.mig_in_use.contains(&first.placement.start));
@@ -213,6 +214,16 @@ impl FakeBackend {
         }
         Ok(MigDestroyed::Destroyed)
     }
+}
+
+/// The profile's entry for the GPU with this UUID.
+fn spec_of(backend: &FakeBackend, profile: &FakeProfile, uuid: &str) -> Option<FakeGpuSpec> {
+    profile
+        .gpus
+        .iter()
+        .enumerate()
+        .find(|(index, spec)| backend.gpu_uuid(spec, spec.minor.unwrap_or(*index as u32)) == uuid)
+        .map(|(_, spec)| spec.clone())
 }
 
 /// The physical check of one more MIG device on a GPU, independent of the counters the device model

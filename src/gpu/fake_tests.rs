@@ -236,6 +236,37 @@ mod safety_tests {
         assert_eq!(mig.disable_failed, None);
     }
 
+    /// As NVML answers `nvmlDeviceSetMigMode` (NVIDIA's mock NVML: not supported; a real GPU: in use,
+    /// no permission): the create fails naming the GPU, the call and NVML's answer, and leaves the GPU
+    /// out of MIG mode with nothing made.
+    #[test]
+    fn mig_mode_that_cannot_be_switched_on_fails_the_create_naming_the_gpu_and_the_call() {
+        let (_dir, path, backend) =
+            node(|p| p.gpus[0].mig_enable_fails = Some("Not Supported".into()));
+        let wanted = request(&backend, "1g.10gb", 6);
+        let err = backend.create_or_adopt_mig(&wanted).unwrap_err();
+        let text = err.to_string();
+        assert!(matches!(err, GpuError::Mig { .. }), "{text}");
+        for part in [
+            wanted.parent_uuid.as_str(),
+            "switching MIG mode on failed",
+            "nvmlDeviceSetMigMode",
+            "Not Supported",
+            "--mig-mode static",
+        ] {
+            assert!(text.contains(part), "{text:?} lacks {part:?}");
+        }
+        let mig = backend.inventory().unwrap().gpus[0].mig.clone().unwrap();
+        assert!(!mig.enabled && mig.instances.is_empty(), "{mig:?}");
+
+        // With MIG mode already on (an admin switched it on), there is nothing to switch.
+        let mut profile: FakeProfile =
+            serde_yaml::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        profile.gpus[0].mig_enabled = true;
+        std::fs::write(&path, serde_yaml::to_string(&profile).unwrap()).unwrap();
+        backend.create_mig(&wanted).unwrap();
+    }
+
     /// With slow steps, a destroy of a GPU's last MIG device and creates on that GPU interleave unless
     /// the GPU's MIG lock serialises them: the destroy would switch MIG mode off under the creates.
     #[test]

@@ -74,6 +74,11 @@ pub struct FakeGpuSpec {
     /// reset), so the GPU stays in MIG mode after its last MIG device is destroyed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mig_disable_fails: Option<String>,
+    /// Switching MIG mode on fails with this reason (NVML's answer to `nvmlDeviceSetMigMode`: a
+    /// process holds the GPU, no permission, or, as under NVIDIA's mock NVML, not supported), so a
+    /// dynamic MIG device cannot be made while the GPU is out of MIG mode.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mig_enable_fails: Option<String>,
     /// Setting the GPU's sharing mode (compute mode, time-slice interval) fails with this reason, as
     /// it does without root or with a process holding the GPU. Reading the mode still works.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -221,6 +226,7 @@ fn uniform(
             unreadable: None,
             mig_in_use: Vec::new(),
             mig_disable_fails: None,
+            mig_enable_fails: None,
             sharing_fails: None,
         })
         .collect();

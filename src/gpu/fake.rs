@@ -203,6 +203,10 @@ impl FakeBackend {
                 continue;
             }
             let nvlink_peers = match &groups[index] {
+                // Links to the node's NVSwitches: NVML names no switch, only the "invalid PCI"
+                // sentinel, which all switched GPUs share.
+                Some(_) if spec.nvlink_group.is_none() => vec![NVSWITCH_PEER.to_string()],
+                // Direct links (bridges): the peer GPUs' bus ids.
                 Some(group) => (0..profile.gpus.len())
                     .filter(|&j| j != index && groups[j].as_ref() == Some(group))
                     .map(|j| bus_ids[j].clone())
@@ -419,7 +423,13 @@ fn toggles_without_reset(architecture: &str) -> bool {
     !matches!(architecture, "Ampere")
 }
 
-/// Each GPU's NVLink group: its own group name, `all` for `nvlink: true`, none otherwise.
+/// What NVML reports as the remote end of a link to an NVSwitch: the switch is not PCI-enumerable from
+/// the GPU, so `nvmlDeviceGetNvLinkRemotePciInfo` fills every field with ones (`FFFFFFFF:FF:FF.0`), as
+/// NVIDIA's mock NVML models HGX and GB200 baseboards; in sysfs form, as the inventory keeps peers.
+const NVSWITCH_PEER: &str = "ffffffff:ff:ff.0";
+
+/// Each GPU's NVLink group: its own group name, `all` for `nvlink: true` (the NVSwitches), none
+/// otherwise.
 fn nvlink_groups(profile: &FakeProfile) -> Vec<Option<String>> {
     profile
         .gpus

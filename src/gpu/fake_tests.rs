@@ -40,6 +40,32 @@ mod unreadable_tests {
         assert!(err.contains("gpus[1].unreadable"), "{err}");
     }
 
+    /// NVIDIA's mock NVML, like the HGX and GB200 baseboards it models, reports the remote end of a link
+    /// to an NVSwitch as the all-ones "invalid PCI" sentinel, not as another GPU: the fake does the same,
+    /// so the inventory's switch path is what every fake node exercises; bridged pairs still name
+    /// their peer GPU, and the domains come out as before.
+    #[test]
+    fn switch_links_name_the_sentinel_peer_as_nvml_does_and_bridges_the_peer_gpu() {
+        let switched = FakeBackend::new("n", "dgx-h100")
+            .unwrap()
+            .inventory()
+            .unwrap();
+        for gpu in &switched.gpus {
+            assert_eq!(gpu.nvlink_peers, ["ffffffff:ff:ff.0"], "gpu-{}", gpu.minor);
+        }
+        let domains: BTreeSet<_> = switched.gpus.iter().map(|g| &g.nvlink_domain).collect();
+        assert_eq!(domains.len(), 1, "{domains:?}");
+        assert!(domains.iter().all(|d| d.is_some()));
+
+        let bridged = FakeBackend::new("n", "a100-pcie-4")
+            .unwrap()
+            .inventory()
+            .unwrap();
+        assert_eq!(bridged.gpus[0].nvlink_peers, [bridged.gpus[1].pci_bus_id.clone()]);
+        assert_eq!(bridged.gpus[0].nvlink_domain, bridged.gpus[1].nvlink_domain);
+        assert_ne!(bridged.gpus[0].nvlink_domain, bridged.gpus[2].nvlink_domain);
+    }
+
     #[test]
     fn several_compute_instances_are_one_mig_device_each_and_none_is_one_without() {
         let dir = tempfile::tempdir().unwrap();

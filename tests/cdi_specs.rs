@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use container_device_interface::spec::read_spec;
 use container_device_interface::version::minimum_required_version;
 use gpu_dra::cdi::{validate, CdiRegistry, ContainerEdits, DeviceNode, Hook, Mount, Spec};
+use gpu_dra::support::cdi_runtime;
 
 const DRIVER: &str = "gpu.dra.dev";
 const CLAIM: &str = "3f2c1a9e-8b7d-4c6e-9a01-23456789abcd";
@@ -125,6 +126,8 @@ fn written_specs_load_in_the_cdi_crate_at_its_minimum_version() {
         let read = registry.read_claim_spec(claim).unwrap().unwrap();
         assert!(validate(&read).is_ok());
         assert_eq!(read.devices.len(), devices.len());
+        // And a runtime creates a container from it on a host without GPU device files.
+        cdi_runtime::inject(&[&root], &ids).unwrap_or_else(|e| panic!("{claim}: {e}"));
     }
 }
 
@@ -319,4 +322,85 @@ fn specs_the_cdi_crate_rejects_are_rejected_by_our_validator() {
     fs::write(&path, &good).unwrap();
     assert!(load_with_cdi_crate(&path).is_ok());
     assert!(validate(&serde_json::from_str(&good).unwrap()).is_ok());
+}
+
+/// The runtime double refuses what containerd refuses when it creates a container from a spec: a
+/// device node without type and numbers whose host path does not exist, a type the host file does
+/// not have, a device no spec names; and takes the spec's numbers as they are when it gives them.
+#[test]
+fn the_runtime_double_stats_host_paths_only_for_nodes_without_numbers() {
+    let dir = tempfile::tempdir().unwrap();
+    let registry = CdiRegistry::new(dir.path(), DRIVER);
+    let missing = "/dev/nvidia-caps/nvidia-cap4242";
+    assert!(!Path::new(missing).exists());
+    let node = |host_path: Option<&str>, device_type: Option<&str>, major: Option<i64>| DeviceNode {
+        path: missing.into(),
+        host_path: host_path.map(str::to_string),
+        device_type: device_type.map(str::to_string),
+        major,
+        minor: major.map(|_| 4242),
+        ..Default::default()
+    };
+    let cases: Vec<(&str, DeviceNode, Result<(&str, i64, i64), &str>)> = vec![
+        (
+            "no numbers, no host file",
+            node(None, None, None),
+            Err("failed to stat CDI host device \"/dev/nvidia-caps/nvidia-cap4242\": lstat /dev/nvidia-caps/nvidia-cap4242: no such file or directory"),
+        ),
+        (
+            "a type without a major is not enough",
+            node(None, Some("c"), None),
+            Err("failed to stat CDI host device"),
+        ),
+        ("type and numbers", node(None, Some("c"), Some(237)), Ok(("c", 237, 4242))),
+        (
+            "from the host file",
+            node(Some("/dev/null"), None, None),
+            Ok(("c", 1, 3)),
+        ),
+        (
+            "the host file is not a block device",
+            node(Some("/dev/null"), Some("b"), None),
+            Err("host type mismatch (b, c)"),
+        ),
+        (
+            "a directory is no device",
+            node(Some("/dev"), None, None),
+            Err("failed to stat CDI host device \"/dev\": not a device node"),
+        ),
+    ];
+    for (i, (what, node, expected)) in cases.into_iter().enumerate() {
+        let claim = format!("claim-{i}");
+        let edits = ContainerEdits {
+            device_nodes: vec![node],
+            ..Default::default()
+        };
+        let ids = registry
+            .write_claim_spec(&claim, &[("gpu-0".to_string(), edits)])
+            .unwrap();
+        let got = cdi_runtime::inject(&[dir.path()], &ids);
+        match (got, expected) {
+            (Ok(container), Ok((device_type, major, minor))) => {
+                let made = &container.devices[0];
+                assert_eq!(made.path, missing, "{what}");
+                assert_eq!(
+                    (made.device_type.as_str(), made.major, made.minor),
+                    (device_type, major, minor),
+                    "{what}"
+                );
+            }
+            (Err(error), Err(says)) => {
+                let error = error.to_string();
+                assert!(error.contains(says), "{what}: {error}");
+            }
+            (got, expected) => panic!("{what}: got {got:?}, expected {expected:?}"),
+        }
+    }
+    let unknown = cdi_runtime::inject(&[dir.path()], &["k8s.gpu.dra.dev/gpu=nope".to_string()])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        unknown.starts_with("unresolvable CDI devices k8s.gpu.dra.dev/gpu=nope"),
+        "{unknown}"
+    );
 }

@@ -362,7 +362,12 @@ async fn demo_mig_claim(
         .context("the MIG claim has no CDI spec")?;
     for edits in spec.devices.iter().map(|d| &d.container_edits) {
         for node in &edits.device_nodes {
-            say(out, &format!("device node {}", node.path))?;
+            // The numbers the runtime makes the node with: the file exists on no host.
+            let numbers = match (&node.device_type, node.major, node.minor) {
+                (Some(t), Some(major), Some(minor)) => format!(" ({t} {major}:{minor})"),
+                _ => String::new(),
+            };
+            say(out, &format!("device node {}{numbers}", node.path))?;
         }
         for env in &edits.env {
             say(out, &format!("env {env}"))?;

@@ -11,7 +11,8 @@ use container_device_interface::spec::read_spec;
 use container_device_interface::version::minimum_required_version;
 use gpu_dra::cdi::{CdiRegistry, DriverRoot, Spec};
 use gpu_dra::claims::{DriverEdits, PreparedDevice, PreparedMig};
-use gpu_dra::gpu::{FakeBackend, GpuBackend, Inventory};
+use gpu_dra::gpu::{DeviceMajors, FakeBackend, GpuBackend, Inventory};
+use gpu_dra::support::cdi_runtime;
 
 const DRIVER: &str = "gpu.dra.dev";
 const CLAIM: &str = "3f2c1a9e-8b7d-4c6e-9a01-23456789abcd";
@@ -127,9 +128,12 @@ fn real_gpu_inventory() -> Inventory {
         .unwrap();
     inventory.gpus[0].uuid = "GPU-4cf8db2d-06c0-7d70-1a51-e59b25b2c16c".into();
     inventory.gpus[1].uuid = "GPU-9a1e4f3b-7c2d-4e8f-b5a6-0d1c2e3f4a5b".into();
-    // As NVML reports it: real device nodes, no stand-in.
-    inventory.stand_in_device_file = None;
-    inventory.control_device_files = vec!["/dev/nvidiactl".into()];
+    // As NVML reports it: real device nodes, no stand-in, the majors of the node's /proc/devices.
+    inventory.stand_in_device = None;
+    inventory.device_majors = DeviceMajors::parse(
+        Path::new("/proc/devices"),
+        "Character devices:\n  1 mem\n195 nvidia-frontend\n237 nvidia-caps\n510 nvidia-uvm\n",
+    );
     inventory
 }
 
@@ -216,18 +220,24 @@ fn under_the_gpu_operators_driver_root_claim_specs_name_host_paths_under_it() {
             .map(|p| (p.to_string(), Some(format!("/run/nvidia/driver{p}"))))
             .collect()
     };
+    let control = ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"];
     assert_eq!(
         nodes_of(&spec, "gpu-1"),
-        under_root(&["/dev/nvidia1", "/dev/nvidiactl"])
+        under_root(&[&["/dev/nvidia1"][..], &control].concat())
     );
     assert_eq!(
         nodes_of(&spec, "gpu-0-mig-3g40gb-4"),
-        under_root(&[
-            "/dev/nvidia0",
-            "/dev/nvidia-caps/nvidia-cap30",
-            "/dev/nvidia-caps/nvidia-cap31",
-            "/dev/nvidiactl",
-        ])
+        under_root(
+            &[
+                &[
+                    "/dev/nvidia0",
+                    "/dev/nvidia-caps/nvidia-cap30",
+                    "/dev/nvidia-caps/nvidia-cap31",
+                ][..],
+                &control,
+            ]
+            .concat()
+        )
     );
     assert!(nodes_of(&spec, "gpu-0-mig-1g10gb-0").is_empty());
 
@@ -235,6 +245,35 @@ fn under_the_gpu_operators_driver_root_claim_specs_name_host_paths_under_it() {
     let (written, minimum) = versions(&registry.spec_path(CLAIM));
     assert_eq!(written, minimum);
     assert_eq!(minimum, "0.5.0");
+
+    // The runtime creates the container from the spec's numbers: none of these files is on this host.
+    let container =
+        cdi_runtime::inject(&[&cdi_root], &our_ids(&devices)).unwrap_or_else(|e| panic!("{e}"));
+    let numbers: Vec<(&str, &str, i64, i64)> = container
+        .devices
+        .iter()
+        .map(|d| (d.path.as_str(), d.device_type.as_str(), d.major, d.minor))
+        .collect();
+    assert_eq!(
+        numbers,
+        [
+            ("/dev/nvidia1", "c", 195, 1),
+            ("/dev/nvidia0", "c", 195, 0),
+            ("/dev/nvidia-caps/nvidia-cap30", "c", 237, 30),
+            ("/dev/nvidia-caps/nvidia-cap31", "c", 237, 31),
+            ("/dev/nvidiactl", "c", 195, 255),
+            ("/dev/nvidia-uvm", "c", 510, 0),
+            ("/dev/nvidia-uvm-tools", "c", 510, 1),
+        ]
+    );
+}
+
+/// The claim's devices of this driver (not the Toolkit's ones they may reference too).
+fn our_ids(devices: &[PreparedDevice]) -> Vec<String> {
+    devices
+        .iter()
+        .map(|d| d.cdi_device_ids[0].clone())
+        .collect()
 }
 
 #[test]
@@ -279,6 +318,11 @@ fn with_the_driver_on_the_host_claim_specs_name_the_standard_paths_as_before() {
     assert!(nodes_of(&spec, "gpu-1").is_empty());
     let (written, minimum) = versions(&registry.spec_path(CLAIM));
     assert_eq!(written, minimum);
+
+    // The runtime creates the container from the spec's numbers: none of these files is on this host.
+    let container =
+        cdi_runtime::inject(&[dir.path()], &our_ids(&devices)).unwrap_or_else(|e| panic!("{e}"));
+    assert!(!container.devices.is_empty());
 }
 
 /// The DaemonSet in `deploy/` must name, as the driver root on the host, the directory it mounts at

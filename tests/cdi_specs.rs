@@ -17,12 +17,14 @@ const CLAIM: &str = "3f2c1a9e-8b7d-4c6e-9a01-23456789abcd";
 
 type Devices = Vec<(String, ContainerEdits)>;
 
-/// A fake GPU as the fake backend prepares it: `/dev/null` stands in for the device nodes so that the
-/// runtime can inject them on a node without GPUs.
+/// A fake GPU as the fake backend prepares it: device nodes that exist on no host, with `/dev/null`'s
+/// numbers so that the runtime makes them on a node without GPUs.
 fn fake_gpu(index: u32) -> (String, ContainerEdits) {
     let node = |path: &str| DeviceNode {
         path: path.into(),
-        host_path: Some("/dev/null".into()),
+        device_type: Some("c".into()),
+        major: Some(1),
+        minor: Some(3),
         ..Default::default()
     };
     let edits = ContainerEdits {
@@ -333,14 +335,15 @@ fn the_runtime_double_stats_host_paths_only_for_nodes_without_numbers() {
     let registry = CdiRegistry::new(dir.path(), DRIVER);
     let missing = "/dev/nvidia-caps/nvidia-cap4242";
     assert!(!Path::new(missing).exists());
-    let node = |host_path: Option<&str>, device_type: Option<&str>, major: Option<i64>| DeviceNode {
-        path: missing.into(),
-        host_path: host_path.map(str::to_string),
-        device_type: device_type.map(str::to_string),
-        major,
-        minor: major.map(|_| 4242),
-        ..Default::default()
-    };
+    let node =
+        |host_path: Option<&str>, device_type: Option<&str>, major: Option<i64>| DeviceNode {
+            path: missing.into(),
+            host_path: host_path.map(str::to_string),
+            device_type: device_type.map(str::to_string),
+            major,
+            minor: major.map(|_| 4242),
+            ..Default::default()
+        };
     let cases: Vec<(&str, DeviceNode, Result<(&str, i64, i64), &str>)> = vec![
         (
             "no numbers, no host file",

@@ -231,7 +231,7 @@ fn demo_walks_through_every_step() {
         "[15] Plugin stopped; sockets removed: true",
         "NodePrepareResources answered",
         "k8s.gpu.dra.dev/gpu=",
-        "\"cdiVersion\": \"0.5.0\"",
+        "\"type\": \"c\"",
         "readyz says: ready",
         "CDI specs removed: true",
         "sockets removed: true",

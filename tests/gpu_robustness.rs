@@ -455,7 +455,8 @@ async fn a_gpu_whose_mig_mode_cannot_be_switched_off_is_not_offered_whole() {
 /// dynamic MIG device is a per-claim error naming the GPU and the call, with nothing left behind, and
 /// the GPU is still offered whole.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_gpu_whose_mig_mode_cannot_be_switched_on_fails_the_prepare_naming_the_gpu_and_the_call() {
+async fn a_gpu_whose_mig_mode_cannot_be_switched_on_fails_the_prepare_naming_the_gpu_and_the_call()
+{
     let node = Node::new(1, MigMode::Dynamic, |p| {
         p.gpus[0].mig_enable_fails = Some("Not Supported".into())
     })

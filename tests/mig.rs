@@ -8,6 +8,7 @@ use std::time::Duration;
 use gpu_dra::devices::MigMode;
 use gpu_dra::gpu::GpuBackend;
 use gpu_dra::support::apiserver::ServerVersion;
+use gpu_dra::support::cdi_runtime;
 use gpu_dra::support::harness::{Harness, DRIVER, MIG_CLASS, NODE};
 use gpu_dra::support::kubelet::ClaimRef;
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
@@ -85,6 +86,24 @@ async fn a_dynamic_mig_claim_creates_the_device_and_unprepare_destroys_it() {
         "{spec}"
     );
     assert!(spec.contains(&mig_uuid), "{spec}");
+    // Its capability files are those the driver's MIG table gives GPU instance 7 of that GPU; the
+    // driver makes no file for them on the host, so the runtime makes them from the spec's numbers.
+    let json: serde_json::Value = serde_json::from_str(&spec).unwrap();
+    let nodes = json["devices"][0]["containerEdits"]["deviceNodes"]
+        .as_array()
+        .unwrap();
+    assert!(nodes.iter().all(|n| n.get("hostPath").is_none()), "{spec}");
+    let gi_minor = 3 + made[0].0 * 135 + 7 * 9;
+    let container = cdi_runtime::inject(&[&node.cdi_dir()], &prepared[0].cdi_device_ids)
+        .unwrap_or_else(|e| panic!("{e}"));
+    for minor in [gi_minor, gi_minor + 1] {
+        let path = format!("/dev/nvidia-caps/nvidia-cap{minor}");
+        let created = container
+            .device(&path)
+            .unwrap_or_else(|| panic!("{path} not in the container: {container:?}"));
+        assert_eq!(created.device_type, "c");
+        assert!(!std::path::Path::new(&path).exists());
+    }
 
     // The claim's status reports the created device's UUID.
     let mut reported = None;

@@ -1,10 +1,11 @@
 //! The plugin end to end against the doubles: registration, publishing, prepare/unprepare over gRPC,
 //! CDI specs, sockets, metrics, and API-server faults.
 
-use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::time::Duration;
 
 use gpu_dra::support::apiserver::{FaultSpec, Verb};
+use gpu_dra::support::cdi_runtime;
 use gpu_dra::support::harness::{Harness, DRIVER, NODE};
 use gpu_dra::support::kubelet::{
     ClaimRef, Dial, DraService, HealthApi, HealthStatus, KubeletDouble,
@@ -114,8 +115,37 @@ async fn publishes_then_prepares_and_unprepares_a_claim() {
             .is_some_and(|p| p.starts_with("/dev/nvidia"))),
         "{text}"
     );
-    // Fake GPUs have no device files: each node maps onto /dev/null so the runtime can inject it.
-    assert!(nodes.iter().all(|n| n["hostPath"] == "/dev/null"), "{text}");
+    // Fake GPUs' device files exist on no host, as a MIG device's on a real node: the spec names no
+    // host file, and the runtime makes each node from the numbers the spec gives (/dev/null's).
+    assert!(nodes.iter().all(|n| n.get("hostPath").is_none()), "{text}");
+    let ids: Vec<String> = devices
+        .iter()
+        .flat_map(|d| d.cdi_device_ids.clone())
+        .collect();
+    let container = cdi_runtime::inject(&[&node.cdi_dir()], &ids).unwrap_or_else(|e| panic!("{e}"));
+    let null = std::fs::metadata("/dev/null").unwrap().rdev();
+    for device in &devices {
+        let minor = device.device_name.trim_start_matches("gpu-");
+        for path in [
+            format!("/dev/nvidia{minor}"),
+            "/dev/nvidiactl".into(),
+            "/dev/nvidia-uvm".into(),
+            "/dev/nvidia-uvm-tools".into(),
+        ] {
+            let made = container
+                .device(&path)
+                .unwrap_or_else(|| panic!("{path} not in the container: {container:?}"));
+            assert_eq!(made.device_type, "c");
+            assert_eq!(
+                (made.major, made.minor),
+                (
+                    nix::sys::stat::major(null) as i64,
+                    nix::sys::stat::minor(null) as i64
+                ),
+                "{path}"
+            );
+        }
+    }
 
     // Idempotent: the same answer again.
     let again = kubelet.prepare(std::slice::from_ref(&claim)).await.unwrap();
@@ -958,4 +988,62 @@ async fn an_idle_plugin_sends_nothing_but_its_watches_even_as_the_node_heartbeat
             .collect::<Vec<_>>()
     );
     plugin.shutdown().await;
+}
+
+/// A node whose `nvidia-uvm` module is not loaded (the fake's `/proc/devices` without its line): the
+/// plugin says so once as a Warning Event on the Node, and claim specs still list `/dev/nvidia-uvm`,
+/// without numbers, so a container starts only where the host has the file and otherwise fails
+/// naming it, rather than starting and failing in CUDA. Loading the module fixes later claims.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_uvm_module_the_node_is_warned_and_containers_fail_naming_the_file() {
+    let node = Harness::new("l40s-4").await;
+    let proc = node.dir.path().join("fake-gpu-state.proc");
+    std::fs::create_dir_all(&proc).unwrap();
+    let loaded =
+        "Character devices:\n  1 mem\n195 nvidia-frontend\n237 nvidia-caps\n510 nvidia-uvm\n";
+    std::fs::write(proc.join("devices"), loaded.replace("510 nvidia-uvm\n", "")).unwrap();
+    let _plugin = node.start_plugin().await;
+    let kubelet = node.kubelet().await;
+    node.wait_for_slices().await;
+
+    let mut warned = Vec::new();
+    for _ in 0..100 {
+        warned = node
+            .api
+            .list("events")
+            .into_iter()
+            .filter(|e| e["regarding"]["name"] == NODE && e["reason"] == "NvidiaUvmNotLoaded")
+            .collect();
+        if !warned.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(warned.len(), 1, "{warned:?}");
+    assert_eq!(warned[0]["type"], "Warning");
+    let note = warned[0]["note"].as_str().unwrap();
+    assert!(
+        note.contains("nvidia-uvm kernel module is not loaded"),
+        "{note}"
+    );
+
+    let claim = node.allocated_claim("no-uvm", 1).await;
+    let answer = kubelet.prepare(std::slice::from_ref(&claim)).await.unwrap();
+    let ids = ok_devices(&answer, &claim)[0].cdi_device_ids.clone();
+    let error = cdi_runtime::inject(&[&node.cdi_dir()], &ids)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        error.starts_with("failed to stat CDI host device \"/dev/nvidia-uvm\""),
+        "{error}"
+    );
+
+    // The module loaded: the next rescan gives later claims its numbers.
+    std::fs::write(proc.join("devices"), loaded).unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let claim = node.allocated_claim("with-uvm", 1).await;
+    let answer = kubelet.prepare(std::slice::from_ref(&claim)).await.unwrap();
+    let ids = ok_devices(&answer, &claim)[0].cdi_device_ids.clone();
+    let container = cdi_runtime::inject(&[&node.cdi_dir()], &ids).unwrap_or_else(|e| panic!("{e}"));
+    assert!(container.device("/dev/nvidia-uvm").is_some());
 }

@@ -146,12 +146,7 @@ pub(super) fn write_spec_with(
                 edits.device_nodes.clear();
             }
             if let Some(dev_root) = &driver.dev_root {
-                // A stand-in (the fake backend's) is already a host path.
-                for node in edits
-                    .device_nodes
-                    .iter_mut()
-                    .filter(|n| n.host_path.is_none())
-                {
+                for node in edits.device_nodes.iter_mut() {
                     node.host_path = device_host_path(dev_root, &node.path);
                 }
             }
@@ -174,7 +169,8 @@ pub(super) fn write_spec_with(
 /// What a container that gets `device` needs: its device files and the driver's control files, and
 /// environment variables naming the GPU or MIG device and how it is shared (`GPU_DRA_SHARING`:
 /// `Exclusive`, `TimeSlicing/<interval>` or `MPS`), so the workload (and a person) can see what it was
-/// given.
+/// given. Each device file carries its type and numbers where they are known, so the runtime makes it
+/// without looking on the host, which has no file for a MIG capability or the fake backend's devices.
 pub fn container_edits(inventory: &Inventory, device: &PreparedDevice) -> ContainerEdits {
     let mut edits = ContainerEdits::default();
     let Some(gpu) = find_gpu(inventory, &device.device) else {
@@ -187,18 +183,25 @@ pub fn container_edits(inventory: &Inventory, device: &PreparedDevice) -> Contai
     let files = std::iter::once(gpu.device_file())
         .chain(own_files)
         .chain(inventory.control_device_files.iter().cloned());
-    edits.device_nodes = files
-        .map(|path| DeviceNode {
-            path,
-            host_path: inventory.stand_in_device_file.clone(),
-            ..Default::default()
-        })
-        .collect();
+    edits.device_nodes = files.map(|path| device_node(inventory, path)).collect();
     edits.env = vec![
         format!("{}={uuid}", device_variable(&device.device)),
         format!("GPU_DRA_SHARING={}", device.sharing.env_value()),
     ];
     edits
+}
+
+/// A character device node with the driver's numbers; without them (a module that is not loaded) the
+/// runtime takes them from the host's file, and the container fails to start if the host has none.
+fn device_node(inventory: &Inventory, path: String) -> DeviceNode {
+    let number = inventory.device_number(&path);
+    DeviceNode {
+        device_type: number.map(|_| "c".to_string()),
+        major: number.map(|n| i64::from(n.major)),
+        minor: number.map(|n| i64::from(n.minor)),
+        path,
+        ..Default::default()
+    }
 }
 
 /// `GPU_DRA_DEVICE_<NAME>`: the device name in upper case with `-` and `.` as `_`.
@@ -258,7 +261,7 @@ mod tests {
             .unwrap();
         // GPU 0 is one the toolkit's spec names by UUID; GPU 1 is not.
         inventory.gpus[0].uuid = "GPU-4cf8db2d-06c0-7d70-1a51-e59b25b2c16c".into();
-        inventory.stand_in_device_file = None;
+        inventory.stand_in_device = None;
         let libcuda = Mount {
             host_path: "/usr/lib/x86_64-linux-gnu/libcuda.so.550.90.07".into(),
             container_path: "/usr/lib/x86_64-linux-gnu/libcuda.so.550.90.07".into(),
@@ -300,37 +303,95 @@ mod tests {
         assert!(spec.container_edits.mounts.is_empty());
     }
 
+    /// (path, hostPath, type, major, minor) of each node of the spec's first device.
+    fn nodes(
+        cdi: &CdiRegistry,
+        inventory: &Inventory,
+        driver: &DriverEdits,
+    ) -> Vec<(
+        String,
+        Option<String>,
+        Option<String>,
+        Option<i64>,
+        Option<i64>,
+    )> {
+        let uid = "6c3e0f0a-3d4b-4a8e-9f00-1d2c3b4a5e6f";
+        let devices = vec![device(cdi, uid, "gpu-1")];
+        write_spec_with(cdi, uid, &devices, inventory, driver, None).unwrap();
+        let spec = cdi.read_claim_spec(uid).unwrap().unwrap();
+        spec.devices[0]
+            .container_edits
+            .device_nodes
+            .iter()
+            .map(|n| {
+                let n = n.clone();
+                (n.path, n.host_path, n.device_type, n.major, n.minor)
+            })
+            .collect()
+    }
+
     #[test]
-    fn device_nodes_move_under_the_dev_root_but_a_stand_in_stays() {
+    fn device_nodes_carry_the_drivers_numbers_and_move_under_the_dev_root() {
         let root = tempfile::tempdir().unwrap();
         let cdi = CdiRegistry::new(root.path(), "gpu.dra.dev");
         let mut inventory = FakeBackend::new("node-a", "l40s-4")
             .unwrap()
             .inventory()
             .unwrap();
-        let uid = "6c3e0f0a-3d4b-4a8e-9f00-1d2c3b4a5e6f";
-        let devices = vec![device(&cdi, uid, "gpu-0")];
+        // The fake backend's files exist on no host: no host path, /dev/null's numbers.
+        let null = Some("c".to_string());
+        let fake = nodes(&cdi, &inventory, &DriverEdits::default());
+        let paths: Vec<&str> = fake.iter().map(|n| n.0.as_str()).collect();
+        assert_eq!(
+            paths,
+            [
+                "/dev/nvidia1",
+                "/dev/nvidiactl",
+                "/dev/nvidia-uvm",
+                "/dev/nvidia-uvm-tools"
+            ]
+        );
+        assert!(fake
+            .iter()
+            .all(|n| (&n.1, &n.2, n.3, n.4) == (&None, &null, Some(1), Some(3))));
+
+        // A real node's: the driver's numbers, and under the driver container's dev root.
+        inventory.stand_in_device = None;
+        inventory.device_majors = crate::gpu::DeviceMajors::parse(
+            Path::new("/proc/devices"),
+            "Character devices:\n195 nvidia-frontend\n237 nvidia-caps\n510 nvidia-uvm\n",
+        );
         let driver = DriverEdits {
             dev_root: Some("/run/nvidia/driver".into()),
             ..Default::default()
         };
-        let host_paths = |inventory: &Inventory| {
-            write_spec_with(&cdi, uid, &devices, inventory, &driver, None).unwrap();
-            let spec = cdi.read_claim_spec(uid).unwrap().unwrap();
-            spec.devices[0]
-                .container_edits
-                .device_nodes
-                .iter()
-                .map(|n| n.host_path.clone().unwrap_or_default())
-                .collect::<Vec<_>>()
+        let c = |path: &str, major, minor| {
+            (
+                path.to_string(),
+                Some(format!("/run/nvidia/driver{path}")),
+                Some("c".to_string()),
+                Some(major),
+                Some(minor),
+            )
         };
-        // The fake backend's stand-in is a host path already.
-        assert!(host_paths(&inventory).iter().all(|h| h == "/dev/null"));
-        inventory.stand_in_device_file = None;
-        let paths = host_paths(&inventory);
-        assert_eq!(paths[0], "/run/nvidia/driver/dev/nvidia0");
-        assert!(paths
-            .iter()
-            .all(|h| h.starts_with("/run/nvidia/driver/dev/")));
+        assert_eq!(
+            nodes(&cdi, &inventory, &driver),
+            [
+                c("/dev/nvidia1", 195, 1),
+                c("/dev/nvidiactl", 195, 255),
+                c("/dev/nvidia-uvm", 510, 0),
+                c("/dev/nvidia-uvm-tools", 510, 1),
+            ]
+        );
+
+        // Without the UVM module its files are still given, without numbers: the runtime takes them
+        // from the host's files, or fails the container naming the missing one.
+        inventory.device_majors.uvm = None;
+        let real = nodes(&cdi, &inventory, &DriverEdits::default());
+        assert_eq!(
+            real[2],
+            ("/dev/nvidia-uvm".to_string(), None, None, None, None)
+        );
+        assert_eq!(real[0].3, Some(195));
     }
 }

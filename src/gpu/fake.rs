@@ -5,6 +5,7 @@
 //! (`fake_mig`), sharing (`fake_sharing`), fault events (`fake_faults`) and the profile checks
 //! (`fake_check`) live beside this file.
 
+use std::cell::OnceCell;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::Mutex;
@@ -13,8 +14,11 @@ use serde::{Deserialize, Serialize};
 
 pub use super::fake_mig::physically_fits;
 
+use super::caps::{CapsError, MigMinors};
+use super::device_files::{control_device_files, DeviceNumber};
 use super::fake_check::check_profile;
 use super::fake_faults::FaultWatch;
+use super::fake_proc::FakeProc;
 use super::mig::{
     builtin_profiles_for, ComputeShare, MigDestroyed, MigInfo, MigInstance, MigPlacement,
     MigProfile, MigRequest, NO_COMPUTE_INSTANCE,
@@ -58,6 +62,10 @@ pub struct FakeBackend {
     pub(super) hardware: Mutex<FakeHardware>,
     /// Where the hardware state is kept across restarts; `None` keeps it in memory.
     state_file: Option<PathBuf>,
+    /// The driver's `/proc` files of the fake node (device majors, MIG capability minors).
+    proc: FakeProc,
+    /// The numbers every fake device file gets: `/dev/null`'s, so containers open them harmlessly.
+    stand_in: DeviceNumber,
     pub(super) faults: Mutex<FaultWatch>,
     /// MIG operations on one GPU run one at a time, as in the NVML backend.
     pub(super) mig_locks: GpuLocks,
@@ -86,10 +94,17 @@ impl FakeBackend {
                 ))
             }
         };
+        let stand_in = DeviceNumber::of_character_device(std::path::Path::new("/dev/null"))
+            .map_err(|e| GpuError::Unavailable {
+                backend: "fake".into(),
+                reason: format!("its device files get /dev/null's numbers: {e}"),
+            })?;
         let backend = FakeBackend {
             node_name: node_name.to_string(),
             source,
             hardware: Mutex::new(FakeHardware::default()),
+            proc: FakeProc::beside(state_file.as_deref())?,
+            stand_in,
             state_file,
             faults: Mutex::new(FaultWatch::default()),
             mig_locks: GpuLocks::default(),
@@ -184,6 +199,8 @@ impl FakeBackend {
         hardware: &FakeHardware,
     ) -> (Vec<Gpu>, Vec<UnreadableGpu>) {
         let groups = nvlink_groups(profile);
+        // Read once, and only for a GPU with MIG devices of its profile.
+        let minors = OnceCell::new();
         let bus_ids: Vec<String> = profile.gpus.iter().map(|g| g.pci_bus_id.clone()).collect();
         let mut gpus = Vec::new();
         let mut unreadable = Vec::new();
@@ -217,7 +234,22 @@ impl FakeBackend {
                 .mig_capable
                 .then(|| builtin_profiles_for(&spec.product_name))
                 .flatten()
-                .map(|profiles| self.mig_info(spec, minor, &uuid, profiles, hardware));
+                .map(|profiles| self.mig_info(spec, minor, &uuid, profiles, hardware, &minors))
+                .transpose();
+            // As on the NVML backend: a GPU whose MIG devices' files cannot be found is not read.
+            let mig = match mig {
+                Ok(mig) => mig,
+                Err(reason) => {
+                    unreadable.push(UnreadableGpu {
+                        index: index as u32,
+                        minor: Some(minor),
+                        uuid: Some(uuid),
+                        pci_bus_id: Some(spec.pci_bus_id.clone()),
+                        reason,
+                    });
+                    continue;
+                }
+            };
             gpus.push(Gpu {
                 minor,
                 uuid,
@@ -249,7 +281,8 @@ impl FakeBackend {
         uuid: &str,
         profiles: Vec<MigProfile>,
         hardware: &FakeHardware,
-    ) -> MigInfo {
+        minors: &OnceCell<Result<MigMinors, CapsError>>,
+    ) -> Result<MigInfo, String> {
         let mut instances: Vec<MigInstance> = Vec::new();
         for wanted in &spec.mig_instances {
             let Some(profile) = profiles.iter().find(|p| p.name == wanted.profile) else {
@@ -271,11 +304,12 @@ impl FakeBackend {
                 profile,
                 *placement,
                 wanted.compute_instances.as_deref(),
-            ));
+                minors,
+            )?);
         }
         instances.extend(hardware.created.get(uuid).cloned().unwrap_or_default());
         instances.sort_by_key(|i| (i.placement, i.compute_instance_id));
-        MigInfo {
+        Ok(MigInfo {
             enabled: spec.mig_enabled || hardware.mig_enabled.contains(uuid),
             toggles_without_reset: toggles_without_reset(&spec.architecture),
             memory_slices: 8,
@@ -283,7 +317,7 @@ impl FakeBackend {
             profiles,
             instances,
             disable_failed: hardware.disable_failed.get(uuid).cloned(),
-        }
+        })
     }
 
     /// The MIG devices of one GPU instance an admin made: one per compute instance, or one without
@@ -295,7 +329,8 @@ impl FakeBackend {
         profile: &MigProfile,
         placement: MigPlacement,
         compute_instances: Option<&[u32]>,
-    ) -> Vec<MigInstance> {
+        minors: &OnceCell<Result<MigMinors, CapsError>>,
+    ) -> Result<Vec<MigInstance>, String> {
         let gpu_instance_id = gpu_instance_id(placement);
         let base = |uuid: String, ci: u32, files: Vec<String>, compute| MigInstance {
             uuid,
@@ -306,19 +341,23 @@ impl FakeBackend {
             device_files: files,
             compute,
         };
+        let files = |ci| {
+            let table = minors.get_or_init(|| self.proc.mig_minors());
+            device_files(table, minor, gpu_instance_id, ci)
+        };
         let whole = format!("mig/{minor}/{}", placement.start);
-        match compute_instances {
+        Ok(match compute_instances {
             None => vec![base(
                 format!("MIG-{}", self.derived_uuid(&whole)),
                 0,
-                fake_device_files(minor, gpu_instance_id, 0),
+                files(0)?,
                 None,
             )],
             Some([]) => vec![base(String::new(), NO_COMPUTE_INSTANCE, Vec::new(), None)],
             Some([only]) if *only == profile.compute_slices => vec![base(
                 format!("MIG-{}", self.derived_uuid(&whole)),
                 0,
-                fake_device_files(minor, gpu_instance_id, 0),
+                files(0)?,
                 None,
             )],
             Some(list) => list
@@ -326,19 +365,24 @@ impl FakeBackend {
                 .enumerate()
                 .map(|(ci, &slices)| {
                     let ci = ci as u32;
-                    base(
+                    Ok(base(
                         format!("MIG-{}", self.derived_uuid(&format!("{whole}/ci{ci}"))),
                         ci,
-                        fake_device_files(minor, gpu_instance_id, ci),
+                        files(ci)?,
                         Some(ComputeShare {
                             slices,
                             multiprocessors: profile.multiprocessors * slices
                                 / profile.compute_slices.max(1),
                         }),
-                    )
+                    ))
                 })
-                .collect(),
-        }
+                .collect::<Result<_, String>>()?,
+        })
+    }
+
+    /// The driver's MIG capability table of the fake node.
+    pub(super) fn mig_minors(&self) -> Result<MigMinors, CapsError> {
+        self.proc.mig_minors()
     }
 }
 
@@ -355,12 +399,9 @@ impl GpuBackend for FakeBackend {
             driver_version: profile.driver_version.clone(),
             cuda_driver_version: profile.cuda_driver_version.clone(),
             gpus,
-            control_device_files: vec![
-                "/dev/nvidiactl".to_string(),
-                "/dev/nvidia-uvm".to_string(),
-                "/dev/nvidia-uvm-tools".to_string(),
-            ],
-            stand_in_device_file: Some("/dev/null".to_string()),
+            control_device_files: control_device_files(),
+            device_majors: self.proc.device_majors(),
+            stand_in_device: Some(self.stand_in),
             unreadable,
         })
     }
@@ -405,18 +446,18 @@ pub(super) fn gpu_instance_id(placement: MigPlacement) -> u32 {
     placement.start + 1
 }
 
-/// The capability files of a fake MIG device, numbered the way the driver numbers them (one block per
-/// GPU); they map onto the stand-in device file like every fake device file.
-pub(super) fn fake_device_files(
-    minor: u32,
+/// The capability files of a fake MIG device, from the fake node's MIG table as NVML's backend takes
+/// them from the real one's.
+pub(super) fn device_files(
+    minors: &Result<MigMinors, CapsError>,
+    gpu_minor: u32,
     gpu_instance: u32,
     compute_instance: u32,
-) -> Vec<String> {
-    let base = 3 + minor * 128 + gpu_instance * 9;
-    vec![
-        format!("/dev/nvidia-caps/nvidia-cap{base}"),
-        format!("/dev/nvidia-caps/nvidia-cap{}", base + 1 + compute_instance),
-    ]
+) -> Result<Vec<String>, String> {
+    let table = minors.as_ref().map_err(|e| e.to_string())?;
+    table
+        .device_files(gpu_minor, gpu_instance, compute_instance)
+        .map_err(|e| e.to_string())
 }
 
 fn toggles_without_reset(architecture: &str) -> bool {

@@ -4,6 +4,7 @@
 
 use super::fake::gpu_instance_id;
 use super::fake_mig::physically_fits;
+use super::fake_proc::TABLE_GPUS;
 use super::mig::{builtin_profiles_for, MigInfo, MigInstance, MigProfile};
 use super::profiles::{FakeFaultKind, FakeGpuSpec, FakeProfile};
 
@@ -14,6 +15,12 @@ pub(super) fn check_profile(profile: &FakeProfile) -> Result<(), String> {
         let minor = gpu.minor.unwrap_or(index as u32);
         if !minors.insert(minor) {
             return Err(format!("gpus[{index}]: minor {minor} is used twice"));
+        }
+        if gpu.mig_capable && minor >= TABLE_GPUS {
+            return Err(format!(
+                "gpus[{index}]: minor {minor}: the driver's MIG capability table covers GPU minors 0 to {}",
+                TABLE_GPUS - 1
+            ));
         }
         if gpu.product_name.is_empty() || gpu.product_name.len() > 64 {
             return Err(format!(

@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use super::fake::{fake_device_files, gpu_instance_id, lock, FakeBackend};
+use super::fake::{device_files, gpu_instance_id, lock, FakeBackend};
 use super::mig::{
     mig_enable_failed, MigDestroyed, MigInfo, MigInstance, MigPlacement, MigProfile, MigRequest,
 };
@@ -126,7 +126,8 @@ impl FakeBackend {
             placement: request.placement,
             gpu_instance_id,
             compute_instance_id: 0,
-            device_files: fake_device_files(gpu.minor, gpu_instance_id, 0),
+            device_files: device_files(&self.mig_minors(), gpu.minor, gpu_instance_id, 0)
+                .map_err(refuse)?,
             compute: None,
         };
         let mut hardware = lock(&self.hardware);

@@ -61,7 +61,10 @@ mod unreadable_tests {
             .unwrap()
             .inventory()
             .unwrap();
-        assert_eq!(bridged.gpus[0].nvlink_peers, [bridged.gpus[1].pci_bus_id.clone()]);
+        assert_eq!(
+            bridged.gpus[0].nvlink_peers,
+            [bridged.gpus[1].pci_bus_id.clone()]
+        );
         assert_eq!(bridged.gpus[0].nvlink_domain, bridged.gpus[1].nvlink_domain);
         assert_ne!(bridged.gpus[0].nvlink_domain, bridged.gpus[2].nvlink_domain);
     }
@@ -336,5 +339,36 @@ mod safety_tests {
                 .unwrap()
                 .enabled
         );
+    }
+}
+
+mod device_file_tests {
+    use std::path::Path;
+
+    use crate::gpu::fake::FakeBackend;
+    use crate::gpu::fake_mig::mig_tests::request;
+    use crate::gpu::GpuBackend;
+
+    /// A fake MIG device's capability files are where a real node's are: numbered from the driver's
+    /// MIG table (135 minors per GPU, 9 per GPU instance), at paths that exist on no host, so a runtime
+    /// that looked for them there would fail as on a real node.
+    #[test]
+    fn mig_capability_files_are_numbered_as_the_driver_numbers_them_and_exist_on_no_host() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = dir.path().join("fake-gpu-state.json");
+        let backend = FakeBackend::with_state_file("n", "dgx-h100", Some(state)).unwrap();
+        let mut on_gpu_1 = request(&backend, "1g.10gb", 6);
+        on_gpu_1.parent_uuid = backend.inventory().unwrap().gpus[1].uuid.clone();
+        let made = backend.create_mig(&on_gpu_1).unwrap();
+        // GPU instance 7 of GPU 1: `gpu1/gi7/access 201`, `gpu1/gi7/ci0/access 202`.
+        assert_eq!(made.gpu_instance_id, 7);
+        assert_eq!(
+            made.device_files,
+            [
+                "/dev/nvidia-caps/nvidia-cap201",
+                "/dev/nvidia-caps/nvidia-cap202"
+            ]
+        );
+        assert!(made.device_files.iter().all(|f| !Path::new(f).exists()));
     }
 }

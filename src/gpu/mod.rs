@@ -3,10 +3,12 @@
 //! profiles, for tests, the demo and kind) and `nvml` (the NVIDIA driver's management library).
 
 pub mod caps;
+pub mod device_files;
 pub mod fake;
 mod fake_check;
 mod fake_faults;
 mod fake_mig;
+mod fake_proc;
 mod fake_sharing;
 #[cfg(test)]
 mod fake_tests;
@@ -23,6 +25,7 @@ mod nvml_sharing;
 mod nvml_support;
 mod profiles;
 
+pub use device_files::{DeviceMajors, DeviceNumber, DriverProc};
 pub use fake::FakeBackend;
 pub use locks::GpuLocks;
 pub use mig::{
@@ -84,12 +87,24 @@ pub struct Inventory {
     pub gpus: Vec<Gpu>,
     /// Device files every GPU container needs besides its GPUs' own (`/dev/nvidiactl`, UVM).
     pub control_device_files: Vec<String>,
-    /// Set by the fake backend: every device file maps onto this host file (`/dev/null`), so that the
-    /// CDI specs it produces can be injected on a node that has no GPU device files.
-    pub stand_in_device_file: Option<String>,
+    /// The majors of the driver's device files on this node, from its `/proc/devices`.
+    pub device_majors: DeviceMajors,
+    /// Set by the fake backend: the numbers every fake device file gets (`/dev/null`'s, read from the
+    /// host), so that containers open them harmlessly; the files themselves exist on no host, as a MIG
+    /// device's capability files on a real node.
+    pub stand_in_device: Option<DeviceNumber>,
     /// GPUs the backend sees but could not read (lost, in a MIG mode change, any per-GPU error): left
     /// out of `gpus`, reported, and read again at the next rescan.
     pub unreadable: Vec<UnreadableGpu>,
+}
+
+impl Inventory {
+    /// The numbers a container's device file at `path` gets, where the driver's are known; the fake
+    /// backend's stand-in replaces them.
+    pub fn device_number(&self, path: &str) -> Option<DeviceNumber> {
+        let real = self.device_majors.number_of(path)?;
+        Some(self.stand_in_device.unwrap_or(real))
+    }
 }
 
 /// A GPU that is there but could not be read, with what is known of it.

@@ -10,9 +10,10 @@ use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::Device;
 use nvml_wrapper_sys::bindings::NVML_NVLINK_MAX_LINKS;
 
+use super::device_files::control_device_files;
 use super::nvml::{fabric_raw, Named, NvmlBackend, SYSFS_PCI_DEVICES};
 use super::nvml_support as support;
-use super::{nvlink, Gpu, GpuError, Inventory, UnreadableGpu};
+use super::{nvlink, DriverProc, Gpu, GpuError, Inventory, UnreadableGpu};
 
 impl NvmlBackend {
     /// `GpuBackend::inventory`.
@@ -41,7 +42,8 @@ impl NvmlBackend {
             cuda_driver_version: support::cuda_version(cuda),
             gpus,
             control_device_files: control_device_files(),
-            stand_in_device_file: None,
+            device_majors: DriverProc::new(&self.driver_root).device_majors(),
+            stand_in_device: None,
             unreadable,
         })
     }
@@ -160,11 +162,18 @@ fn nvlink_peers(device: &Device) -> Vec<String> {
     peers.into_iter().collect()
 }
 
-/// Device files every GPU container needs; the UVM nodes only where the driver created them.
-fn control_device_files() -> Vec<String> {
-    ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]
-        .into_iter()
-        .filter(|path| *path == "/dev/nvidiactl" || Path::new(path).exists())
-        .map(str::to_string)
-        .collect()
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The plugin's `/dev` is a snapshot of when its container started (here: a machine without the
+    /// NVIDIA driver, so without `/dev/nvidia-uvm`); without the UVM files CUDA cannot initialise, so
+    /// every GPU container gets them regardless.
+    #[test]
+    fn every_container_gets_the_uvm_files_whatever_the_plugins_dev_holds() {
+        let files = control_device_files();
+        for path in ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"] {
+            assert!(files.iter().any(|f| f == path), "{path} missing: {files:?}");
+        }
+    }
 }

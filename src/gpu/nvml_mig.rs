@@ -14,6 +14,7 @@ use nvml_wrapper_sys::bindings::{
     NVML_GPU_INSTANCE_PROFILE_COUNT,
 };
 
+use super::mig::mig_enable_failed;
 use super::nvml::{
     ci_info, ci_profile_info, compute_instances, create_ci, create_gi, destroy_ci, destroy_gi,
     gi_by_id, gi_info, gi_placements, gpu_instances, is, mig_ids, profile_info_v2, Failed, Named,
@@ -21,9 +22,9 @@ use super::nvml::{
 };
 use super::nvml_inventory::architecture_code;
 use super::nvml_support::{self as support, RawProfile};
-use super::mig::mig_enable_failed;
 use super::{
-    caps, ComputeShare, GpuError, MigDestroyed, MigInfo, MigInstance, MigPlacement, MigRequest,
+    ComputeShare, DriverProc, GpuError, MigDestroyed, MigInfo, MigInstance, MigPlacement,
+    MigRequest,
 };
 
 impl NvmlBackend {
@@ -137,8 +138,12 @@ impl NvmlBackend {
         Ok(instances)
     }
 
+    /// The capability files of a MIG device, from the driver's MIG table (through the driver root).
     fn device_files(&self, minor: u32, gi: u32, ci: u32) -> Result<Vec<String>, String> {
-        caps::mig_device_files(&self.driver_root.join("proc"), minor, gi, ci)
+        DriverProc::new(&self.driver_root)
+            .mig_minors()
+            .and_then(|table| table.device_files(minor, gi, ci))
+            .map_err(|e| e.to_string())
     }
 
     /// Everything after the GPU instance exists; on error the caller tears the instance down.

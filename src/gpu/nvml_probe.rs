@@ -46,10 +46,11 @@ pub fn probe(options: NvmlOptions) -> Result<String, GpuError> {
     );
     match backend.inventory() {
         Ok(inventory) => {
-            for gpu in inventory.gpus {
-                let domain = gpu.nvlink_domain.unwrap_or_else(|| "none".into());
+            for gpu in &inventory.gpus {
+                let domain = gpu.nvlink_domain.as_deref().unwrap_or("none");
                 let _ = writeln!(out, "  gpu-{} {}: {domain}", gpu.minor, gpu.uuid);
             }
+            device_files(&inventory, &mut out);
             // What the plugin would leave out and report (a GpuUnreadable Event), and why.
             for bad in inventory.unreadable {
                 let uuid = bad.uuid.unwrap_or_else(|| "(UUID unknown)".into());
@@ -65,6 +66,32 @@ pub fn probe(options: NvmlOptions) -> Result<String, GpuError> {
         }
     }
     Ok(out)
+}
+
+/// The control files every GPU container gets, with the numbers claim specs give them.
+fn device_files(inventory: &super::Inventory, out: &mut String) {
+    let majors = &inventory.device_majors;
+    let _ = writeln!(
+        out,
+        "\nDevice files for containers (majors from {}{})",
+        majors.source.display(),
+        majors
+            .unreadable
+            .as_ref()
+            .map(|e| format!(": unreadable, {e}"))
+            .unwrap_or_default()
+    );
+    for path in &inventory.control_device_files {
+        let numbers = match inventory.device_number(path) {
+            Some(n) => format!("c {}:{}", n.major, n.minor),
+            None => "no numbers (module not loaded?): the runtime needs the host's file".into(),
+        };
+        let _ = writeln!(out, "  {path}: {numbers}");
+    }
+    let caps = majors
+        .caps
+        .map_or("unknown".to_string(), |major| major.to_string());
+    let _ = writeln!(out, "  nvidia-caps major (MIG capability files): {caps}");
 }
 
 fn line<T: Display>(out: &mut String, indent: usize, label: &str, value: Result<T, NvmlError>) {

@@ -655,8 +655,7 @@ mod tests {
         .unwrap();
         assert_eq!(info.profiles.len(), 1);
         assert_eq!(info.profiles[0].placements.len(), 7, "from the H100 table");
-        let unknown =
-            mig_info(false, true, &profiles, H100_TOTAL, "NVIDIA B200", vec![]).unwrap();
+        let unknown = mig_info(false, true, &profiles, H100_TOTAL, "NVIDIA B200", vec![]).unwrap();
         assert!(unknown.profiles.is_empty());
         assert_eq!((unknown.memory_slices, unknown.compute_slices), (8, 7));
         // A driver that lists nothing while MIG mode is off: the whole model table.
@@ -670,8 +669,15 @@ mod tests {
             err.contains("MIG mode is on") && err.contains("lists no GPU-instance profile"),
             "{err}"
         );
-        let err = mig_info(true, true, &profiles[1..], H100_TOTAL, "NVIDIA B200", vec![])
-            .unwrap_err();
+        let err = mig_info(
+            true,
+            true,
+            &profiles[1..],
+            H100_TOTAL,
+            "NVIDIA B200",
+            vec![],
+        )
+        .unwrap_err();
         assert!(
             err.contains("no placements for any of its 1") && err.contains("NVIDIA B200"),
             "{err}"
@@ -686,8 +692,9 @@ mod tests {
         };
         let text = on_gpu("GPU-01000100-0000", failed).to_string();
         assert!(
-            text.starts_with("GPU GPU-01000100-0000: NVML nvmlDeviceCreateGpuInstanceWithPlacement failed")
-                && text.contains("NVML_ERROR_NOT_SUPPORTED"),
+            text.starts_with(
+                "GPU GPU-01000100-0000: NVML nvmlDeviceCreateGpuInstanceWithPlacement failed"
+            ) && text.contains("NVML_ERROR_NOT_SUPPORTED"),
             "{text}"
         );
         // Errors that name their GPU already are left as they are.

@@ -1,5 +1,7 @@
 //! What the operator hears about GPUs the plugin leaves out: a GPU the backend cannot read, a static
-//! GPU instance without compute instance, a GPU whose MIG mode could not be switched off. Each is a
+//! GPU instance without compute instance, a GPU whose MIG mode could not be switched off; and about
+//! device files containers cannot get right: the `nvidia-uvm` module not loaded, MIG capabilities
+//! without a registered major. Each is a
 //! Warning Event on the Node and a log line when it appears (once per GPU and reason), a log line and a
 //! Normal Event when it is over, and the `gpu_dra_unreadable_gpus` gauge. Unreadable GPUs are also
 //! UNHEALTHY on the kubelet's health stream ([`unreadable_health`]).
@@ -24,12 +26,17 @@ pub const MIG_WITHOUT_COMPUTE: &str = "MigInstanceWithoutComputeInstance";
 /// The Event reason for a GPU left in MIG mode because switching it off failed.
 pub const MIG_MODE_STUCK: &str = "MigModeNotSwitchedOff";
 
+/// The Event reason for a node whose `nvidia-uvm` module is not loaded (CUDA cannot initialise).
+pub const UVM_NOT_LOADED: &str = "NvidiaUvmNotLoaded";
+/// The Event reason for MIG mode on a node whose `/proc/devices` has no `nvidia-caps` major.
+pub const CAPS_MAJOR_UNKNOWN: &str = "NvidiaCapsMajorUnknown";
+
 /// One problem: (Event reason, the GPU or GPU instance it is about) → the note.
 type Problems = BTreeMap<(&'static str, String), String>;
 
 /// The problems an inventory shows under a MIG mode.
 pub fn problems(inventory: &Inventory, mig_mode: MigMode) -> Problems {
-    let mut found = Problems::new();
+    let mut found = device_file_problems(inventory);
     for gpu in &inventory.unreadable {
         found.insert(
             (GPU_UNREADABLE, format!("{}: {}", gpu.describe(), gpu.reason)),
@@ -69,6 +76,39 @@ pub fn problems(inventory: &Inventory, mig_mode: MigMode) -> Problems {
                 ),
             );
         }
+    }
+    found
+}
+
+/// Device files whose numbers are unknown: claim specs then list them without, the runtime looks for
+/// them on the host, and containers fail to start where the host has none.
+fn device_file_problems(inventory: &Inventory) -> Problems {
+    let mut found = Problems::new();
+    let majors = &inventory.device_majors;
+    let source = majors.source.display().to_string();
+    let why = match &majors.unreadable {
+        Some(reason) => format!("{source} cannot be read: {reason}"),
+        None => format!("{source} lists no"),
+    };
+    if majors.uvm.is_none() {
+        found.insert(
+            (UVM_NOT_LOADED, source.clone()),
+            format!(
+                "the nvidia-uvm kernel module is not loaded ({why} nvidia-uvm major), and CUDA cannot initialise without /dev/nvidia-uvm. Claim specs still list /dev/nvidia-uvm and /dev/nvidia-uvm-tools, without device numbers: containers start where the host has those files and otherwise fail with \"failed to stat CDI host device\". Load it on the node (nvidia-modprobe -u -c=0, or modprobe nvidia-uvm); the next rescan picks it up."
+            ),
+        );
+    }
+    let mig_enabled = inventory
+        .gpus
+        .iter()
+        .any(|gpu| gpu.mig.as_ref().is_some_and(|mig| mig.enabled));
+    if majors.caps.is_none() && mig_enabled {
+        found.insert(
+            (CAPS_MAJOR_UNKNOWN, source.clone()),
+            format!(
+                "MIG mode is on but the nvidia-caps major is unknown ({why} nvidia-caps major): claim specs list MIG capability files without device numbers, and containers with MIG devices fail to start where the host has no such file."
+            ),
+        );
     }
     found
 }
@@ -167,6 +207,7 @@ mod tests {
         assert!(health[0].message.contains("GPU is lost"));
         let found = problems(&inventory, MigMode::Static);
         let notes: Vec<&String> = found.values().collect();
+        // The fake node has its UVM module loaded: no other problem.
         assert_eq!(notes.len(), 2);
         assert!(notes
             .iter()
@@ -174,5 +215,44 @@ mod tests {
         assert!(notes
             .iter()
             .any(|n| n.contains("GPU index 3 cannot be read")));
+    }
+
+    #[test]
+    fn a_node_without_the_uvm_module_is_told_once_what_its_containers_lack() {
+        let mut inventory = FakeBackend::new("n", "dgx-h100")
+            .unwrap()
+            .inventory()
+            .unwrap();
+        assert!(problems(&inventory, MigMode::Dynamic).is_empty());
+        inventory.device_majors = crate::gpu::DeviceMajors::parse(
+            std::path::Path::new("/driver/proc/devices"),
+            "Character devices:\n  1 mem\n195 nvidia-frontend\nBlock devices:\n510 nvidia-uvm\n",
+        );
+        let found = problems(&inventory, MigMode::Dynamic);
+        let notes: Vec<(&str, &String)> = found.iter().map(|((r, _), n)| (*r, n)).collect();
+        assert_eq!(notes.len(), 1, "{notes:?}");
+        let (reason, note) = notes[0];
+        assert_eq!(reason, UVM_NOT_LOADED);
+        for part in [
+            "nvidia-uvm kernel module is not loaded",
+            "/driver/proc/devices lists no nvidia-uvm major",
+            "CUDA cannot initialise",
+            "failed to stat CDI host device",
+            "nvidia-modprobe -u -c=0",
+        ] {
+            assert!(note.contains(part), "{note:?} lacks {part:?}");
+        }
+
+        // MIG mode on without a caps major: MIG devices cannot be given either.
+        inventory.gpus[0].mig.as_mut().unwrap().enabled = true;
+        let found = problems(&inventory, MigMode::Dynamic);
+        assert!(found
+            .keys()
+            .any(|(reason, _)| *reason == CAPS_MAJOR_UNKNOWN));
+        inventory.device_majors.unreadable = Some("permission denied".into());
+        let found = problems(&inventory, MigMode::Dynamic);
+        assert!(found
+            .values()
+            .all(|n| n.contains("/driver/proc/devices cannot be read: permission denied")));
     }
 }

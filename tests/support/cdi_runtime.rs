@@ -19,7 +19,10 @@ use crate::cdi::{validate, DeviceNode, Spec};
 pub enum RuntimeError {
     /// `spec_errors` says why specs in the directories did not load, which the runtime only logs.
     #[error("unresolvable CDI devices {devices}{spec_errors}")]
-    Unresolvable { devices: String, spec_errors: String },
+    Unresolvable {
+        devices: String,
+        spec_errors: String,
+    },
     #[error("failed to stat CDI host device {host_path:?}: {reason}")]
     Stat { host_path: String, reason: String },
     #[error("CDI device ({path:?}, {host_path:?}), host type mismatch ({spec}, {host})")]
@@ -147,10 +150,11 @@ pub fn device_node(node: &DeviceNode) -> Result<ContainerDevice, RuntimeError> {
     if minimal {
         return Ok(completed(spec_type, major, minor));
     }
-    let (host_type, host_major, host_minor) = host_device(&host_path).map_err(|reason| RuntimeError::Stat {
-        host_path: host_path.clone(),
-        reason,
-    })?;
+    let (host_type, host_major, host_minor) =
+        host_device(&host_path).map_err(|reason| RuntimeError::Stat {
+            host_path: host_path.clone(),
+            reason,
+        })?;
     let device_type = if spec_type.is_empty() {
         host_type.clone()
     } else {

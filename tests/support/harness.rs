@@ -312,13 +312,15 @@ impl Harness {
 }
 
 /// A fake profile of `count` H100 80GB GPUs on one NVLink domain (the `dgx-h100` GPU repeated with
-/// its own PCI address), MIG capable with MIG mode off.
+/// its own PCI address), MIG capable with MIG mode off. Only the first 32 are MIG capable: the
+/// driver's MIG capability table has no files for higher GPU minors.
 pub fn h100_profile(count: usize) -> crate::gpu::FakeProfile {
     let mut profile = crate::gpu::builtin_profile("dgx-h100").expect("built-in profile");
     let template = profile.gpus[0].clone();
     profile.gpus = (0..count)
         .map(|i| crate::gpu::FakeGpuSpec {
             pci_bus_id: format!("0000:{:02x}:00.0", (i % 255) + 1),
+            mig_capable: template.mig_capable && i < 32,
             ..template.clone()
         })
         .collect();

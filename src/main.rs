@@ -531,6 +531,7 @@ fn run_plugin(args: PluginArgs) -> Result<()> {
                 None => gpu_dra::claims::mps::mps_shm::default_size(),
             },
         },
+        sharing_timeout: gpu_dra::claims::SHARING_TIMEOUT,
     };
     let kubeconfig = args.kubeconfig;
     runtime()?.block_on(async move {

@@ -16,6 +16,9 @@ use std::io;
 use std::path::PathBuf;
 
 pub use driver_root::{device_host_path, DriverRoot, DriverRootError};
+/// The fake driver roots of the tests, for the tests of other modules that run driver programs.
+#[cfg(test)]
+pub(crate) use host_driver::fake_root;
 pub use host_driver::{
     CdiHook, DiscoveryOptions, DriverFile, FileKind, HookCli, HostDriver, HostDriverError,
     LibraryClass,

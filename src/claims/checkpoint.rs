@@ -1,5 +1,5 @@
 //! The checkpoint: which claims this plugin prepared, so that a restart knows what to keep and what to
-//! roll back. Versioned JSON with a SHA-256 checksum over the `data` object as stored, so a file written
+//! roll back, and which GPUs it set to a sharing mode other than the default. Versioned JSON with a SHA-256 checksum over the `data` object as stored, so a file written
 //! by a newer version with added fields still verifies; carries the node's boot id. Writes are atomic
 //! but not fsynced: a crash of the process loses nothing, and after a power cut (a reboot) recovery
 //! checks every record of the earlier boot against the API server before it holds a device
@@ -17,6 +17,7 @@ use thiserror::Error;
 
 use crate::api::config::SharingSettings;
 use crate::fsutil::{finish_interrupted_replace, replace_for_this_boot};
+use crate::gpu::GpuSharingMode;
 
 /// The format (major) version this build writes; a file with a higher one is refused rather than misread
 /// (recovery sets it aside and rebuilds, see `recovery.rs`).
@@ -127,6 +128,20 @@ pub struct CheckpointData {
     /// prepares or unprepares the claim.
     #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
     pub left_in_place: BTreeSet<String>,
+    /// Sharing modes other than the default that this plugin set on GPUs, or was about to set, by
+    /// GPU UUID: written before each change and dropped once the GPU is reset. NVML cannot read a
+    /// time-slice interval back, so after a crash this is how start-up knows which GPUs to reset.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub gpu_modes: BTreeMap<String, RecordedGpuMode>,
+}
+
+/// A GPU's sharing mode as recorded. One a newer release wrote that this one does not know is kept
+/// as it was read, and counts as "not the default" (the GPU is reset at start).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum RecordedGpuMode {
+    Known(GpuSharingMode),
+    Unknown(serde_json::Value),
 }
 
 #[derive(Serialize, Deserialize)]
@@ -314,6 +329,49 @@ mod tests {
         assert_eq!(
             loaded.claims["uid-1"].devices,
             sample().claims["uid-1"].devices
+        );
+    }
+
+    #[test]
+    fn gpu_modes_round_trip_are_absent_from_older_files_and_keep_values_of_newer_ones() {
+        use crate::gpu::TimeSliceInterval;
+        let dir = tempfile::tempdir().unwrap();
+        let file = CheckpointFile::new(dir.path().join("checkpoint.json"));
+        let mut data = sample();
+        data.gpu_modes.insert(
+            "GPU-a".into(),
+            RecordedGpuMode::Known(GpuSharingMode::TimeSlice(TimeSliceInterval::Long)),
+        );
+        data.gpu_modes.insert(
+            "GPU-b".into(),
+            RecordedGpuMode::Known(GpuSharingMode::ExclusiveProcess),
+        );
+        file.store(&data).unwrap();
+        let text = std::fs::read_to_string(file.path()).unwrap();
+        assert!(
+            text.contains(
+                r#""gpuModes":{"GPU-a":{"timeSlice":"Long"},"GPU-b":"exclusiveProcess"}"#
+            ),
+            "{text}"
+        );
+        assert_eq!(file.load().unwrap(), Some(data));
+
+        // A file from before the field (and one without modes) has none, and writes none.
+        file.store(&sample()).unwrap();
+        let text = std::fs::read_to_string(file.path()).unwrap();
+        assert!(!text.contains("gpuModes"), "{text}");
+        assert!(file.load().unwrap().unwrap().gpu_modes.is_empty());
+
+        // A mode a newer release added is kept as it was written.
+        let mut value = serde_json::to_value(sample()).unwrap();
+        value["gpuModes"] = serde_json::json!({"GPU-c": {"timeSliceMicros": 500}});
+        let envelope =
+            serde_json::json!({"version": 1, "checksum": checksum(&value), "data": value});
+        std::fs::write(file.path(), envelope.to_string()).unwrap();
+        let loaded = file.load().unwrap().unwrap();
+        assert_eq!(
+            loaded.gpu_modes["GPU-c"],
+            RecordedGpuMode::Unknown(serde_json::json!({"timeSliceMicros": 500}))
         );
     }
 

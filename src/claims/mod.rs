@@ -14,6 +14,7 @@ mod allocation;
 pub mod checkpoint;
 pub mod configs;
 mod edits;
+mod gpu_modes;
 mod mig;
 pub mod mps;
 pub mod names;
@@ -35,6 +36,7 @@ pub use allocation::allocation_results;
 pub use checkpoint::{ClaimRecord, ClaimState, PreparedDevice, PreparedMig};
 use edits::write_spec_with;
 pub use edits::{container_edits, DriverEdits};
+pub use gpu_modes::SHARING_TIMEOUT;
 
 use crate::cdi::CdiRegistry;
 use crate::devices::MigMode;
@@ -183,6 +185,9 @@ pub struct ClaimsConfig {
     pub claim_read_budget: Duration,
     /// The claims' MPS control daemons.
     pub mps: mps::MpsDaemons,
+    /// How long one change of a GPU's sharing mode may take before it counts as stuck
+    /// ([`SHARING_TIMEOUT`]).
+    pub sharing_timeout: Duration,
 }
 
 /// The claim state machine of one plugin instance.
@@ -204,9 +209,8 @@ pub struct Preparer {
     persisted: tokio::sync::Mutex<u64>,
     claim_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     mps: Arc<mps::MpsDaemons>,
-    /// The sharing mode last set on each GPU (by UUID); held while modes change, so that changes for
-    /// different claims run one at a time.
-    gpu_modes: tokio::sync::Mutex<HashMap<String, crate::gpu::GpuSharingMode>>,
+    /// The sharing mode last set on each GPU, with one lock per GPU held while its mode changes.
+    gpu_modes: gpu_modes::GpuModes,
 }
 
 impl Preparer {
@@ -241,7 +245,7 @@ impl Preparer {
             persisted: tokio::sync::Mutex::new(0),
             claim_locks: Mutex::new(HashMap::new()),
             mps: Arc::new(config.mps),
-            gpu_modes: tokio::sync::Mutex::new(HashMap::new()),
+            gpu_modes: gpu_modes::GpuModes::new(config.sharing_timeout),
         });
         let recovery = preparer.recover_at_start().await?;
         Ok((preparer, recovery))
@@ -362,7 +366,7 @@ impl Preparer {
                 device,
                 reason,
             })?;
-        self.sync_gpu_modes(inventory, devices, None)
+        self.sync_gpu_modes(claim, inventory, devices, None)
             .await
             .map_err(|reason| ClaimError::Sharing {
                 claim: claim.to_string(),
@@ -428,7 +432,7 @@ impl Preparer {
             }
             let inventory = self.inventory.borrow().clone();
             if let Err(reason) = self
-                .sync_gpu_modes(&inventory, &devices, Some(&claim.uid))
+                .sync_gpu_modes(claim, &inventory, &devices, Some(&claim.uid))
                 .await
             {
                 return Err(ClaimError::Sharing {
@@ -554,7 +558,7 @@ impl Preparer {
         mig::destroy_created(&self.backend, devices).await;
         let inventory = self.inventory.borrow().clone();
         if let Err(error) = self
-            .sync_gpu_modes(&inventory, devices, Some(&claim.uid))
+            .sync_gpu_modes(claim, &inventory, devices, Some(&claim.uid))
             .await
         {
             warn!(%error, "resetting the GPU's sharing mode during roll-back");

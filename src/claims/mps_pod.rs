@@ -184,59 +184,32 @@ impl DaemonPodTemplate {
 /// interpreter is in the root) and has the `/tmp` and `/dev/shm` the Pod mounts the claim's
 /// directories on; directly with the root's libraries otherwise (a root without a loader, GKE's).
 pub fn program_for_root(container_root: &Path) -> DaemonProgram {
-    let default = PathBuf::from("/usr/bin/nvidia-cuda-mps-control");
-    let Some((binary, library_dir)) =
-        crate::gpu::find_driver_binary(container_root, "nvidia-cuda-mps-control")
-    else {
+    let located = match crate::gpu::driver_exec::locate(container_root, "nvidia-cuda-mps-control") {
+        Ok(located) => located,
         // The supervisor then says which program it could not start.
-        return DaemonProgram::Chroot { binary: default };
+        Err(_) => {
+            return DaemonProgram::Chroot {
+                binary: PathBuf::from("/usr/bin/nvidia-cuda-mps-control"),
+            }
+        }
     };
     let inside = |path: &Path| {
         path.strip_prefix(container_root)
             .map(|rest| Path::new("/").join(rest))
             .unwrap_or_else(|_| path.to_path_buf())
     };
-    let runs_in_root = elf_interpreter(&binary)
-        .is_some_and(|interp| container_root.join(interp.trim_start_matches('/')).exists());
     let has_mount_points =
         container_root.join("tmp").is_dir() && container_root.join("dev/shm").is_dir();
-    if runs_in_root && has_mount_points {
+    if located.runs_inside_root && has_mount_points {
         DaemonProgram::Chroot {
-            binary: inside(&binary),
+            binary: located.in_root,
         }
     } else {
         DaemonProgram::Direct {
-            binary: inside(&binary),
-            library_dir: library_dir.as_deref().map(inside),
+            binary: located.in_root,
+            library_dir: located.library_dir.as_deref().map(inside),
         }
     }
-}
-
-/// The program interpreter (`PT_INTERP`) of a 64-bit little-endian ELF file: the loader it names.
-pub fn elf_interpreter(path: &Path) -> Option<String> {
-    let bytes = std::fs::read(path).ok()?;
-    let u16_at = |at: usize| Some(u16::from_le_bytes(bytes.get(at..at + 2)?.try_into().ok()?));
-    let u32_at = |at: usize| Some(u32::from_le_bytes(bytes.get(at..at + 4)?.try_into().ok()?));
-    let u64_at = |at: usize| {
-        let value = u64::from_le_bytes(bytes.get(at..at + 8)?.try_into().ok()?);
-        usize::try_from(value).ok()
-    };
-    // ELF magic, 64-bit class (2), little-endian data (1).
-    if bytes.get(..6)? != b"\x7fELF\x02\x01" {
-        return None;
-    }
-    let (table, entry_size, entries) = (u64_at(0x20)?, usize::from(u16_at(0x36)?), u16_at(0x38)?);
-    const PT_INTERP: u32 = 3;
-    (0..usize::from(entries)).find_map(|i| {
-        let header = table.checked_add(i.checked_mul(entry_size)?)?;
-        if u32_at(header)? != PT_INTERP {
-            return None;
-        }
-        let (offset, size) = (u64_at(header + 8)?, u64_at(header + 32)?);
-        let text = bytes.get(offset..offset.checked_add(size)?)?;
-        let text = text.strip_suffix(b"\0").unwrap_or(text);
-        String::from_utf8(text.to_vec()).ok()
-    })
 }
 
 #[cfg(test)]

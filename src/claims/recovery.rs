@@ -236,7 +236,7 @@ impl Preparer {
         if !degraded {
             recovery.mps_daemons_cleaned_up = self.sweep_mps(&data);
         }
-        self.converge_gpu_modes(&data, &inventory);
+        data.gpu_modes = self.converge_gpu_modes(&data, stored.gpu_modes, degraded, &inventory);
         if *self.mig_mode.borrow() == MigMode::Dynamic {
             if degraded || !data.left_in_place.is_empty() {
                 warn!(

@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use tracing::{info, warn};
 
 use super::allocation::FetchedClaim;
-use super::checkpoint::CheckpointData;
+use super::checkpoint::{CheckpointData, RecordedGpuMode};
 use super::configs;
 use super::mps::{MpsDaemonRecord, MpsDaemonSpec, MpsDevice, TakeOver};
 use super::{lock, ClaimError, ClaimRecord, ClaimRef, PreparedDevice, Preparer, Recovery};
@@ -109,10 +109,13 @@ impl Preparer {
     }
 
     /// Sets the sharing mode of each whole GPU under `devices` to what the recorded claims, other than
-    /// `without`, need of it, where that differs from what was set last. Mode changes of all claims
-    /// run one at a time, so two claims never race on one GPU.
+    /// `without`, need of it, where that differs from what was set last. Changes to one GPU run one
+    /// at a time and are bounded in time; a GPU whose earlier change is stuck fails at once (see
+    /// `gpu_modes.rs`), and other GPUs are not held up by it. A mode other than the default is
+    /// recorded in the checkpoint before it is set, and dropped once the GPU is reset.
     pub(super) async fn sync_gpu_modes(
         &self,
+        claim: &ClaimRef,
         inventory: &Inventory,
         devices: &[PreparedDevice],
         without: Option<&str>,
@@ -121,29 +124,77 @@ impl Preparer {
             .iter()
             .filter_map(|d| whole_gpu_minor(&d.device))
             .collect();
-        let mut applied = self.gpu_modes.lock().await;
         for minor in gpus {
             let Some(gpu) = inventory.gpus.iter().find(|g| g.minor == minor) else {
                 continue;
             };
+            let name = format!("gpu-{minor}");
+            let mut held = self
+                .gpu_modes
+                .hold(&gpu.uuid, &name)
+                .await
+                .map_err(|e| e.to_string())?;
             let wanted = {
                 let state = lock(&self.state);
                 desired_mode(&state.data.claims, minor, without)
             };
-            if applied.get(&gpu.uuid) == Some(&wanted) {
+            if held.applied() == Some(wanted) {
                 continue;
             }
-            let backend = self.backend.clone();
-            let uuid = gpu.uuid.clone();
-            let mode = wanted;
-            tokio::task::spawn_blocking(move || backend.set_sharing(&uuid, &mode))
-                .await
-                .map_err(|e| e.to_string())?
-                .map_err(|e| format!("setting gpu-{minor} to {}: {e}", describe_mode(&wanted)))?;
-            info!(gpu = %format!("gpu-{minor}"), mode = %describe_mode(&wanted), "GPU sharing mode set");
-            applied.insert(gpu.uuid.clone(), wanted);
+            self.record_gpu_mode(claim, &gpu.uuid, &name, wanted)
+                .await?;
+            let (backend, uuid) = (self.backend.clone(), gpu.uuid.clone());
+            held.change(wanted, move || {
+                backend.set_sharing(&uuid, &wanted).map(|_| true)
+            })
+            .await
+            .map_err(|e| e.to_string())?;
+            if wanted == GpuSharingMode::Default {
+                self.forget_gpu_mode(&gpu.uuid);
+            }
+            info!(gpu = %name, mode = %describe_mode(&wanted), "GPU sharing mode set");
         }
         Ok(())
+    }
+
+    /// Writes `mode` for GPU `uuid` into the checkpoint before it is set, unless it is the default
+    /// (the record of what the GPU held stays until the reset succeeds): NVML cannot read the
+    /// time-slice interval back, so a crash between setting and recording would leave the GPU
+    /// time-sliced with nothing saying so.
+    async fn record_gpu_mode(
+        &self,
+        claim: &ClaimRef,
+        uuid: &str,
+        name: &str,
+        mode: GpuSharingMode,
+    ) -> Result<(), String> {
+        if mode == GpuSharingMode::Default {
+            return Ok(());
+        }
+        {
+            let mut state = lock(&self.state);
+            let recorded = RecordedGpuMode::Known(mode);
+            if state.data.gpu_modes.get(uuid) == Some(&recorded) {
+                return Ok(());
+            }
+            state.data.gpu_modes.insert(uuid.to_string(), recorded);
+            state.revision += 1;
+        }
+        self.persist(claim).await.map_err(|error| {
+            let cause = match error {
+                ClaimError::Checkpoint { source, .. } => source.to_string(),
+                other => other.to_string(),
+            };
+            format!("{name}: recording {mode} in the checkpoint before setting it failed, so it was not set: {cause}")
+        })
+    }
+
+    /// Drops GPU `uuid`'s record after a reset (in memory; the caller's next write takes it along).
+    fn forget_gpu_mode(&self, uuid: &str) {
+        let mut state = lock(&self.state);
+        if state.data.gpu_modes.remove(uuid).is_some() {
+            state.revision += 1;
+        }
     }
 
     /// Starts the claim's MPS control daemon when any of its devices uses MPS; records it with the
@@ -260,29 +311,72 @@ impl Preparer {
         cleaned
     }
 
-    /// At start, sets every GPU to the sharing mode its recorded claims need (the default when none),
-    /// where the backend reports another: a crash between an unprepare and the reset leaves no GPU
-    /// time-sliced for good. Failures are logged; the next prepare or unprepare on the GPU retries.
-    pub(super) fn converge_gpu_modes(&self, data: &CheckpointData, inventory: &Inventory) {
-        let mut applied = self.gpu_modes.blocking_lock();
+    /// At start, sets every GPU to the sharing mode its recorded claims need (the default when none)
+    /// where it may hold another: the compute mode reads otherwise, the checkpoint recorded another
+    /// mode (set, or about to be set, when the plugin stopped), or `unknown` says the records were
+    /// lost. A time-slice interval cannot be read back, so one that a kept claim needs is set again.
+    /// Returns the records to keep. Each GPU's change is bounded in time; failures are logged, and
+    /// the next prepare or unprepare on the GPU retries. Runs on a blocking thread of the runtime.
+    pub(super) fn converge_gpu_modes(
+        &self,
+        data: &CheckpointData,
+        recorded: BTreeMap<String, RecordedGpuMode>,
+        unknown: bool,
+        inventory: &Inventory,
+    ) -> BTreeMap<String, RecordedGpuMode> {
+        let runtime = tokio::runtime::Handle::current();
+        let mut kept = BTreeMap::new();
         for gpu in &inventory.gpus {
+            let name = format!("gpu-{}", gpu.minor);
             let wanted = desired_mode(&data.claims, gpu.minor, None);
-            let current = match self.backend.sharing(&gpu.uuid) {
-                Ok(current) => current,
-                Err(error) => {
-                    warn!(gpu = %format!("gpu-{}", gpu.minor), %error, "reading the GPU's sharing mode failed");
-                    continue;
+            let earlier = recorded.get(&gpu.uuid).cloned();
+            let record_other = earlier
+                .as_ref()
+                .is_some_and(|r| *r != RecordedGpuMode::Known(wanted));
+            let (backend, uuid) = (self.backend.clone(), gpu.uuid.clone());
+            let converge = move || {
+                let current = backend.sharing(&uuid)?;
+                let set = match wanted {
+                    GpuSharingMode::TimeSlice(_) => true,
+                    _ => unknown || record_other || current != wanted,
+                };
+                if set {
+                    backend.set_sharing(&uuid, &wanted)?;
                 }
+                Ok(set)
             };
-            if current != wanted {
-                if let Err(error) = self.backend.set_sharing(&gpu.uuid, &wanted) {
-                    warn!(gpu = %format!("gpu-{}", gpu.minor), %error, "setting the GPU's sharing mode at start failed");
-                    continue;
+            let outcome = runtime.block_on(async {
+                let mut held = self.gpu_modes.hold(&gpu.uuid, &name).await?;
+                held.change(wanted, converge).await
+            });
+            match outcome {
+                Ok(set) => {
+                    if set {
+                        info!(gpu = %name, mode = %describe_mode(&wanted), recorded = ?earlier, "GPU sharing mode restored");
+                    }
+                    if wanted != GpuSharingMode::Default {
+                        kept.insert(gpu.uuid.clone(), RecordedGpuMode::Known(wanted));
+                    }
                 }
-                info!(gpu = %format!("gpu-{}", gpu.minor), mode = %describe_mode(&wanted), "GPU sharing mode restored");
+                Err(error) => {
+                    warn!(gpu = %name, %error, "setting the GPU's sharing mode at start failed");
+                    let keep = earlier.or_else(|| {
+                        (wanted != GpuSharingMode::Default)
+                            .then_some(RecordedGpuMode::Known(wanted))
+                    });
+                    if let Some(keep) = keep {
+                        kept.insert(gpu.uuid.clone(), keep);
+                    }
+                }
             }
-            applied.insert(gpu.uuid.clone(), wanted);
         }
+        // GPUs not in the inventory now (unreadable, lost) keep their records for a later start.
+        for (uuid, mode) in recorded {
+            if !inventory.gpus.iter().any(|g| g.uuid == uuid) {
+                kept.insert(uuid, mode);
+            }
+        }
+        kept
     }
 }
 

@@ -69,6 +69,8 @@ pub struct FakeBackend {
     pub(super) faults: Mutex<FaultWatch>,
     /// MIG operations on one GPU run one at a time, as in the NVML backend.
     pub(super) mig_locks: GpuLocks,
+    /// So do sharing changes.
+    pub(super) sharing_locks: GpuLocks,
 }
 
 impl FakeBackend {
@@ -108,6 +110,7 @@ impl FakeBackend {
             state_file,
             faults: Mutex::new(FaultWatch::default()),
             mig_locks: GpuLocks::default(),
+            sharing_locks: GpuLocks::default(),
         };
         backend.load_hardware()?;
         backend.inventory()?;

@@ -1,16 +1,26 @@
 //! GPU sharing on the fake backend: each GPU's mode (compute mode and time-slice interval) is kept in
 //! the fake hardware state, so it outlives plugin restarts as a real GPU's setting does (until the
-//! next reboot). GPUs that are unknown, unreadable or lost are refused, as NVML refuses them; the
-//! profile's `sharingFails` makes setting the mode fail.
+//! next reboot). As with NVML, only the compute mode can be read back: a time-sliced GPU reads as
+//! `Default` ([`FakeBackend::sharing_modes`] shows what the hardware holds, for tests). GPUs that are
+//! unknown, unreadable or lost are refused, as NVML refuses them; the profile's `sharingFails` makes
+//! setting the mode fail, and `sharingHangs` makes it take effect and then hang until removed.
 
 use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
 
 use super::fake::{lock, FakeBackend};
 use super::profiles::{FakeFaultKind, FakeGpuSpec, FakeProfile};
 use super::{GpuError, GpuSharingMode};
 
+/// How often a hanging change looks whether `sharingHangs` was removed.
+const HANG_POLL: Duration = Duration::from_millis(20);
+
+/// A hang ends with an error after this long, so that a test that forgets the knob still ends.
+const MAX_HANG: Duration = Duration::from_secs(120);
+
 impl FakeBackend {
-    /// Every GPU whose sharing mode is not `Default`, by UUID (a GPU not listed is in `Default`).
+    /// What each GPU's hardware holds, by UUID, for GPUs not in `Default`: the time-slice interval
+    /// too, which [`GpuBackend::sharing`](super::GpuBackend::sharing) cannot read.
     pub fn sharing_modes(&self) -> BTreeMap<String, GpuSharingMode> {
         lock(&self.hardware).sharing.clone()
     }
@@ -20,6 +30,11 @@ impl FakeBackend {
         gpu_uuid: &str,
         mode: GpuSharingMode,
     ) -> Result<(), GpuError> {
+        self.sharing_locks
+            .with(gpu_uuid, || self.set_sharing_locked(gpu_uuid, mode))
+    }
+
+    fn set_sharing_locked(&self, gpu_uuid: &str, mode: GpuSharingMode) -> Result<(), GpuError> {
         let profile = self.profile()?;
         let spec = self.sharing_gpu(&profile, gpu_uuid)?;
         if let Some(reason) = spec.sharing_fails {
@@ -28,27 +43,62 @@ impl FakeBackend {
                 reason: format!("setting {mode} failed: {reason}"),
             });
         }
-        let mut hardware = lock(&self.hardware);
-        let mut next = hardware.clone();
-        match mode {
-            GpuSharingMode::Default => next.sharing.remove(gpu_uuid),
-            other => next.sharing.insert(gpu_uuid.to_string(), other),
-        };
-        if next != *hardware {
-            self.store_hardware(&next)?;
-            *hardware = next;
+        {
+            let mut hardware = lock(&self.hardware);
+            let mut next = hardware.clone();
+            match mode {
+                GpuSharingMode::Default => next.sharing.remove(gpu_uuid),
+                other => next.sharing.insert(gpu_uuid.to_string(), other),
+            };
+            if next != *hardware {
+                self.store_hardware(&next)?;
+                *hardware = next;
+            }
+        }
+        if spec.sharing_hangs {
+            self.hang_while_sharing_hangs(gpu_uuid, mode)?;
         }
         Ok(())
     }
 
+    /// Returns once the profile no longer says `sharingHangs` for the GPU (or after [`MAX_HANG`]).
+    fn hang_while_sharing_hangs(
+        &self,
+        gpu_uuid: &str,
+        mode: GpuSharingMode,
+    ) -> Result<(), GpuError> {
+        let hung = Instant::now();
+        loop {
+            std::thread::sleep(HANG_POLL);
+            // A profile that cannot be read for a moment (being written) leaves the hang as it is.
+            let hangs = self
+                .profile()
+                .ok()
+                .and_then(|profile| self.sharing_gpu(&profile, gpu_uuid).ok())
+                .is_none_or(|spec| spec.sharing_hangs);
+            if !hangs {
+                return Ok(());
+            }
+            if hung.elapsed() >= MAX_HANG {
+                return Err(GpuError::Sharing {
+                    gpu: gpu_uuid.to_string(),
+                    reason: format!(
+                        "setting {mode} did not return for {}s (sharingHangs)",
+                        MAX_HANG.as_secs()
+                    ),
+                });
+            }
+        }
+    }
+
+    /// The compute mode as a sharing mode: as on NVML, a time-sliced GPU reads as `Default`.
     pub(super) fn sharing_mode(&self, gpu_uuid: &str) -> Result<GpuSharingMode, GpuError> {
         let profile = self.profile()?;
         self.sharing_gpu(&profile, gpu_uuid)?;
-        Ok(lock(&self.hardware)
-            .sharing
-            .get(gpu_uuid)
-            .copied()
-            .unwrap_or_default())
+        Ok(match lock(&self.hardware).sharing.get(gpu_uuid) {
+            Some(GpuSharingMode::ExclusiveProcess) => GpuSharingMode::ExclusiveProcess,
+            _ => GpuSharingMode::Default,
+        })
     }
 
     /// The profile's GPU with this UUID, if it can be reached.
@@ -85,6 +135,7 @@ mod sharing_tests {
     use super::*;
     use crate::gpu::{builtin_profile, FakeFault, GpuBackend, TimeSliceInterval};
     use std::path::{Path, PathBuf};
+    use std::time::Duration;
 
     /// A four-GPU L40S node from a profile file the test can edit, with its state in `state.json`.
     fn node(dir: &Path, edit: impl FnOnce(&mut FakeProfile)) -> (PathBuf, FakeBackend) {
@@ -140,7 +191,12 @@ mod sharing_tests {
             (gpu[1].clone(), GpuSharingMode::ExclusiveProcess),
         ]);
         assert_eq!(backend.sharing_modes(), expected);
-        assert_eq!(backend.sharing(&gpu[0]).unwrap(), long);
+        // As on NVML, the interval cannot be read back: a time-sliced GPU reads as Default.
+        assert_eq!(backend.sharing(&gpu[0]).unwrap(), GpuSharingMode::Default);
+        assert_eq!(
+            backend.sharing(&gpu[1]).unwrap(),
+            GpuSharingMode::ExclusiveProcess
+        );
         assert_eq!(backend.sharing(&gpu[2]).unwrap(), GpuSharingMode::Default);
 
         backend.set_sharing(&gpu[0], &long).unwrap();
@@ -149,7 +205,7 @@ mod sharing_tests {
         // Another interval replaces the first; Default resets the GPU.
         let short = GpuSharingMode::TimeSlice(TimeSliceInterval::Short);
         backend.set_sharing(&gpu[0], &short).unwrap();
-        assert_eq!(backend.sharing(&gpu[0]).unwrap(), short);
+        assert_eq!(backend.sharing_modes().get(&gpu[0]), Some(&short));
         backend
             .set_sharing(&gpu[0], &GpuSharingMode::Default)
             .unwrap();
@@ -172,7 +228,6 @@ mod sharing_tests {
         first.set_sharing(&gpu[3], &medium).unwrap();
         drop(first);
         let second = reopen(dir.path(), &path);
-        assert_eq!(second.sharing(&gpu[3]).unwrap(), medium);
         assert_eq!(
             second.sharing_modes(),
             BTreeMap::from([(gpu[3].clone(), medium)])
@@ -250,7 +305,8 @@ mod sharing_tests {
             )
         );
         // The GPU keeps the mode it had, reading it works, and other GPUs are not affected.
-        assert_eq!(backend.sharing(&gpu[0]).unwrap(), long);
+        assert_eq!(backend.sharing_modes().get(&gpu[0]), Some(&long));
+        backend.sharing(&gpu[0]).unwrap();
         backend
             .set_sharing(&gpu[1], &GpuSharingMode::ExclusiveProcess)
             .unwrap();
@@ -267,5 +323,40 @@ mod sharing_tests {
         write(&path, &profile);
         let err = backend.inventory().unwrap_err().to_string();
         assert!(err.contains("gpus[0].sharingFails"), "{err}");
+    }
+
+    #[test]
+    fn the_sharing_hangs_knob_holds_the_change_until_it_is_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let (path, backend) = node(dir.path(), |p| p.gpus[0].sharing_hangs = true);
+        let backend = std::sync::Arc::new(backend);
+        let gpu = uuids(&backend);
+        let long = GpuSharingMode::TimeSlice(TimeSliceInterval::Long);
+        let hung = {
+            let (backend, uuid) = (backend.clone(), gpu[0].clone());
+            std::thread::spawn(move || backend.set_sharing(&uuid, &long))
+        };
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(!hung.is_finished(), "the change hangs");
+        assert_eq!(
+            backend.sharing_modes().get(&gpu[0]),
+            Some(&long),
+            "it took effect"
+        );
+        // Other GPUs change, and the hung GPU can be read.
+        backend
+            .set_sharing(&gpu[1], &GpuSharingMode::ExclusiveProcess)
+            .unwrap();
+        assert_eq!(backend.sharing(&gpu[0]).unwrap(), GpuSharingMode::Default);
+
+        let mut profile: FakeProfile =
+            serde_yaml::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        profile.gpus[0].sharing_hangs = false;
+        write(&path, &profile);
+        hung.join().unwrap().unwrap();
+        assert_eq!(backend.sharing_modes().get(&gpu[0]), Some(&long));
+        backend
+            .set_sharing(&gpu[0], &GpuSharingMode::Default)
+            .unwrap();
     }
 }

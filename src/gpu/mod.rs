@@ -4,6 +4,7 @@
 
 pub mod caps;
 pub mod device_files;
+pub mod driver_exec;
 pub mod fake;
 mod fake_check;
 mod fake_faults;
@@ -26,13 +27,13 @@ mod nvml_support;
 mod profiles;
 
 pub use device_files::{DeviceMajors, DeviceNumber, DriverProc};
+pub use driver_exec::{DriverCommand, DriverExecError};
 pub use fake::FakeBackend;
 pub use locks::GpuLocks;
 pub use mig::{
     ComputeShare, MigDestroyed, MigInfo, MigInstance, MigPlacement, MigProfile, MigRequest,
     NO_COMPUTE_INSTANCE,
 };
-pub use nvidia_smi::find_driver_binary;
 pub use nvml::{NvmlBackend, NvmlOptions};
 pub use profiles::{
     builtin_profile, builtin_profile_names, FakeFault, FakeFaultKind, FakeGpuSpec, FakeProfile,

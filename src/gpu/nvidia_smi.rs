@@ -1,44 +1,31 @@
 //! Runs the driver's `nvidia-smi` for the settings NVML has no public call for: today the time-slice
-//! interval (`nvidia-smi compute-policy -i <uuid> --set-timeslice <n>`). The binary is the one under
-//! the driver root as this process sees it, run with that root's library directory on the loader's
-//! path, under a timeout; failures name the command, its exit status and what it printed.
+//! interval (`nvidia-smi compute-policy -i <uuid> --set-timeslice <n>`). The binary is the driver
+//! root's, started inside that root ([`DriverCommand`]), under a timeout; failures name the command,
+//! its exit status and what it printed.
 
 use std::io::Read;
 use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
-use std::process::{Command, ExitStatus, Stdio};
+use std::path::Path;
+use std::process::{Child, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use super::nvml_support::library_candidates;
+use super::driver_exec::{DriverCommand, DriverExecError};
 use super::TimeSliceInterval;
 
 /// How long one `nvidia-smi` call may take before it is killed. It normally answers in well under a
 /// second; a hang means a stuck driver, which a prepare should report rather than wait on.
 pub(super) const TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Where drivers and driver containers install `nvidia-smi`, below the driver root.
-const BINARY_DIRS: [&str; 6] = [
-    "usr/bin",
-    "usr/local/bin",
-    "usr/local/nvidia/bin",
-    "bin",
-    "usr/sbin",
-    "sbin",
-];
-
 /// Output beyond this is cut from error messages (nvidia-smi's errors are one or two lines).
 const MAX_SHOWN: usize = 2000;
-
-/// Symlink chains longer than this are loops, as the kernel's own limit says.
-const MAX_SYMLINKS: usize = 40;
 
 /// How often a running command is checked for having exited.
 const POLL: Duration = Duration::from_millis(10);
 
 #[derive(Debug, thiserror::Error)]
 pub(super) enum NvidiaSmiError {
-    #[error("nvidia-smi not found under the driver root {} (looked in {searched})", root.display())]
-    NotFound { root: PathBuf, searched: String },
+    #[error(transparent)]
+    Driver(#[from] DriverExecError),
     #[error("`{command}` could not be started: {source}")]
     Spawn {
         command: String,
@@ -57,53 +44,15 @@ pub(super) enum NvidiaSmiError {
 /// One `nvidia-smi` binary of one driver root.
 #[derive(Debug, Clone)]
 pub(super) struct NvidiaSmi {
-    binary: PathBuf,
-    /// Put on `LD_LIBRARY_PATH`, so that the binary loads the driver root's libnvidia-ml rather than
-    /// looking in this process's own library directories; `None` for the driver root `/`.
-    library_dir: Option<PathBuf>,
+    program: DriverCommand,
     timeout: Duration,
 }
 
-/// A driver binary (`nvidia-cuda-mps-control`, ...) under `driver_root` as this process sees it, looked
-/// for where `nvidia-smi` is, with the library directory it needs on `LD_LIBRARY_PATH` (`None` for the
-/// driver root `/`).
-pub fn find_driver_binary(driver_root: &Path, name: &str) -> Option<(PathBuf, Option<PathBuf>)> {
-    let binary = BINARY_DIRS
-        .iter()
-        .find_map(|dir| resolve_in_root(driver_root, &Path::new(dir).join(name)))?;
-    let library_dir = (driver_root != Path::new("/"))
-        .then(|| {
-            library_candidates(driver_root)
-                .into_iter()
-                .find(|lib| lib.exists())
-                .and_then(|lib| lib.parent().map(Path::to_path_buf))
-        })
-        .flatten();
-    Some((binary, library_dir))
-}
-
 impl NvidiaSmi {
-    /// Finds `nvidia-smi` under `driver_root` (the path this process sees the root at). Symlinks are
-    /// followed as the host would follow them: an absolute target is taken below the driver root.
+    /// Finds `nvidia-smi` under `driver_root` (the path this process sees the root at).
     pub(super) fn find(driver_root: &Path) -> Result<Self, NvidiaSmiError> {
-        let binary = BINARY_DIRS
-            .iter()
-            .find_map(|dir| resolve_in_root(driver_root, &Path::new(dir).join("nvidia-smi")))
-            .ok_or_else(|| NvidiaSmiError::NotFound {
-                root: driver_root.to_path_buf(),
-                searched: BINARY_DIRS.map(|d| format!("/{d}")).join(", "),
-            })?;
-        let library_dir = (driver_root != Path::new("/"))
-            .then(|| {
-                library_candidates(driver_root)
-                    .into_iter()
-                    .find(|lib| lib.exists())
-                    .and_then(|lib| lib.parent().map(Path::to_path_buf))
-            })
-            .flatten();
         Ok(Self {
-            binary,
-            library_dir,
+            program: DriverCommand::find(driver_root, "nvidia-smi")?,
             timeout: TIMEOUT,
         })
     }
@@ -132,11 +81,11 @@ impl NvidiaSmi {
 
     /// Runs `nvidia-smi` with `args`; its stdout when it exits with status 0.
     pub(super) fn run(&self, args: &[&str]) -> Result<String, NvidiaSmiError> {
-        let command_line = std::iter::once(self.binary.display().to_string())
+        let command_line = std::iter::once(self.program.describe())
             .chain(args.iter().map(|a| a.to_string()))
             .collect::<Vec<_>>()
             .join(" ");
-        let mut command = Command::new(&self.binary);
+        let mut command = self.program.command();
         command
             .args(args)
             .stdin(Stdio::null())
@@ -144,14 +93,6 @@ impl NvidiaSmi {
             .stderr(Stdio::piped())
             // Its own process group, so that a timeout kills whatever it started too.
             .process_group(0);
-        if let Some(dir) = &self.library_dir {
-            let mut path = dir.as_os_str().to_owned();
-            if let Some(inherited) = std::env::var_os("LD_LIBRARY_PATH").filter(|p| !p.is_empty()) {
-                path.push(":");
-                path.push(inherited);
-            }
-            command.env("LD_LIBRARY_PATH", path);
-        }
         let mut child = command.spawn().map_err(|source| NvidiaSmiError::Spawn {
             command: command_line.clone(),
             source,
@@ -162,7 +103,7 @@ impl NvidiaSmi {
         let status = match wait_until(&mut child, Instant::now() + self.timeout) {
             Ok(Some(status)) => status,
             Ok(None) => {
-                kill_group(&mut child);
+                kill_group(child);
                 // The reader threads end when the killed processes' pipes close; not waited for.
                 return Err(NvidiaSmiError::TimedOut {
                     command: command_line,
@@ -170,7 +111,7 @@ impl NvidiaSmi {
                 });
             }
             Err(source) => {
-                kill_group(&mut child);
+                kill_group(child);
                 return Err(NvidiaSmiError::Spawn {
                     command: command_line,
                     source,
@@ -196,24 +137,6 @@ impl NvidiaSmi {
             output,
         })
     }
-}
-
-/// `relative` below `root`, following symlinks of its last component with absolute targets taken
-/// below the root; `None` unless it ends at a regular file.
-fn resolve_in_root(root: &Path, relative: &Path) -> Option<PathBuf> {
-    let mut path = root.join(relative);
-    for _ in 0..MAX_SYMLINKS {
-        let meta = std::fs::symlink_metadata(&path).ok()?;
-        if !meta.file_type().is_symlink() {
-            return meta.is_file().then_some(path);
-        }
-        let target = std::fs::read_link(&path).ok()?;
-        path = match target.strip_prefix("/") {
-            Ok(inside) => root.join(inside),
-            Err(_) => path.parent()?.join(target),
-        };
-    }
-    None
 }
 
 fn read_all(mut pipe: impl Read + Send + 'static) -> std::thread::JoinHandle<String> {
@@ -242,8 +165,11 @@ fn wait_until(
     }
 }
 
-/// Kills the child's process group (the child and anything it started), then reaps the child.
-fn kill_group(child: &mut std::process::Child) {
+/// Kills the child's process group (the child and anything it started), and reaps the child on a
+/// thread of its own: a process in uninterruptible sleep (a driver call that does not return) dies
+/// only when that call returns, and waiting for it here would hold the caller, and the GPU's
+/// sharing lock, as long.
+fn kill_group(mut child: Child) {
     use nix::sys::signal::{killpg, Signal};
     use nix::unistd::Pid;
     // The child leads its own group (`process_group(0)`), so its pid is the group id. Errors mean
@@ -252,7 +178,10 @@ fn kill_group(child: &mut std::process::Child) {
         let _ = killpg(Pid::from_raw(pid), Signal::SIGKILL);
     }
     let _ = child.kill();
-    let _ = child.wait();
+    // Without a thread the child stays a zombie until this process ends; nothing else is lost.
+    let _ = std::thread::Builder::new()
+        .name("nvidia-smi reaper".into())
+        .spawn(move || child.wait());
 }
 
 fn describe_status(status: ExitStatus) -> String {
@@ -274,6 +203,8 @@ fn shorten(text: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cdi::fake_root::FakeRoot;
+    use crate::gpu::nvml_support::library_candidates;
     use std::os::unix::fs::PermissionsExt;
 
     /// A driver root whose `nvidia-smi` is the shell script `body`.
@@ -291,7 +222,44 @@ mod tests {
     }
 
     #[test]
-    fn sets_the_interval_with_the_driver_roots_libraries_on_the_loader_path() {
+    fn sets_the_interval_inside_a_host_driver_root() {
+        if !crate::cdi::fake_root::running_as_root("sets_the_interval_inside_a_host_driver_root") {
+            return;
+        }
+        // A root like an Ubuntu host's `/`: its libc lies beside libnvidia-ml, and its nvidia-smi
+        // fails with GLIBC_PRIVATE when this process's loader starts it.
+        let root = FakeRoot::host_like();
+        root.stand_in(
+            "/usr/bin/nvidia-smi",
+            r#"echo "$@" > /args; echo "Set timeslice for GPU $3""#,
+        );
+        let smi = NvidiaSmi::find(root.path()).unwrap();
+        smi.set_timeslice("GPU-1234", TimeSliceInterval::Medium)
+            .unwrap();
+        let args = std::fs::read_to_string(root.path().join("args")).unwrap();
+        assert_eq!(args.trim(), "compute-policy -i GPU-1234 --set-timeslice 2");
+
+        // A failure shows the command as it ran, inside the root.
+        root.stand_in(
+            "/usr/bin/nvidia-smi",
+            "echo 'Insufficient Permissions' >&2; exit 4",
+        );
+        let err = smi
+            .set_timeslice("GPU-1234", TimeSliceInterval::Long)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(&format!(
+                "chroot {} /usr/bin/nvidia-smi compute-policy -i GPU-1234 --set-timeslice 3` failed (exit status 4): Insufficient Permissions",
+                root.path().display()
+            )),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn sets_the_interval_from_outside_a_root_without_a_loader_with_its_libraries_on_the_loader_path(
+    ) {
         let root = root_with(
             r#"echo "$@" > "$(dirname "$0")/args"; echo "$LD_LIBRARY_PATH" > "$(dirname "$0")/ld"; echo ok"#,
         );
@@ -423,8 +391,10 @@ mod tests {
         )
         .unwrap();
         let smi = NvidiaSmi::find(root.path()).unwrap();
-        assert_eq!(smi.binary, root.path().join("opt/bin/nvidia-smi"));
+        assert_eq!(
+            smi.program.describe(),
+            root.path().join("opt/bin/nvidia-smi").display().to_string()
+        );
         assert_eq!(smi.run(&[]).unwrap().trim(), "from-opt");
-        assert_eq!(smi.library_dir, None, "no libnvidia-ml in this root");
     }
 }

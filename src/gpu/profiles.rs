@@ -83,6 +83,11 @@ pub struct FakeGpuSpec {
     /// it does without root or with a process holding the GPU. Reading the mode still works.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sharing_fails: Option<String>,
+    /// Setting the GPU's sharing mode takes effect but does not return while this is set, as with
+    /// an `nvidia-smi` stuck in the kernel (uninterruptible sleep) on its way out: the call returns
+    /// once this is removed from the file. Reading the mode still works.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub sharing_hangs: bool,
 }
 
 /// One injected fault: an XID error, a double-bit ECC error, pending retirement, a failed row remap,
@@ -228,6 +233,7 @@ fn uniform(
             mig_disable_fails: None,
             mig_enable_fails: None,
             sharing_fails: None,
+            sharing_hangs: false,
         })
         .collect();
     FakeProfile {

@@ -83,6 +83,8 @@ pub struct PluginConfig {
     pub api: ApiTimeouts,
     /// How MPS control daemons are run: each in a Pod of its own.
     pub mps: MpsConfig,
+    /// How long one change of a GPU's sharing mode may take before the GPU counts as stuck.
+    pub sharing_timeout: Duration,
 }
 
 /// Where and how the Pods of MPS control daemons run.
@@ -134,6 +136,7 @@ impl PluginConfig {
             startup_api_timeout: startup::DEFAULT_STARTUP_API_TIMEOUT,
             api: ApiTimeouts::default(),
             mps: MpsConfig::default(),
+            sharing_timeout: claims::SHARING_TIMEOUT,
         }
     }
 
@@ -325,6 +328,7 @@ pub async fn start(
             startup_api_timeout: config.startup_api_timeout,
             claim_read_budget: config.api.claim_read,
             mps: mps_daemons(&config, &plugin_dir, &client).await,
+            sharing_timeout: config.sharing_timeout,
         },
         client.clone(),
         backend.clone(),

@@ -99,3 +99,98 @@ pub fn error_text(root: &Path, version: &str) -> String {
         Ok(d) => panic!("discovery should fail, found {:?}", d.files()),
     }
 }
+
+/// Whether the tests run as root, which chroot needs (CI runs them as root); elsewhere a test that
+/// chroots says so and passes.
+pub fn running_as_root(test: &str) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let root = fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0);
+    if !root {
+        eprintln!("{test}: skipped, chroot needs root");
+    }
+    root
+}
+
+/// A file only a fake root has at its top. The stand-ins of [`FakeRoot::stand_in`] look for it at `/`
+/// to tell whether they run inside the root.
+pub const INSIDE_MARKER: &str = ".gpu-dra-fake-driver-root";
+
+impl FakeRoot {
+    /// A driver root laid out like an Ubuntu or RHEL host's `/` (merged `/usr`) that can run its own
+    /// programs: this machine's `/bin/sh` with its loader and libraries (as `ldd` names them) copied
+    /// to the same paths, so that a `libc.so.6` lies in the driver's library directory as on a host.
+    pub fn host_like() -> Self {
+        let root = Self::new();
+        for (link, target) in [
+            ("bin", "usr/bin"),
+            ("lib", "usr/lib"),
+            ("lib64", "usr/lib64"),
+            ("sbin", "usr/sbin"),
+        ] {
+            fs::create_dir_all(root.path().join(target))
+                .unwrap_or_else(|e| panic!("{target}: {e}"));
+            root.symlink(link, target);
+        }
+        let ldd = std::process::Command::new("ldd")
+            .arg("/bin/sh")
+            .output()
+            .unwrap_or_else(|e| panic!("ldd /bin/sh: {e}"));
+        assert!(ldd.status.success(), "ldd /bin/sh: {ldd:?}");
+        let text = String::from_utf8_lossy(&ldd.stdout);
+        // `libc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x...)` and `/lib64/ld-linux-x86-64.so.2 (0x...)`.
+        let needed: Vec<&str> = text
+            .lines()
+            .filter_map(|line| line.split_whitespace().find(|word| word.starts_with('/')))
+            .collect();
+        assert!(!needed.is_empty(), "ldd /bin/sh named no files: {text}");
+        for file in needed.into_iter().chain(["/bin/sh"]) {
+            let to = root.path().join(file.trim_start_matches('/'));
+            if let Some(parent) = to.parent() {
+                fs::create_dir_all(parent).unwrap_or_else(|e| panic!("{}: {e}", parent.display()));
+            }
+            fs::copy(file, &to).unwrap_or_else(|e| panic!("{file} → {}: {e}", to.display()));
+        }
+        root.lib(&format!("{}/libnvidia-ml.so.1", native_dir()))
+            .write(INSIDE_MARKER, b"", 0o644);
+        root
+    }
+
+    /// A root like GKE's Container-Optimized OS: the driver's programs and libraries only (no loader,
+    /// no shell, no libc), in `/bin` and `/lib64`.
+    pub fn programs_only() -> Self {
+        let root = Self::new();
+        root.lib("/lib64/libnvidia-ml.so.1")
+            .write(INSIDE_MARKER, b"", 0o644);
+        root
+    }
+
+    /// A stand-in for the driver program at `path`: the `/bin/sh` script `body`, which uses shell
+    /// built-ins only (a root has no other tools). Outside the root it fails as the real program does
+    /// when this container's loader starts it: with the root's libc on `LD_LIBRARY_PATH`
+    /// (`GLIBC_PRIVATE`), or without libnvidia-ml there (nvidia-smi's own message).
+    pub fn stand_in(&self, path: &str, body: &str) -> &Self {
+        let script = format!(
+            r#"#!/bin/sh
+if [ ! -e /{INSIDE_MARKER} ]; then
+  nvml=
+  saved_ifs=$IFS
+  IFS=:
+  for dir in $LD_LIBRARY_PATH; do
+    if [ -e "$dir/libc.so.6" ]; then
+      echo "$0: $dir/libc.so.6: version \`GLIBC_PRIVATE' not found (required by /lib64/ld-linux-x86-64.so.2)" >&2
+      exit 127
+    fi
+    if [ -e "$dir/libnvidia-ml.so.1" ]; then nvml=yes; fi
+  done
+  IFS=$saved_ifs
+  if [ -z "$nvml" ]; then
+    echo "NVIDIA-SMI couldn't find libnvidia-ml.so library in your system. Please make sure that the NVIDIA Display Driver is properly installed and present in your system."
+    exit 12
+  fi
+fi
+{body}
+"#
+        );
+        self.write(path, script.as_bytes(), 0o755)
+    }
+}

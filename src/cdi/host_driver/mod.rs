@@ -3,7 +3,7 @@
 //! driver root, plus the Container Toolkit's symlink and ldcache hooks when its hook binary is there.
 
 #[cfg(test)]
-mod fake_root;
+pub(crate) mod fake_root;
 mod hooks;
 mod search;
 

@@ -470,6 +470,11 @@ fn mps_daemon(args: MpsDaemonArgs) -> Result<()> {
         std::process::exit(check_ready(&ready));
     }
     init_logging(LogFormat::Text, "info");
+    // PID 1 of the daemon's Pod: an MPS server whose control daemon died is handed to it.
+    if gpu_dra::plugin::reaper::adopts_orphans() {
+        std::process::exit(gpu_dra::plugin::reaper::supervise_this_program()?);
+    }
+    gpu_dra::plugin::reaper::unblock_forwarded_signals()?;
     let missing = |flag: &str| anyhow::anyhow!("--{flag} is required");
     let supervisor = SupervisorArgs {
         claim: args.claim.ok_or_else(|| missing("claim"))?,
@@ -503,6 +508,10 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
 
 fn run_plugin(args: PluginArgs) -> Result<()> {
     init_logging(args.log_format, "info");
+    if gpu_dra::plugin::reaper::adopts_orphans() {
+        std::process::exit(gpu_dra::plugin::reaper::supervise_this_program()?);
+    }
+    gpu_dra::plugin::reaper::unblock_forwarded_signals()?;
     let http_addr = match args.http_addr.trim() {
         "" => None,
         addr => Some(

@@ -244,7 +244,7 @@ async fn forge_claim(node: &Harness, name: &str, device: &str) -> ClaimRef {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn restart_destroys_mig_devices_no_prepared_claim_owns() {
+async fn restart_leaves_mig_devices_the_plugin_did_not_make() {
     let node = dynamic_node("dgx-h200", ServerVersion::V1_35).await;
     let plugin = node.start_plugin().await;
     let kubelet = node.kubelet().await;
@@ -259,7 +259,8 @@ async fn restart_destroys_mig_devices_no_prepared_claim_owns() {
     let kept = node.mig_devices();
     plugin.shutdown().await;
 
-    // A crash between creating a MIG device and recording it leaves one nobody owns.
+    // A MIG device made behind the plugin's back (an admin's): no record says the plugin made it.
+    // (A crash between recording and creating one is tests/mig_ownership.rs's.)
     let backend = node.fake_backend();
     let gpu = backend.inventory().unwrap().gpus[5].clone();
     let profile = gpu.mig.as_ref().unwrap().profiles[0].clone();
@@ -273,11 +274,19 @@ async fn restart_destroys_mig_devices_no_prepared_claim_owns() {
 
     let plugin = node.start_plugin().await;
     assert_eq!(plugin.recovery.kept, vec![claim.uid.clone()]);
-    assert_eq!(plugin.recovery.mig_devices_destroyed, vec![stray.uuid]);
+    assert!(plugin.recovery.mig_devices_destroyed.is_empty());
     assert_eq!(
-        node.mig_devices(),
-        kept,
-        "the prepared claim's device stays"
+        plugin.recovery.mig_devices_left_alone,
+        vec![stray.uuid.clone()]
+    );
+    let mut expected: Vec<String> = kept.into_iter().map(|d| d.2).collect();
+    expected.push(stray.uuid);
+    let mut now: Vec<String> = node.mig_devices().into_iter().map(|d| d.2).collect();
+    now.sort();
+    expected.sort();
+    assert_eq!(
+        now, expected,
+        "the prepared claim's device and the admin's stay"
     );
 }
 

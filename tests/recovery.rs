@@ -600,11 +600,17 @@ async fn after_a_power_cut_a_missing_empty_torn_or_stale_checkpoint_converges() 
         let plugin = node.start_plugin().await;
         let recovery = &plugin.recovery;
         match case {
-            // No record: the live claim's spec is an orphan and goes; the kubelet writes it again.
+            // No file but specs on disk (a changed plugin directory, a lost file): rebuilt from the
+            // specs and the API server as for a corrupt one, never taken as "nothing prepared".
             Missing => {
                 assert!(recovery.checkpoint_set_aside.is_none(), "{label}");
-                assert!(recovery.kept.is_empty(), "{label}: {recovery:?}");
-                assert_eq!(recovery.orphan_specs_removed, vec![live.to_string()]);
+                assert!(recovery.checkpoint_missing.is_some(), "{label}");
+                assert_eq!(
+                    recovery.kept,
+                    vec![live.to_string()],
+                    "{label}: {recovery:?}"
+                );
+                assert!(recovery.orphan_specs_removed.is_empty(), "{label}");
             }
             // Set aside and rebuilt from the specs on disk and the API server, which confirms `live`.
             Empty | Torn => {

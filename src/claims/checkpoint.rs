@@ -18,6 +18,7 @@ use thiserror::Error;
 use crate::api::config::SharingSettings;
 use crate::fsutil::{finish_interrupted_replace, replace_for_this_boot};
 use crate::gpu::GpuSharingMode;
+use crate::gpu::MigPlacement;
 
 /// The format (major) version this build writes; a file with a higher one is refused rather than misread
 /// (recovery sets it aside and rebuilds, see `recovery.rs`).
@@ -104,6 +105,37 @@ pub struct PreparedMig {
     pub created: bool,
 }
 
+/// A MIG device this plugin is creating or has created, written down before the create starts and
+/// forgotten once the device is destroyed: the start-up sweep destroys only these, never a MIG
+/// device someone else made (an admin's, left from static MIG mode).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct MadeMig {
+    /// The claim it is made for (for the logs).
+    pub claim_uid: String,
+    pub parent_uuid: String,
+    pub profile_id: u32,
+    pub placement: MigPlacement,
+    /// Known once the create returned. Until then (a crash mid-create) the device is known by its
+    /// GPU, profile and placement, where no other MIG device can be at the same time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uuid: Option<String>,
+}
+
+impl MadeMig {
+    /// Whether `instance` on GPU `parent_uuid` is this device.
+    pub fn is(&self, parent_uuid: &str, instance: &crate::gpu::MigInstance) -> bool {
+        match &self.uuid {
+            Some(uuid) => *uuid == instance.uuid && !uuid.is_empty(),
+            None => {
+                self.parent_uuid == parent_uuid
+                    && self.profile_id == instance.profile_id
+                    && self.placement == instance.placement
+            }
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct ClaimRecord {
@@ -133,6 +165,11 @@ pub struct CheckpointData {
     /// time-slice interval back, so after a crash this is how start-up knows which GPUs to reset.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub gpu_modes: BTreeMap<String, RecordedGpuMode>,
+    /// The MIG devices this plugin made and has not destroyed (dynamic MIG). A checkpoint of a
+    /// release before this record has none: only the MIG devices its claims record as `created`
+    /// then count as the plugin's (see `recovery.rs`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mig_devices_made: Vec<MadeMig>,
 }
 
 /// A GPU's sharing mode as recorded. One a newer release wrote that this one does not know is kept
@@ -373,6 +410,53 @@ mod tests {
             loaded.gpu_modes["GPU-c"],
             RecordedGpuMode::Unknown(serde_json::json!({"timeSliceMicros": 500}))
         );
+    }
+
+    #[test]
+    fn a_checkpoint_of_a_release_without_mig_records_loads_with_none() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = CheckpointFile::new(dir.path().join("checkpoint.json"));
+        let data = serde_json::to_value(sample()).unwrap();
+        assert!(data.get("migDevicesMade").is_none(), "{data}");
+        let envelope = serde_json::json!({"version": 1, "checksum": checksum(&data), "data": data});
+        std::fs::write(file.path(), envelope.to_string()).unwrap();
+        assert!(file.load().unwrap().unwrap().mig_devices_made.is_empty());
+    }
+
+    #[test]
+    fn a_made_mig_device_is_known_by_uuid_once_created_and_by_place_before() {
+        let placement = MigPlacement { start: 6, size: 1 };
+        let instance = crate::gpu::MigInstance {
+            uuid: "MIG-made".into(),
+            profile_id: 19,
+            placement,
+            gpu_instance_id: 13,
+            compute_instance_id: 0,
+            device_files: Vec::new(),
+            compute: None,
+        };
+        let mut made = MadeMig {
+            claim_uid: "uid-1".into(),
+            parent_uuid: "GPU-1".into(),
+            profile_id: 19,
+            placement,
+            uuid: None,
+        };
+        assert!(made.is("GPU-1", &instance));
+        assert!(!made.is("GPU-2", &instance));
+        let other_profile = crate::gpu::MigInstance {
+            profile_id: 20,
+            ..instance.clone()
+        };
+        assert!(!made.is("GPU-1", &other_profile));
+        // Once created, only that device: not another one an admin made at the same place later.
+        made.uuid = Some("MIG-made".into());
+        assert!(made.is("GPU-1", &instance));
+        let admins = crate::gpu::MigInstance {
+            uuid: "MIG-admin".into(),
+            ..instance
+        };
+        assert!(!made.is("GPU-1", &admins));
     }
 
     #[test]

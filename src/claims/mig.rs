@@ -2,10 +2,9 @@
 //! allocated placement (dynamic MIG; a retry after a cancelled prepare adopts the device the first try
 //! made) or finding the one an admin made (static MIG, down to the compute instance); destroying what
 //! a claim created, never a device that has since become someone else's; reporting the created
-//! device's UUID in the claim's status; and the start-up sweep that destroys MIG devices no completed
-//! claim owns.
+//! device's UUID in the claim's status. Which created devices are the plugin's, and the start-up
+//! sweep: `mig_records.rs`.
 
-use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use k8s_openapi::api::resource::v1::{AllocatedDeviceStatus, ResourceClaim};
@@ -14,7 +13,7 @@ use kube::api::{Api, PostParams};
 use tracing::{debug, info, warn};
 
 use super::checkpoint::PreparedMig;
-use super::{ClaimRef, PreparedDevice};
+use super::{ClaimRef, PreparedDevice, Preparer};
 use crate::devices::{DeviceName, MigMode};
 use crate::gpu::{
     Gpu, GpuBackend, Inventory, MigDestroyed, MigInstance, MigPlacement, MigProfile, MigRequest,
@@ -107,56 +106,66 @@ pub(super) fn conflict(inventory: &Inventory, a: &str, b: &str) -> bool {
     }
 }
 
-/// Makes the MIG devices of `devices` exist and records them: found (static) or created (dynamic).
-/// On failure, whatever this call created is destroyed again before the error is returned.
-pub(super) async fn prepare_mig_devices(
-    backend: &Arc<dyn GpuBackend>,
-    inventory: &Inventory,
-    mig_mode: MigMode,
-    devices: &mut [PreparedDevice],
-) -> Result<(), (String, String)> {
-    for index in 0..devices.len() {
-        let device = devices[index].device.clone();
-        let target = match resolve(inventory, &device) {
-            Ok(Some(target)) => target,
-            Ok(None) => continue,
-            Err(reason) => return fail(backend, devices, device, reason).await,
-        };
-        let prepared = match (mig_mode, &target.existing) {
-            (MigMode::Static, Some(existing)) => Ok(prepared_mig(&target.gpu, existing, false)),
-            (MigMode::Static, None) => Err(format!(
-                "no MIG device {} exists at memory slice {} (static MIG publishes only existing ones)",
-                target.profile.name, target.placement.start
-            )),
-            (MigMode::Dynamic, _) => create(backend, &target).await,
-            // None is also the fallback while the API server drops shared counters; the Event says which.
-            (MigMode::None, _) => Err("MIG devices are not published in MIG mode none (set by --mig-mode \
-                 or a GpuNodePolicy, or because the API server drops shared counters: see a \
-                 FeatureGateDisabled Event on the Node)"
-                .into()),
-        };
-        match prepared {
-            Ok(mig) => devices[index].mig = Some(mig),
-            Err(reason) => return fail(backend, devices, device, reason).await,
+impl Preparer {
+    /// Makes the MIG devices of `devices` exist and records them: found (static) or created
+    /// (dynamic, recorded in the checkpoint first: `mig_records.rs`). On failure, whatever this call
+    /// created is destroyed again before the error is returned.
+    pub(super) async fn prepare_mig_devices(
+        &self,
+        claim: &ClaimRef,
+        inventory: &Inventory,
+        mig_mode: MigMode,
+        devices: &mut [PreparedDevice],
+    ) -> Result<(), (String, String)> {
+        for index in 0..devices.len() {
+            let device = devices[index].device.clone();
+            let target = match resolve(inventory, &device) {
+                Ok(Some(target)) => target,
+                Ok(None) => continue,
+                Err(reason) => return self.fail(devices, device, reason).await,
+            };
+            let prepared = match (mig_mode, &target.existing) {
+                (MigMode::Static, Some(existing)) => Ok(prepared_mig(&target.gpu, existing, false)),
+                (MigMode::Static, None) => Err(format!(
+                    "no MIG device {} exists at memory slice {} (static MIG publishes only existing ones)",
+                    target.profile.name, target.placement.start
+                )),
+                (MigMode::Dynamic, _) => self.create_recorded(claim, &target).await,
+                // None is also the fallback while the API server drops shared counters; the Event says which.
+                (MigMode::None, _) => Err("MIG devices are not published in MIG mode none (set by --mig-mode \
+                     or a GpuNodePolicy, or because the API server drops shared counters: see a \
+                     FeatureGateDisabled Event on the Node)"
+                    .into()),
+            };
+            match prepared {
+                Ok(mig) => devices[index].mig = Some(mig),
+                Err(reason) => return self.fail(devices, device, reason).await,
+            }
         }
+        Ok(())
     }
-    Ok(())
+
+    async fn fail(
+        &self,
+        devices: &mut [PreparedDevice],
+        device: String,
+        reason: String,
+    ) -> Result<(), (String, String)> {
+        self.destroy_created(devices).await;
+        for device in devices.iter_mut() {
+            device.mig = None;
+        }
+        Err((device, reason))
+    }
 }
 
-async fn fail(
+/// Creates the MIG device; with `adopt`, one of the requested profile found at exactly the requested
+/// placement is taken as it is (see [`GpuBackend::create_or_adopt_mig`]).
+pub(super) async fn create(
     backend: &Arc<dyn GpuBackend>,
-    devices: &mut [PreparedDevice],
-    device: String,
-    reason: String,
-) -> Result<(), (String, String)> {
-    destroy_created(backend, devices).await;
-    for device in devices.iter_mut() {
-        device.mig = None;
-    }
-    Err((device, reason))
-}
-
-async fn create(backend: &Arc<dyn GpuBackend>, target: &MigTarget) -> Result<PreparedMig, String> {
+    target: &MigTarget,
+    adopt: bool,
+) -> Result<PreparedMig, String> {
     let request = MigRequest {
         parent_uuid: target.gpu.uuid.clone(),
         profile_id: target.profile.id,
@@ -166,14 +175,21 @@ async fn create(backend: &Arc<dyn GpuBackend>, target: &MigTarget) -> Result<Pre
         return Err("dynamic MIG makes MIG devices with one compute instance only".into());
     }
     // The create runs on a thread of its own, so a prepare the kubelet cancels (its deadline) leaves
-    // it to finish; the kubelet's retry then adopts what it made, and reserve() guarantees that no
-    // other claim holds the placement, so what is there is this claim's.
+    // it to finish; the kubelet's retry then adopts what it made (it was recorded before the create),
+    // and reserve() guarantees that no other claim holds the placement, so what is there is this claim's.
     let worker = backend.clone();
-    let (instance, adopted) =
-        tokio::task::spawn_blocking(move || worker.create_or_adopt_mig(&request))
-            .await
-            .map_err(|e| e.to_string())?
-            .map_err(|e| format!("creating MIG device {}: {e}", target.profile.name))?;
+    let (instance, adopted) = tokio::task::spawn_blocking(move || {
+        if adopt {
+            worker.create_or_adopt_mig(&request)
+        } else {
+            worker
+                .create_mig(&request)
+                .map(|instance| (instance, false))
+        }
+    })
+    .await
+    .map_err(|e| e.to_string())?
+    .map_err(|e| format!("creating MIG device {}: {e}", target.profile.name))?;
     if adopted {
         info!(uuid = %instance.uuid, profile = %target.profile.name, start = target.placement.start, "MIG device adopted (made by an earlier, interrupted prepare)");
     } else {
@@ -194,12 +210,14 @@ fn prepared_mig(gpu: &Gpu, instance: &MigInstance, created: bool) -> PreparedMig
 }
 
 /// Destroys the MIG devices these devices created; failures are logged and left to the start-up
-/// sweep. Returns the first error for callers that must report it.
+/// sweep. Returns the first error for callers that must report it, and the UUIDs of the devices that
+/// are gone now (destroyed, or gone already).
 pub(super) async fn destroy_created(
     backend: &Arc<dyn GpuBackend>,
     devices: &[PreparedDevice],
-) -> Option<String> {
+) -> (Option<String>, Vec<String>) {
     let mut first_error = None;
+    let mut gone = Vec::new();
     for mig in devices
         .iter()
         .filter_map(|d| d.mig.as_ref())
@@ -216,6 +234,9 @@ pub(super) async fn destroy_created(
                 .await
                 .map_err(|e| e.to_string())
                 .and_then(|r| r.map_err(|e| e.to_string()));
+        if result.is_ok() {
+            gone.push(mig.uuid.clone());
+        }
         match result {
             Ok(MigDestroyed::Destroyed) => info!(uuid = %mig.uuid, "MIG device destroyed"),
             Ok(MigDestroyed::Gone) => info!(uuid = %mig.uuid, "MIG device was gone already"),
@@ -229,34 +250,7 @@ pub(super) async fn destroy_created(
             }
         }
     }
-    first_error
-}
-
-/// The start-up sweep of dynamic MIG: every MIG device on a GPU the driver manages that no kept claim
-/// owns is destroyed (left by a crash between creation and checkpoint, or by a rolled-back prepare).
-/// Returns the UUIDs destroyed.
-pub(super) fn destroy_unowned(
-    backend: &dyn GpuBackend,
-    inventory: &Inventory,
-    owned: &BTreeSet<(String, u32)>,
-) -> Vec<String> {
-    let mut destroyed = Vec::new();
-    for gpu in &inventory.gpus {
-        let Some(mig) = &gpu.mig else { continue };
-        for instance in &mig.instances {
-            if owned.contains(&(gpu.uuid.clone(), instance.gpu_instance_id)) {
-                continue;
-            }
-            match backend.destroy_mig(&gpu.uuid, instance.gpu_instance_id, &instance.uuid) {
-                Ok(MigDestroyed::Destroyed) => destroyed.push(instance.uuid.clone()),
-                Ok(_) => {}
-                Err(error) => {
-                    warn!(uuid = %instance.uuid, %error, "destroying unowned MIG device failed")
-                }
-            }
-        }
-    }
-    destroyed
+    (first_error, gone)
 }
 
 /// Records the UUIDs of created MIG devices in the claim's `status.devices`, next to whatever other

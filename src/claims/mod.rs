@@ -4,9 +4,10 @@
 //! write the CDI spec → checkpoint `completed` → answer. Calls for different claims run in parallel;
 //! calls for one claim are serialised by a per-claim lock.
 //!
-//! Nothing on the path is fsynced, and a prepare in progress is not written down: after a crash,
-//! recovery removes every CDI spec, MPS daemon and (dynamic) MIG device that no completed claim owns,
-//! so only `completed` needs a record, and a record in the page cache survives a crash of the process.
+//! Nothing on the path is fsynced, and a prepare in progress is not written down, except each MIG
+//! device it is about to create (`mig_records.rs`): after a crash, recovery removes every CDI spec,
+//! MPS daemon and recorded MIG device that no completed claim owns, so only `completed` needs a
+//! record, and a record in the page cache survives a crash of the process.
 //! A power cut is a reboot, after which the kubelet prepares every claim again and recovery checks
 //! each record of the earlier boot against the API server first (`recovery.rs`).
 
@@ -16,6 +17,7 @@ pub mod configs;
 mod edits;
 mod gpu_modes;
 mod mig;
+mod mig_records;
 pub mod mps;
 pub mod names;
 mod reboot;
@@ -131,8 +133,11 @@ pub struct Recovery {
     pub rolled_back: Vec<String>,
     /// CDI spec files no claim owned; removed.
     pub orphan_specs_removed: Vec<String>,
-    /// MIG devices (UUIDs) no kept claim owned, destroyed in dynamic MIG mode.
+    /// MIG devices (UUIDs) this plugin made that no kept claim owned, destroyed in dynamic MIG mode.
     pub mig_devices_destroyed: Vec<String>,
+    /// MIG devices no kept claim owns that this plugin did not make (an admin's), left alone in
+    /// dynamic MIG mode: UUIDs, or `<GPU UUID>/gi<id>` for a GPU instance without compute instance.
+    pub mig_devices_left_alone: Vec<String>,
     /// Whether the node rebooted since the checkpoint was written.
     pub rebooted: bool,
     /// Completed claims of an earlier boot that the API server did not confirm (gone, replaced, no
@@ -141,6 +146,9 @@ pub struct Recovery {
     /// Set when the checkpoint could not be used and was set aside; `kept` then holds the claims
     /// rebuilt from the CDI specs on disk and the API server.
     pub checkpoint_set_aside: Option<CheckpointSetAside>,
+    /// Set (to where the checkpoint should have been) when there was none although CDI specs of
+    /// this driver were on disk: rebuilt as for a set-aside one, `kept` as there.
+    pub checkpoint_missing: Option<std::path::PathBuf>,
     /// Claim UIDs whose CDI spec could not be matched to a claim prepared here; the spec (and, in
     /// dynamic MIG mode, every MIG device) is left in place until the kubelet prepares or unprepares it.
     pub left_in_place: Vec<String>,
@@ -324,7 +332,7 @@ impl Preparer {
         self.reserve(claim, &inventory, &devices)?;
         // No `started` record on disk: whatever reaches the node before the `completed` record is
         // cleaned up after a crash all the same, because recovery removes every spec, MPS daemon and
-        // (dynamic) MIG device that no completed claim owns.
+        // recorded (dynamic) MIG device that no completed claim owns.
         if let Err(error) = self.make_devices(claim, &inventory, &mut devices).await {
             self.roll_back(claim, &devices).await;
             return Err(error);
@@ -359,7 +367,7 @@ impl Preparer {
         devices: &mut [PreparedDevice],
     ) -> Result<(), ClaimError> {
         let mig_mode = *self.mig_mode.borrow();
-        mig::prepare_mig_devices(&self.backend, inventory, mig_mode, devices)
+        self.prepare_mig_devices(claim, inventory, mig_mode, devices)
             .await
             .map_err(|(device, reason)| ClaimError::Mig {
                 claim: claim.to_string(),
@@ -419,7 +427,7 @@ impl Preparer {
             if let Some(held) = lock(&self.state).data.claims.get_mut(&claim.uid) {
                 held.mps = None;
             }
-            if let Some(reason) = mig::destroy_created(&self.backend, &devices).await {
+            if let Some(reason) = self.destroy_created(&devices).await {
                 return Err(ClaimError::Mig {
                     claim: claim.to_string(),
                     device: devices
@@ -555,7 +563,7 @@ impl Preparer {
                 warn!(%error, "stopping the MPS daemon during roll-back");
             }
         }
-        mig::destroy_created(&self.backend, devices).await;
+        self.destroy_created(devices).await;
         let inventory = self.inventory.borrow().clone();
         if let Err(error) = self
             .sync_gpu_modes(claim, &inventory, devices, Some(&claim.uid))

@@ -2,6 +2,9 @@
 //! reboot. A checkpoint this build cannot use (corrupt, unreadable, a newer format) is set aside as
 //! `<checkpoint>.corrupt-<time>` and rebuilt from the CDI specs on disk and the claims in the API
 //! server (`rebuild.rs`); nothing is deleted on its account, so a downgrade never costs a running pod.
+//! A missing checkpoint with CDI specs of this driver on disk (deleted by hand, or a changed
+//! `--kubelet-plugins-dir`) is rebuilt the same way. Specs of another driver name are never listed,
+//! so never touched; MIG devices are destroyed only where the plugin recorded making them.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -11,11 +14,11 @@ use tracing::{info, warn};
 use super::checkpoint::{self, CheckpointData, CheckpointError};
 use super::edits::write_spec_with;
 use super::{
-    describe, internal, lock, mig, CheckpointSetAside, ClaimError, ClaimRecord, ClaimState,
-    Preparer, Recovery,
+    describe, internal, lock, mig, mig_records, CheckpointSetAside, ClaimError, ClaimRecord,
+    ClaimState, Preparer, Recovery,
 };
 use crate::devices::MigMode;
-use crate::gpu::{Inventory, MigRequest};
+use crate::gpu::Inventory;
 
 impl Preparer {
     /// Loads the checkpoint (or sets it aside and rebuilds it), checks claims in states this build
@@ -25,26 +28,46 @@ impl Preparer {
         let loaded = tokio::task::spawn_blocking(move || file.load())
             .await
             .map_err(|e| internal("(startup)", e))?;
-        let (mut stored, set_aside) = match loaded {
-            Ok(stored) => (stored.unwrap_or_default(), None),
-            Err(error) => (CheckpointData::default(), Some(self.set_aside(&error))),
+        let (mut stored, set_aside, missing) = match loaded {
+            Ok(Some(stored)) => (stored, None, false),
+            Ok(None) => (CheckpointData::default(), None, true),
+            Err(error) => (
+                CheckpointData::default(),
+                Some(self.set_aside(&error)),
+                false,
+            ),
         };
         let this_boot = checkpoint::current_boot_id();
         let dropped = self
             .check_records_of_an_earlier_boot(&mut stored, &this_boot)
             .await;
-        // What only the API server can settle: after a set-aside every spec on disk; otherwise the
-        // claims a newer release recorded in a state this one does not know.
-        let to_verify: Vec<String> = if set_aside.is_some() {
+        // What only the API server can settle: after a set-aside (or without a checkpoint, where
+        // specs exist) every spec on disk; otherwise the claims a newer release recorded in a state
+        // this one does not know.
+        let mut rebuild = set_aside.is_some();
+        let mut specs = Vec::new();
+        if set_aside.is_some() || missing {
             let cdi = self.cdi.clone();
             match tokio::task::spawn_blocking(move || cdi.claim_specs()).await {
-                Ok(Ok(uids)) => uids,
+                Ok(Ok(uids)) => specs = uids,
                 Ok(Err(error)) => {
                     warn!(%error, "listing CDI specs to rebuild the checkpoint failed; they are left as they are");
-                    Vec::new()
+                    rebuild = true;
                 }
                 Err(error) => return Err(internal("(startup)", error)),
             }
+        }
+        let rebuilt_without_checkpoint = missing && (rebuild || !specs.is_empty());
+        if rebuilt_without_checkpoint {
+            rebuild = true;
+            warn!(
+                path = %self.checkpoint.path().display(),
+                specs = specs.len(),
+                "no checkpoint, but CDI specs of this driver are on disk (a checkpoint deleted, or --kubelet-plugins-dir changed): rebuilding the prepared claims from them and the API server; no CDI spec or MIG device is removed"
+            );
+        }
+        let to_verify: Vec<String> = if rebuild {
+            specs
         } else {
             stored
                 .claims
@@ -68,12 +91,14 @@ impl Preparer {
             }
         }
         let worker = self.clone();
-        let degraded = set_aside.is_some();
+        let degraded = rebuild;
         let mut recovery =
             tokio::task::spawn_blocking(move || worker.recover(stored, degraded, this_boot))
                 .await
                 .map_err(|e| internal("(startup)", e))??;
         recovery.checkpoint_set_aside = set_aside;
+        recovery.checkpoint_missing =
+            rebuilt_without_checkpoint.then(|| self.checkpoint.path().to_path_buf());
         recovery.dropped_after_reboot = dropped;
         Ok(recovery)
     }
@@ -129,13 +154,14 @@ impl Preparer {
     }
 
     /// Converges with `stored`: started claims rolled back, completed ones kept (specs written again
-    /// where lost), orphan specs removed and, in dynamic MIG mode, MIG devices no claim owns destroyed.
-    /// `degraded` (the checkpoint was set aside) removes and destroys nothing: what the rebuild could
+    /// where lost), orphan specs removed and, in dynamic MIG mode, MIG devices the plugin made that
+    /// no claim owns destroyed (others are reported and left alone). `degraded` (the checkpoint was
+    /// set aside, or missing with specs on disk) removes and destroys nothing: what the rebuild could
     /// not match stays. Specs left in place by an earlier rebuild stay too, as do, while there are
     /// any, all MIG devices.
     pub(super) fn recover(
         &self,
-        stored: CheckpointData,
+        mut stored: CheckpointData,
         degraded: bool,
         boot_id: String,
     ) -> Result<Recovery, ClaimError> {
@@ -144,6 +170,21 @@ impl Preparer {
             ..Default::default()
         };
         let inventory = self.inventory.borrow().clone();
+        // MIG configuration does not survive a reboot: no device made in an earlier boot is left.
+        let made_before = std::mem::take(&mut stored.mig_devices_made);
+        let made_before = if recovery.rebooted {
+            Vec::new()
+        } else {
+            made_before
+        };
+        // What is on file while MIG devices are made again: the records as loaded, of this boot now.
+        let mut journal = CheckpointData {
+            boot_id: boot_id.clone(),
+            claims: stored.claims.clone(),
+            left_in_place: stored.left_in_place.clone(),
+            gpu_modes: stored.gpu_modes.clone(),
+            mig_devices_made: made_before.clone(),
+        };
         let mut data = CheckpointData {
             boot_id,
             ..Default::default()
@@ -163,9 +204,13 @@ impl Preparer {
                 ClaimState::Completed => {
                     let mut record = record;
                     let mut rewrite = false;
-                    if let Err(reason) =
-                        self.restore_mig_devices(&inventory, &mut record, &mut rewrite)
-                    {
+                    if let Err(reason) = self.restore_mig_devices(
+                        &uid,
+                        &inventory,
+                        &mut record,
+                        &mut rewrite,
+                        &mut journal,
+                    ) {
                         warn!(claim = %describe(&uid, &record), %reason, "MIG device of a prepared claim is gone and cannot be made again; rolling the claim back");
                         self.cdi
                             .remove_claim_spec(&uid)
@@ -237,12 +282,14 @@ impl Preparer {
             recovery.mps_daemons_cleaned_up = self.sweep_mps(&data);
         }
         data.gpu_modes = self.converge_gpu_modes(&data, stored.gpu_modes, degraded, &inventory);
+        let mut made = mig_records::made_for_claims(data.claims.iter(), &inventory);
         if *self.mig_mode.borrow() == MigMode::Dynamic {
             if degraded || !data.left_in_place.is_empty() {
                 warn!(
                     left_in_place = data.left_in_place.len(),
                     "dynamic MIG: MIG devices no known claim owns are kept, because CDI specs of unknown claims are left in place and may use them"
                 );
+                made.extend(mig_records::not_among(made_before, &made));
             } else {
                 let owned: BTreeSet<(String, u32)> = data
                     .claims
@@ -255,10 +302,17 @@ impl Preparer {
                     claim: "(startup)".to_string(),
                     reason: format!("reading the GPUs: {e}"),
                 })?;
-                recovery.mig_devices_destroyed =
-                    mig::destroy_unowned(self.backend.as_ref(), &current, &owned);
+                let sweep =
+                    mig_records::sweep(self.backend.as_ref(), &current, &owned, &made_before);
+                recovery.mig_devices_destroyed = sweep.destroyed;
+                recovery.mig_devices_left_alone = sweep.left_alone;
+                made.extend(sweep.still_made);
             }
+        } else {
+            // Kept for a later start in dynamic MIG mode, which destroys them if no claim owns them.
+            made.extend(mig_records::not_among(made_before, &made));
         }
+        data.mig_devices_made = made;
         // Without a checkpoint on disk prepares fail per claim until it can be written; refusing to
         // start would only add a crash loop, and the node would publish nothing.
         if let Err(error) = self.checkpoint.store(&data) {
@@ -272,6 +326,7 @@ impl Preparer {
             orphans_removed = recovery.orphan_specs_removed.len(),
             left_in_place = recovery.left_in_place.len(),
             mig_devices_destroyed = recovery.mig_devices_destroyed.len(),
+            mig_devices_left_alone = recovery.mig_devices_left_alone.len(),
             rebooted = recovery.rebooted,
             "claims recovered from checkpoint"
         );
@@ -283,9 +338,11 @@ impl Preparer {
     /// them new UUIDs, so the spec must be rewritten (`rewrite`).
     fn restore_mig_devices(
         &self,
+        uid: &str,
         inventory: &Inventory,
         record: &mut ClaimRecord,
         rewrite: &mut bool,
+        journal: &mut CheckpointData,
     ) -> Result<(), String> {
         for device in record.devices.iter_mut() {
             let Some(prepared) = device.mig.as_mut() else {
@@ -306,14 +363,7 @@ impl Preparer {
                     device.device, prepared.uuid
                 ));
             }
-            let instance = self
-                .backend
-                .create_mig(&MigRequest {
-                    parent_uuid: target.gpu.uuid.clone(),
-                    profile_id: target.profile.id,
-                    placement: target.placement,
-                })
-                .map_err(|e| e.to_string())?;
+            let instance = self.recreate_recorded(uid, &target, journal)?;
             info!(device = %device.device, uuid = %instance.uuid, "MIG device of a prepared claim made again");
             prepared.uuid = instance.uuid;
             prepared.gpu_instance_id = instance.gpu_instance_id;

@@ -2,6 +2,7 @@
 //! DRA service (v1 and v1beta1) and the resource-health service (v1alpha1 and v1) on
 //! `<plugins-dir>/<driver>/dra.sock`.
 
+pub mod accept;
 pub mod authority;
 pub mod dra;
 pub mod health;

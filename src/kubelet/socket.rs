@@ -4,7 +4,7 @@
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::Path;
 
-use futures::{Stream, TryStreamExt};
+use futures::{Stream, StreamExt};
 use thiserror::Error;
 use tokio::net::{UnixListener, UnixStream};
 use tokio_stream::wrappers::UnixListenerStream;
@@ -71,10 +71,13 @@ pub fn bind_private_socket(path: &Path) -> Result<UnixListener, SocketError> {
 
 /// The connections accepted on `listener`, each behind [`LenientAuthority`]: the kubelet's registration
 /// client sends the socket path as `:authority`, which tonic's HTTP/2 server would otherwise refuse.
+/// Accept errors (out of file descriptors) are retried after growing pauses (`accept.rs`), never
+/// handed to tonic, which would retry at once and spin.
 pub fn lenient_incoming(
     listener: UnixListener,
 ) -> impl Stream<Item = std::io::Result<LenientAuthority<UnixStream>>> {
-    UnixListenerStream::new(listener).map_ok(LenientAuthority::new)
+    super::accept::with_backoff(UnixListenerStream::new(listener))
+        .map(|connection| Ok(LenientAuthority::new(connection)))
 }
 
 /// Removes the socket file at `path` if it is one (used at shutdown).

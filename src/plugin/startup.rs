@@ -24,6 +24,12 @@ pub const DEFAULT_STARTUP_API_TIMEOUT: Duration = Duration::from_secs(5);
 /// The Event reason when the checkpoint could not be used.
 pub const REASON_CHECKPOINT_SET_ASIDE: &str = "CheckpointSetAside";
 
+/// The Event reason when there was no checkpoint although CDI specs of this driver were on disk.
+pub const REASON_CHECKPOINT_MISSING: &str = "CheckpointMissing";
+
+/// The Event reason when dynamic MIG left MIG devices alone that the plugin did not make.
+pub const REASON_MIG_DEVICES_LEFT_ALONE: &str = "MigDevicesLeftAlone";
+
 /// Where the MIG mode (and health policy) the plugin started with came from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PolicyAtStart {
@@ -148,22 +154,38 @@ impl FaultStore {
     }
 }
 
-/// Tells the operator, as a Warning Event on the Node, that the checkpoint was set aside and what the
-/// rebuild kept and left; in the background, so a slow API server does not hold up the start.
+/// Tells the operator, as a Warning Event on the Node, that the checkpoint was set aside (or missing
+/// while CDI specs of this driver were on disk) and what the rebuild kept and left; in the
+/// background, so a slow API server does not hold up the start.
 pub(super) fn report_recovery(events: &Arc<NodeEvents>, recovery: &Recovery) {
-    let Some(aside) = &recovery.checkpoint_set_aside else {
-        return;
+    report_mig_devices_left_alone(events, recovery);
+    let (reason, mut note) = match (&recovery.checkpoint_set_aside, &recovery.checkpoint_missing) {
+        (Some(aside), _) => {
+            let moved = match &aside.moved_to {
+                Some(path) => format!("set aside as {}", path.display()),
+                None => "could not be moved aside".to_string(),
+            };
+            (
+                REASON_CHECKPOINT_SET_ASIDE,
+                format!(
+                    "The checkpoint could not be used ({}: {}) and was {moved}. ",
+                    aside.kind, aside.reason
+                ),
+            )
+        }
+        (None, Some(path)) => (
+            REASON_CHECKPOINT_MISSING,
+            format!(
+                "There was no checkpoint at {} although CDI specs of this driver were on disk (a checkpoint deleted, or --kubelet-plugins-dir changed). ",
+                path.display()
+            ),
+        ),
+        (None, None) => return,
     };
-    let moved = match &aside.moved_to {
-        Some(path) => format!("set aside as {}", path.display()),
-        None => "could not be moved aside".to_string(),
-    };
-    let mut note = format!(
-        "The checkpoint could not be used ({}: {}) and was {moved}. Rebuilt {} prepared claim(s) from the CDI specs on disk and the ResourceClaims in the API server. ",
-        aside.kind,
-        aside.reason,
+    note.push_str(&format!(
+        "Rebuilt {} prepared claim(s) from the CDI specs on disk and the ResourceClaims in the API server. ",
         recovery.kept.len(),
-    );
+    ));
     if recovery.left_in_place.is_empty() {
         note.push_str("No CDI spec or MIG device was removed.");
     } else {
@@ -174,9 +196,24 @@ pub(super) fn report_recovery(events: &Arc<NodeEvents>, recovery: &Recovery) {
         ));
     }
     let events = events.clone();
+    tokio::spawn(async move { events.warn(reason, "Recover", &note).await });
+}
+
+/// Tells the operator which MIG devices the dynamic-MIG sweep left alone because the plugin did not
+/// make them: they hold memory slices that the published placements count as free.
+fn report_mig_devices_left_alone(events: &Arc<NodeEvents>, recovery: &Recovery) {
+    if recovery.mig_devices_left_alone.is_empty() {
+        return;
+    }
+    let note = format!(
+        "Dynamic MIG mode: {} MIG device(s) that no prepared claim owns and this plugin did not make were left alone ({}). Prepares of placements they overlap fail until an admin destroys them (nvidia-smi mig -dci / -dgi) or switches the node to static MIG mode.",
+        recovery.mig_devices_left_alone.len(),
+        recovery.mig_devices_left_alone.join(", ")
+    );
+    let events = events.clone();
     tokio::spawn(async move {
         events
-            .warn(REASON_CHECKPOINT_SET_ASIDE, "Recover", &note)
+            .warn(REASON_MIG_DEVICES_LEFT_ALONE, "Recover", &note)
             .await
     });
 }

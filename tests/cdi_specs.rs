@@ -344,7 +344,9 @@ fn the_runtime_double_stats_host_paths_only_for_nodes_without_numbers() {
             minor: major.map(|_| 4242),
             ..Default::default()
         };
-    let cases: Vec<(&str, DeviceNode, Result<(&str, i64, i64), &str>)> = vec![
+    // (what, node, Ok((type, major, minor)) or the error's start)
+    type Case<'a> = (&'a str, DeviceNode, Result<(&'a str, i64, i64), &'a str>);
+    let cases: Vec<Case> = vec![
         (
             "no numbers, no host file",
             node(None, None, None),

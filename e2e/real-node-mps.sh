@@ -8,7 +8,8 @@
 #   - the client's /dev/shm is a tmpfs of the configured size that holds the daemon server's segment;
 #   - a plugin crash (its container killed) and an upgrade (a new image) leave the daemon Pod and the
 #     client running, with the same Pod UID and no restart;
-#   - a dynamic MIG device from the fake overlay gets its /dev/nvidia-caps node in the container;
+#   - a dynamic MIG device from the fake overlay gets its /dev/nvidia-caps node in the container, and
+#     /dev/nvidia-uvm, though the host has neither: containerd makes them from the spec's numbers;
 #   - deleting the client unprepares: the daemon Pod goes, the tmpfs is unmounted, the directory removed.
 #
 #   KUBECONFIG=/tmp/k8s/admin.kubeconfig e2e/real-node-mps.sh     (as root, from the project root)
@@ -30,7 +31,7 @@ plugin_pod() { kubectl get pod -n gpu-dra -l app.kubernetes.io/component=kubelet
 plugin_ready() { kubectl wait -n gpu-dra --for=condition=Ready pod -l app.kubernetes.io/component=kubelet-plugin --timeout=90s >/dev/null 2>&1; }
 
 h "image"
-e2e/image.sh target/release/gpu-dra gpu-dra:dev target/gpu-dra-image.tar || exit 1
+e2e/image.sh "${GPU_DRA_BINARY:-target/release/gpu-dra}" gpu-dra:dev target/gpu-dra-image.tar || exit 1
 "$BIN_DIR/ctr" -n k8s.io images import target/gpu-dra-image.tar >/dev/null
 "$BIN_DIR/ctr" -n k8s.io images tag --force docker.io/library/gpu-dra:dev docker.io/library/gpu-dra:dev2 >/dev/null
 check "image imported as gpu-dra:dev and gpu-dra:dev2" \
@@ -154,6 +155,15 @@ kubectl get events -n $N --field-selector involvedObject.name=mig-client -o cust
 check "MIG client Running" test "$(kubectl get pod -n $N mig-client -o jsonpath='{.status.phase}')" = Running
 echo "$(kubectl logs -n $N mig-client 2>&1 | head -5)"
 check "MIG client has its /dev/nvidia-caps node" bash -c "kubectl logs -n $N mig-client | grep -q 'nvidia-cap[0-9]'"
+# The host has neither file (no NVIDIA driver here, and the driver never makes MIG capability files in
+# /dev): containerd made them from the spec's type and numbers (the fake's are /dev/null's, 1, 3).
+cap=$(kubectl logs -n $N mig-client 2>/dev/null | grep -o 'nvidia-cap[0-9]*' | head -1)
+check "the host has no /dev/nvidia-caps/$cap and no /dev/nvidia-uvm" \
+  bash -c "[ -n '$cap' ] && [ ! -e /dev/nvidia-caps/$cap ] && [ ! -e /dev/nvidia-uvm ]"
+check "the container's $cap is a character device 1, 3 (the CDI spec's numbers)" \
+  bash -c "kubectl logs -n $N mig-client | grep -E '^c.* 1, +3 .*$cap\$' >/dev/null"
+check "the container has /dev/nvidia-uvm (every spec names it)" \
+  bash -c "kubectl logs -n $N mig-client | grep -qE '^c.* /dev/nvidia-uvm\$'"
 kubectl delete -n $N pod/mig-client --wait=true >/dev/null
 
 h "unprepare"

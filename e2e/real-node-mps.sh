@@ -157,7 +157,7 @@ echo "$(kubectl logs -n $N mig-client 2>&1 | head -5)"
 check "MIG client has its /dev/nvidia-caps node" bash -c "kubectl logs -n $N mig-client | grep -q 'nvidia-cap[0-9]'"
 # The host has neither file (no NVIDIA driver here, and the driver never makes MIG capability files in
 # /dev): containerd made them from the spec's type and numbers (the fake's are /dev/null's, 1, 3).
-cap=$(kubectl logs -n $N mig-client 2>/dev/null | grep -o 'nvidia-cap[0-9]*' | head -1)
+cap=$(kubectl logs -n $N mig-client 2>/dev/null | grep -oE 'nvidia-cap[0-9]+' | head -1)
 check "the host has no /dev/nvidia-caps/$cap and no /dev/nvidia-uvm" \
   bash -c "[ -n '$cap' ] && [ ! -e /dev/nvidia-caps/$cap ] && [ ! -e /dev/nvidia-uvm ]"
 check "the container's $cap is a character device 1, 3 (the CDI spec's numbers)" \

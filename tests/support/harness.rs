@@ -45,6 +45,23 @@ pub struct Harness {
     pub pods: super::pod_runner::PodRunner,
 }
 
+/// A test that ends without unpreparing its MPS claims leaves their tmpfs mounted under the harness's
+/// directory, which the temp dir cannot remove: unmounted here, before the directory goes.
+impl Drop for Harness {
+    fn drop(&mut self) {
+        let Ok(mounts) = std::fs::read_to_string("/proc/self/mounts") else {
+            return;
+        };
+        let root = self.dir.path();
+        for point in mounts.lines().filter_map(|line| line.split(' ').nth(1)) {
+            let point = std::path::Path::new(point);
+            if point.starts_with(root) {
+                let _ = crate::claims::mps::mps_shm::unmount(point);
+            }
+        }
+    }
+}
+
 impl Harness {
     /// An API server with Node `node-a` and a plugin config for the given fake profile.
     pub async fn new(profile: &str) -> Harness {

@@ -304,14 +304,16 @@ mod tests {
     }
 
     /// (path, hostPath, type, major, minor) of a device node.
-    type NodeFields = (String, Option<String>, Option<String>, Option<i64>, Option<i64>);
+    type NodeFields = (
+        String,
+        Option<String>,
+        Option<String>,
+        Option<i64>,
+        Option<i64>,
+    );
 
     /// [`NodeFields`] of each node of the spec's first device.
-    fn nodes(
-        cdi: &CdiRegistry,
-        inventory: &Inventory,
-        driver: &DriverEdits,
-    ) -> Vec<NodeFields> {
+    fn nodes(cdi: &CdiRegistry, inventory: &Inventory, driver: &DriverEdits) -> Vec<NodeFields> {
         let uid = "6c3e0f0a-3d4b-4a8e-9f00-1d2c3b4a5e6f";
         let devices = vec![device(cdi, uid, "gpu-1")];
         write_spec_with(cdi, uid, &devices, inventory, driver, None).unwrap();

@@ -9,7 +9,7 @@ use gpu_dra::devices::MigMode;
 use gpu_dra::gpu::GpuBackend;
 use gpu_dra::support::apiserver::ServerVersion;
 use gpu_dra::support::cdi_runtime;
-use gpu_dra::support::harness::{Harness, DRIVER, MIG_CLASS, NODE};
+use gpu_dra::support::harness::{admin_split_h100_profile, Harness, DRIVER, MIG_CLASS, NODE};
 use gpu_dra::support::kubelet::ClaimRef;
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 use kube::Api;
@@ -293,19 +293,7 @@ async fn restart_leaves_mig_devices_the_plugin_did_not_make() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn static_mig_devices_an_admin_made_are_published_and_prepared_in_place() {
     let mut node = Harness::new("dgx-h100").await;
-    let mut profile = gpu_dra::gpu::builtin_profile("dgx-h100").unwrap();
-    profile.gpus.truncate(2);
-    profile.gpus[1].mig_enabled = true;
-    profile.gpus[1].mig_instances = serde_yaml::from_str(
-        "[{profile: 3g.40gb, start: 0}, {profile: 2g.20gb, start: 4}, {profile: 1g.10gb, start: 6}]",
-    )
-    .unwrap();
-    let path = node.dir.path().join("static.yaml");
-    std::fs::write(&path, serde_yaml::to_string(&profile).unwrap()).unwrap();
-    node.config.backend = gpu_dra::plugin::BackendChoice::Fake {
-        profile: path.display().to_string(),
-        state_file: Some(node.dir.path().join("static-state.json")),
-    };
+    node.use_profile("static", &admin_split_h100_profile());
     let _plugin = node.start_plugin().await;
     let kubelet = node.kubelet().await;
     let slices = node.wait_for_slices().await;

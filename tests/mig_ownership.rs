@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 use gpu_dra::claims::checkpoint::{CheckpointData, CheckpointFile};
 use gpu_dra::devices::MigMode;
 use gpu_dra::support::apiserver::ServerVersion;
-use gpu_dra::support::harness::{h100_profile, Harness, DRIVER, MIG_CLASS};
+use gpu_dra::support::harness::{
+    admin_split_h100_profile, h100_profile, Harness, DRIVER, MIG_CLASS,
+};
 use gpu_dra::support::kubelet::KubeletDouble;
 use serde_json::json;
 
@@ -34,20 +36,9 @@ fn checkpoint(node: &Harness) -> CheckpointFile {
 /// Two H100s; on the second an admin made three MIG devices (static MIG) before the node was
 /// switched to dynamic MIG. MIG operations take `delay_ms`.
 fn admin_split_profile(node: &mut Harness, delay_ms: u64) {
-    let mut profile = gpu_dra::gpu::builtin_profile("dgx-h100").unwrap();
-    profile.gpus.truncate(2);
-    profile.gpus[1].mig_enabled = true;
-    profile.gpus[1].mig_instances = serde_yaml::from_str(
-        "[{profile: 3g.40gb, start: 0}, {profile: 2g.20gb, start: 4}, {profile: 1g.10gb, start: 6}]",
-    )
-    .unwrap();
+    let mut profile = admin_split_h100_profile();
     profile.mig_operation_delay_ms = Some(delay_ms);
-    let path = node.dir.path().join("admin-split.yaml");
-    std::fs::write(&path, serde_yaml::to_string(&profile).unwrap()).unwrap();
-    node.config.backend = gpu_dra::plugin::BackendChoice::Fake {
-        profile: path.display().to_string(),
-        state_file: Some(node.dir.path().join("admin-split-state.json")),
-    };
+    node.use_profile("admin-split", &profile);
     node.config.mig_mode = MigMode::Dynamic;
 }
 

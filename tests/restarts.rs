@@ -10,7 +10,7 @@ use gpu_dra::devices::MigMode;
 use gpu_dra::gpu::{FakeFault, FakeFaultKind, FakeProfile};
 use gpu_dra::plugin::PolicyAtStart;
 use gpu_dra::support::apiserver::{FaultSpec, Verb};
-use gpu_dra::support::harness::Harness;
+use gpu_dra::support::harness::{admin_split_h100_profile, Harness};
 use k8s_openapi::api::resource::v1::{Device, ResourceSlice};
 use kube::runtime::{watcher, WatchStreamExt};
 use kube::Api;
@@ -52,19 +52,7 @@ async fn wait_until(what: &str, check: impl Fn() -> bool) {
 
 /// A two-GPU H100 node whose second GPU an admin split into three MIG devices (static MIG).
 fn static_mig_profile(node: &mut Harness) {
-    let mut profile = gpu_dra::gpu::builtin_profile("dgx-h100").unwrap();
-    profile.gpus.truncate(2);
-    profile.gpus[1].mig_enabled = true;
-    profile.gpus[1].mig_instances = serde_yaml::from_str(
-        "[{profile: 3g.40gb, start: 0}, {profile: 2g.20gb, start: 4}, {profile: 1g.10gb, start: 6}]",
-    )
-    .unwrap();
-    let path = node.dir.path().join("static.yaml");
-    std::fs::write(&path, serde_yaml::to_string(&profile).unwrap()).unwrap();
-    node.config.backend = gpu_dra::plugin::BackendChoice::Fake {
-        profile: path.display().to_string(),
-        state_file: Some(node.dir.path().join("static-state.json")),
-    };
+    node.use_profile("static", &admin_split_h100_profile());
 }
 
 fn policy(name: &str, mig_mode: &str) -> serde_json::Value {

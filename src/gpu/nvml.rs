@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::ffi::c_uint;
 use std::path::{Path, PathBuf};
 use std::ptr;
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
 use nvml_wrapper::error::{nvml_sym, nvml_try, nvml_try_count, NvmlError};
@@ -20,6 +20,7 @@ use nvml_wrapper_sys::bindings::{
     NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED,
 };
 
+use super::caps::MigMinors;
 pub use super::mig::NO_COMPUTE_INSTANCE;
 use super::nvml_events::EventState;
 pub use super::nvml_probe::probe;
@@ -67,6 +68,9 @@ pub struct NvmlBackend {
     /// GPU UUID → why switching MIG mode off failed after its last MIG device was destroyed; the
     /// inventory reports it so that the whole GPU is not offered while it stays in MIG mode.
     pub(super) disable_failed: Mutex<HashMap<String, String>>,
+    /// The driver's MIG capability table, once read: fixed while the driver is loaded, and thousands
+    /// of lines, so not read again for every MIG device of every rescan.
+    pub(super) mig_minors: OnceLock<MigMinors>,
 }
 
 /// An NVML failure together with the C function that returned it.
@@ -137,6 +141,7 @@ impl NvmlBackend {
             mig_locks: GpuLocks::default(),
             sharing_locks: GpuLocks::default(),
             disable_failed: Mutex::new(HashMap::new()),
+            mig_minors: OnceLock::new(),
         })
     }
 

@@ -139,11 +139,18 @@ impl NvmlBackend {
     }
 
     /// The capability files of a MIG device, from the driver's MIG table (through the driver root).
+    /// The table is read once it can be; a failed read is tried again next time.
     fn device_files(&self, minor: u32, gi: u32, ci: u32) -> Result<Vec<String>, String> {
-        DriverProc::new(&self.driver_root)
-            .mig_minors()
-            .and_then(|table| table.device_files(minor, gi, ci))
-            .map_err(|e| e.to_string())
+        let table = match self.mig_minors.get() {
+            Some(table) => table,
+            None => {
+                let read = DriverProc::new(&self.driver_root)
+                    .mig_minors()
+                    .map_err(|e| e.to_string())?;
+                self.mig_minors.get_or_init(|| read)
+            }
+        };
+        table.device_files(minor, gi, ci).map_err(|e| e.to_string())
     }
 
     /// Everything after the GPU instance exists; on error the caller tears the instance down.

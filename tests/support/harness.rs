@@ -311,6 +311,18 @@ impl Harness {
         (plugin, kubelet)
     }
 
+    /// Runs the plugin on the fake `profile`, written as `<name>.yaml` in the scratch directory, with
+    /// its GPU state (MIG devices) in `<name>-state.json` there.
+    pub fn use_profile(&mut self, name: &str, profile: &crate::gpu::FakeProfile) {
+        let path = self.dir.path().join(format!("{name}.yaml"));
+        std::fs::write(&path, serde_yaml::to_string(profile).expect("profile YAML"))
+            .expect("profile written");
+        self.config.backend = crate::plugin::BackendChoice::Fake {
+            profile: path.display().to_string(),
+            state_file: Some(self.dir.path().join(format!("{name}-state.json"))),
+        };
+    }
+
     /// Writes a fake profile of `count` H100 GPUs into the scratch directory; returns its path.
     pub fn write_h100_profile(&self, count: usize) -> PathBuf {
         let path = self.dir.path().join(format!("h100-x{count}.yaml"));
@@ -341,6 +353,19 @@ pub fn h100_profile(count: usize) -> crate::gpu::FakeProfile {
             ..template.clone()
         })
         .collect();
+    profile
+}
+
+/// Two H100s; an admin split the second into three MIG devices (3g.40gb at 0, 2g.20gb at 4, 1g.10gb
+/// at 6), as static MIG mode publishes them.
+pub fn admin_split_h100_profile() -> crate::gpu::FakeProfile {
+    let mut profile = crate::gpu::builtin_profile("dgx-h100").expect("built-in profile");
+    profile.gpus.truncate(2);
+    profile.gpus[1].mig_enabled = true;
+    profile.gpus[1].mig_instances = serde_yaml::from_str(
+        "[{profile: 3g.40gb, start: 0}, {profile: 2g.20gb, start: 4}, {profile: 1g.10gb, start: 6}]",
+    )
+    .expect("MIG instances");
     profile
 }
 

@@ -42,6 +42,20 @@ kubectl apply -f crd/ >/dev/null
 kubectl label node node-1 gpu-dra.dev/fake=true --overwrite >/dev/null
 kubectl apply -k e2e/real-node >/dev/null
 check "plugin Pod Ready" plugin_ready
+# PID 1 of the plugin's container is the reaper (src/plugin/reaper.rs), the plugin its only child, which
+# must not inherit the reaper's blocked SIGTERM (bit 15 of SigBlk) or the kubelet could never stop it.
+reaper_and_child() {
+  local pid reaper="" child=""
+  for pid in $(pgrep -f '^gpu-dra plugin'); do
+    [ "$(awk '/^NSpid:/ {print $NF}' /proc/$pid/status)" = 1 ] && reaper=$pid
+  done
+  [ -n "$reaper" ] || return 1
+  child=$(pgrep -P "$reaper" -f '^gpu-dra plugin' | head -1)
+  [ -n "$child" ] || return 1
+  local blocked=$(awk '/^SigBlk:/ {print $2}' /proc/$child/status)
+  (( (0x$blocked & 0x4000) == 0 ))
+}
+check "the plugin container's PID 1 is the reaper; the plugin is its child, SIGTERM not blocked" reaper_and_child
 kubectl get pods -n gpu-dra -o wide
 
 h "an MPS claim and a client pod"

@@ -6,6 +6,7 @@
 
 pub mod api;
 pub mod apiclient;
+pub mod boot;
 pub mod cdi;
 pub mod cel;
 pub mod claims;

@@ -355,6 +355,10 @@ struct PluginArgs {
     /// half of the node's memory when absent.
     #[arg(long, env = "MPS_SHM_SIZE")]
     mps_shm_size: Option<String>,
+    /// Where this node's boot id is read (a node reboot is told from a plugin restart by it); the
+    /// kernel's when absent. For acting out a reboot on a host that does not reboot (e2e/day-two.sh).
+    #[arg(long, env = "BOOT_ID_FILE")]
+    boot_id_file: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -512,6 +516,16 @@ fn run_plugin(args: PluginArgs) -> Result<()> {
         std::process::exit(gpu_dra::plugin::reaper::supervise_this_program()?);
     }
     gpu_dra::plugin::reaper::unblock_forwarded_signals()?;
+    if let Some(path) = &args.boot_id_file {
+        gpu_dra::boot::read_boot_id_from(path);
+        // An empty id would make every checkpoint look like one of an earlier boot.
+        if gpu_dra::boot::current_boot_id().is_empty() {
+            anyhow::bail!(
+                "--boot-id-file {}: missing, unreadable or empty",
+                path.display()
+            );
+        }
+    }
     let http_addr = match args.http_addr.trim() {
         "" => None,
         addr => Some(

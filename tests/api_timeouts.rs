@@ -381,3 +381,44 @@ async fn healthz_fails_when_a_vital_task_has_stopped() {
     assert!(!plugin.abort_vital_task("no-such-task"));
     plugin.shutdown().await;
 }
+
+/// A socket file removed under the plugin (a wiped plugin directory) or replaced leaves a server the
+/// kubelet cannot reach although it runs on: the plugin ends that server so that `/healthz` fails, and
+/// says which socket, so that the kubelet's liveness probe restarts it and it binds the socket again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn healthz_fails_when_a_kubelet_socket_file_is_removed_or_replaced() {
+    for (task, replace) in [("registration-server", false), ("dra-server", true)] {
+        let mut node = Harness::new("l40s-4").await;
+        node.config.http_addr = Some(([127, 0, 0, 1], 0).into());
+        let plugin = node.start_plugin().await;
+        let addr = plugin.http_addr.expect("HTTP is on");
+        assert_eq!(http_get(addr, "/healthz").await.0, 200, "{task}: healthy");
+        let socket = if task == "dra-server" {
+            node.config.dra_socket()
+        } else {
+            node.config.registration_socket()
+        };
+        std::fs::remove_file(&socket).unwrap();
+        if replace {
+            let _other = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+        }
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        let (code, body) = loop {
+            let (code, body) = http_get(addr, "/healthz").await;
+            if code != 200 || tokio::time::Instant::now() > deadline {
+                break (code, body);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        assert_eq!(code, 503, "{task}: {body}");
+        let what = if replace { "replaced" } else { "removed" };
+        assert!(
+            body.contains(&format!(
+                "{task} stopped (socket {} was {what}",
+                socket.display()
+            )),
+            "{task}: {body}"
+        );
+        plugin.shutdown().await;
+    }
+}

@@ -265,12 +265,7 @@ fn checksum(data: &serde_json::Value) -> String {
     hex::encode(Sha256::digest(data.to_string().as_bytes()))
 }
 
-/// This boot of the node, from the kernel; empty where it cannot be read.
-pub fn current_boot_id() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
-        .map(|s| s.trim().to_string())
-        .unwrap_or_default()
-}
+pub use crate::boot::current_boot_id;
 
 #[cfg(test)]
 mod tests {

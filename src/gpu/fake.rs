@@ -53,6 +53,21 @@ pub(super) struct FakeHardware {
     /// GPU UUID → its sharing mode, for GPUs not in `GpuSharingMode::Default`.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub sharing: BTreeMap<String, GpuSharingMode>,
+    /// The node's boot when this state was written: a reboot loses what a real GPU loses then.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub boot_id: String,
+}
+
+impl FakeHardware {
+    /// What a node reboot leaves of the GPUs' state: MIG mode (kept by the GPU across reboots), but no
+    /// MIG device made at run time, no sharing mode, and the profile's own MIG devices back.
+    fn after_reboot(self, boot_id: String) -> FakeHardware {
+        FakeHardware {
+            mig_enabled: self.mig_enabled,
+            boot_id,
+            ..FakeHardware::default()
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -173,6 +188,21 @@ impl FakeBackend {
                     source,
                 })
             }
+        };
+        let this_boot = crate::boot::current_boot_id();
+        let state = if state.boot_id.is_empty() || state.boot_id == this_boot {
+            FakeHardware {
+                boot_id: this_boot,
+                ..state
+            }
+        } else {
+            tracing::info!(
+                state = %path.display(),
+                "the fake GPUs' state is of an earlier boot: their MIG devices and sharing modes are gone, as after a reboot"
+            );
+            let state = state.after_reboot(this_boot);
+            self.store_hardware(&state)?;
+            state
         };
         *lock(&self.hardware) = state;
         Ok(())

@@ -372,3 +372,63 @@ mod device_file_tests {
         assert!(made.device_files.iter().all(|f| !Path::new(f).exists()));
     }
 }
+
+mod reboot_tests {
+    use crate::gpu::fake::FakeBackend;
+    use crate::gpu::fake_mig::mig_tests::request;
+    use crate::gpu::{GpuBackend, GpuSharingMode};
+
+    /// A node reboot (the state file written in another boot) loses the MIG devices made at run time
+    /// and the sharing modes, as real GPUs lose them, and keeps MIG mode; a restart in the same boot
+    /// keeps them all.
+    #[test]
+    fn state_of_an_earlier_boot_loses_mig_devices_and_sharing_but_not_mig_mode() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = dir.path().join("fake-gpu-state.json");
+        let backend = FakeBackend::with_state_file("n", "dgx-h100", Some(state.clone())).unwrap();
+        let gpus = backend.inventory().unwrap().gpus;
+        let made = backend
+            .create_mig(&request(&backend, "1g.10gb", 6))
+            .unwrap();
+        backend
+            .set_sharing(&gpus[2].uuid, &GpuSharingMode::ExclusiveProcess)
+            .unwrap();
+        drop(backend);
+
+        let restarted = FakeBackend::with_state_file("n", "dgx-h100", Some(state.clone())).unwrap();
+        let mig_uuids = |b: &FakeBackend| -> Vec<String> {
+            b.inventory().unwrap().gpus[0]
+                .mig
+                .as_ref()
+                .unwrap()
+                .instances
+                .iter()
+                .map(|i| i.uuid.clone())
+                .collect()
+        };
+        assert!(mig_uuids(&restarted).contains(&made.uuid));
+        assert_eq!(
+            restarted.sharing(&gpus[2].uuid).unwrap(),
+            GpuSharingMode::ExclusiveProcess
+        );
+        drop(restarted);
+
+        let mut written: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&state).unwrap()).unwrap();
+        assert_eq!(written["bootId"], crate::boot::current_boot_id());
+        written["bootId"] = "an-earlier-boot".into();
+        std::fs::write(&state, serde_json::to_vec(&written).unwrap()).unwrap();
+
+        let rebooted = FakeBackend::with_state_file("n", "dgx-h100", Some(state.clone())).unwrap();
+        assert!(!mig_uuids(&rebooted).contains(&made.uuid));
+        assert_eq!(
+            rebooted.sharing(&gpus[2].uuid).unwrap(),
+            GpuSharingMode::Default
+        );
+        let gpu0 = rebooted.inventory().unwrap().gpus[0].clone();
+        assert!(gpu0.mig.unwrap().enabled, "MIG mode survives a reboot");
+        let rewritten: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&state).unwrap()).unwrap();
+        assert_eq!(rewritten["bootId"], crate::boot::current_boot_id());
+    }
+}

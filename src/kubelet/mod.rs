@@ -14,4 +14,7 @@ pub use authority::LenientAuthority;
 pub use dra::{DraV1, DraV1beta1};
 pub use health::{DeviceHealthReport, HealthService};
 pub use registration::RegistrationService;
-pub use socket::{bind_private_socket, lenient_incoming, SocketError};
+pub use socket::{
+    bind_private_socket, lenient_incoming, socket_lost, SocketError, SocketFile,
+    SOCKET_CHECK_INTERVAL,
+};

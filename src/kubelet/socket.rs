@@ -1,8 +1,9 @@
 //! Unix sockets the kubelet dials: a stale file from a previous instance is replaced, and the socket is
 //! made accessible to its owner only (the kubelet runs as root), never to the world.
 
-use std::os::unix::fs::{FileTypeExt, PermissionsExt};
-use std::path::Path;
+use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use futures::{Stream, StreamExt};
 use thiserror::Error;
@@ -78,6 +79,46 @@ pub fn lenient_incoming(
 ) -> impl Stream<Item = std::io::Result<LenientAuthority<UnixStream>>> {
     super::accept::with_backoff(UnixListenerStream::new(listener))
         .map(|connection| Ok(LenientAuthority::new(connection)))
+}
+
+/// How often a served socket's file is looked at (`socket_lost`).
+pub const SOCKET_CHECK_INTERVAL: Duration = Duration::from_secs(2);
+
+/// The file a socket was bound as: device and inode, so that a new file at the same path is told apart.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SocketFile {
+    dev: u64,
+    ino: u64,
+}
+
+impl SocketFile {
+    /// The socket file now at `path`; `None` when there is none.
+    pub fn at(path: &Path) -> Option<SocketFile> {
+        let meta = std::fs::symlink_metadata(path).ok()?;
+        meta.file_type().is_socket().then(|| SocketFile {
+            dev: meta.dev(),
+            ino: meta.ino(),
+        })
+    }
+}
+
+/// Resolves, with what happened in words, once the file at `path` is no longer the socket `bound`:
+/// removed (a wiped plugin directory) or replaced (another instance bound it). The kubelet dials the
+/// path, so from then on it cannot reach the server behind `bound`, although the server runs on; the
+/// caller ends the server so that `/healthz` fails and the kubelet restarts the plugin.
+pub async fn socket_lost(path: PathBuf, bound: Option<SocketFile>, every: Duration) -> String {
+    loop {
+        tokio::time::sleep(every).await;
+        let now = SocketFile::at(&path);
+        if now != bound {
+            let what = if now.is_none() {
+                "removed"
+            } else {
+                "replaced by another"
+            };
+            return format!("socket {} was {what}", path.display());
+        }
+    }
 }
 
 /// Removes the socket file at `path` if it is one (used at shutdown).

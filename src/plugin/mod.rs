@@ -421,6 +421,7 @@ pub async fn start(
 
     let health = HealthService::new(health_rx, DEFAULT_HEALTH_TIMEOUT);
     let dra_listener = kubelet::bind_private_socket(&config.dra_socket())?;
+    let dra_socket_file = kubelet::SocketFile::at(&config.dra_socket());
     let dra_server = tonic::transport::Server::builder()
         .add_service(DraV1Server::new(DraV1::new(preparer.clone())))
         .add_service(DraV1beta1Server::new(DraV1beta1::new(preparer.clone())))
@@ -430,9 +431,24 @@ pub async fn start(
             kubelet::lenient_incoming(dra_listener),
             stopped(shutdown_rx.clone()),
         );
-    tasks.push(vital.spawn("dra-server", async move {
-        if let Err(error) = dra_server.await {
-            error!(%error, "DRA gRPC server failed");
+    let dra_socket_lost = kubelet::socket_lost(
+        config.dra_socket(),
+        dra_socket_file,
+        kubelet::SOCKET_CHECK_INTERVAL,
+    );
+    tasks.push(vital.spawn_explained("dra-server", async move {
+        tokio::select! {
+            served = dra_server => match served {
+                Ok(()) => "ended".to_string(),
+                Err(error) => {
+                    error!(%error, "DRA gRPC server failed");
+                    format!("failed: {error}")
+                }
+            },
+            lost = dra_socket_lost => {
+                error!(what = %lost, "the kubelet can no longer reach the DRA server");
+                lost
+            }
         }
     }));
     readiness.set_serving();
@@ -440,15 +456,30 @@ pub async fn start(
     let registration =
         RegistrationService::new(&config.driver_name, &config.dra_socket(), readiness.clone());
     let registration_listener = kubelet::bind_private_socket(&config.registration_socket())?;
+    let registration_socket_lost = kubelet::socket_lost(
+        config.registration_socket(),
+        kubelet::SocketFile::at(&config.registration_socket()),
+        kubelet::SOCKET_CHECK_INTERVAL,
+    );
     let registration_server = tonic::transport::Server::builder()
         .add_service(RegistrationServer::new(registration))
         .serve_with_incoming_shutdown(
             kubelet::lenient_incoming(registration_listener),
             stopped(shutdown_rx.clone()),
         );
-    tasks.push(vital.spawn("registration-server", async move {
-        if let Err(error) = registration_server.await {
-            error!(%error, "registration gRPC server failed");
+    tasks.push(vital.spawn_explained("registration-server", async move {
+        tokio::select! {
+            served = registration_server => match served {
+                Ok(()) => "ended".to_string(),
+                Err(error) => {
+                    error!(%error, "registration gRPC server failed");
+                    format!("failed: {error}")
+                }
+            },
+            lost = registration_socket_lost => {
+                error!(what = %lost, "the kubelet can no longer reach the registration server");
+                lost
+            }
         }
     }));
 

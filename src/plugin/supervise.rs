@@ -35,6 +35,18 @@ impl Vital {
         name: &'static str,
         task: impl Future<Output = ()> + Send + 'static,
     ) -> JoinHandle<()> {
+        self.spawn_explained(name, async move {
+            task.await;
+            "ended".to_string()
+        })
+    }
+
+    /// Like `spawn`, for a task that says why it ended (shown by `/healthz`).
+    pub(super) fn spawn_explained(
+        &mut self,
+        name: &'static str,
+        task: impl Future<Output = String> + Send + 'static,
+    ) -> JoinHandle<()> {
         let mut guard = StopGuard {
             task: name,
             why: None,
@@ -45,7 +57,7 @@ impl Vital {
             // A panic is caught here rather than by tokio, so that its message reaches /healthz.
             let outcome = AssertUnwindSafe(task).catch_unwind().await;
             guard.stopped_because(match outcome {
-                Ok(()) => "ended".to_string(),
+                Ok(why) => why,
                 Err(panic) => format!("panicked: {}", panic_message(panic.as_ref())),
             });
         });

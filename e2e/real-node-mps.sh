@@ -40,6 +40,8 @@ check "image imported as gpu-dra:dev and gpu-dra:dev2" \
 h "install from deploy/ (fake overlay on the host network)"
 kubectl apply -f crd/ >/dev/null
 kubectl label node node-1 gpu-dra.dev/fake=true --overwrite >/dev/null
+# e2e/real-node reads the node's boot id from a file beside the fake GPUs' state (e2e/day-two.sh changes it).
+mkdir -p /var/lib/gpu-dra && [ -s /var/lib/gpu-dra/boot_id ] || cat /proc/sys/kernel/random/boot_id > /var/lib/gpu-dra/boot_id
 kubectl apply -k e2e/real-node >/dev/null
 check "plugin Pod Ready" plugin_ready
 # PID 1 of the plugin's container is the reaper (src/plugin/reaper.rs), the plugin its only child, which

@@ -1,0 +1,371 @@
+#!/usr/bin/env bash
+# Day two on the real node of ../shared/realk8s/node, with gpu-dra installed by e2e/real-node-install.sh
+# (the DaemonSet of deploy/overlays/fake from an image, on the host network). One step per argument, in
+# this order when none is given:
+#   upgrade          a new image while pods hold a whole GPU, a dynamic MIG device, a time-sliced GPU and
+#                    an MPS claim: they keep running, nothing is lost or leaked, no slice is rewritten,
+#                    and each unprepares after it
+#   burst            20 pods at once, the plugin's container killed while they prepare: all end Running
+#                    with their device; deleting them leaves nothing behind
+#   kubelet-restart  the plugin is registered again without a restart of its own; pods keep their
+#                    devices; a new pod gets one
+#   probes           a registration socket removed under the plugin: /healthz fails, the kubelet's
+#                    liveness probe restarts it; /readyz is false until it serves, is registered and has
+#                    published
+#   reboot           kubelet, containerd and the plugin stopped, /var/run/cdi emptied, the MPS tmpfs gone,
+#                    a new boot id (the BOOT_ID_FILE of e2e/real-node), all started again: the pods the
+#                    kubelet restarts get their devices (their MIG device made again), nothing stale left
+#   uninstall        kubectl delete -k: the kubelet wipes the slices 30 s later, running pods keep their
+#                    devices and CDI specs; a reinstall unprepares them when they go; then a full uninstall
+#
+#   KUBECONFIG=/tmp/k8s/admin.kubeconfig e2e/day-two.sh [STEP...]      (as root, from the project root)
+#
+# Each check prints PASS or FAIL; the exit status is the number of failures.
+set -uo pipefail
+: "${KUBECONFIG:?set KUBECONFIG to the admin kubeconfig of the real cluster}"
+export KUBECONFIG
+cd "$(dirname "$0")/.."
+REALK8S=${REALK8S:-../shared/realk8s}
+STATE=${NODE_STATE_DIR:-/tmp/gpu-dra-node}
+NODE=${NODE_NAME:-node-1}
+N=gpu-dra-day-two
+PLUGIN_DIR=/var/lib/kubelet/plugins/gpu.dra.dev
+REG_SOCKET=/var/lib/kubelet/plugins_registry/gpu.dra.dev-reg.sock
+CHECKPOINT=$PLUGIN_DIR/checkpoint.json
+FAKE_STATE=/var/lib/gpu-dra/fake-state.json
+BOOT_ID=/var/lib/gpu-dra/boot_id
+CDI=/var/run/cdi
+HTTP=http://127.0.0.1:8080
+SEL=app.kubernetes.io/component=kubelet-plugin
+failures=0
+ok() { echo "PASS $*"; }
+bad() { echo "FAIL $*"; failures=$((failures + 1)); }
+check() { local what=$1; shift; if "$@"; then ok "$what"; else bad "$what"; fi; }
+h() { echo "----- $*"; }
+waitfor() { local deadline=$((SECONDS + $1)); shift; until "$@"; do [ $SECONDS -lt $deadline ] || return 1; sleep 1; done; }
+
+# What the node holds for the driver.
+specs() { (cd $CDI && ls k8s.gpu.dra.dev-gpu_*.json 2>/dev/null | sed 's/^k8s.gpu.dra.dev-gpu_//; s/\.json$//' | sort); }
+spec_sums() { (cd $CDI && md5sum k8s.gpu.dra.dev-gpu_*.json 2>/dev/null | sort); }
+checkpointed() { jq -r '.data.claims // {} | keys[]' $CHECKPOINT 2>/dev/null | sort; }
+fake_migs() { jq -r '[.created // {} | .[][] | .uuid] | .[]' $FAKE_STATE 2>/dev/null | sort; }
+mps_pods() { kubectl get pods -n gpu-dra -o name 2>/dev/null | grep 'gpu-dra-mps-' | sort; }
+mps_pod_uids() { kubectl get pods -n gpu-dra -o jsonpath='{range .items[*]}{.metadata.name}/{.metadata.uid}{"\n"}{end}' | grep '^gpu-dra-mps-' | sort; }
+slice_versions() { kubectl get resourceslices --field-selector "spec.driver=gpu.dra.dev,spec.nodeName=$NODE" -o jsonpath='{range .items[*]}{.metadata.name}={.metadata.resourceVersion}{"\n"}{end}' | sort; }
+slice_count() { slice_versions | grep -c .; }
+nothing_for_the_driver() { [ -z "$(specs)" ] && [ -z "$(checkpointed)" ] && [ -z "$(fake_migs)" ] && [ -z "$(mps_pods)" ]; }
+leftovers() { echo "specs: $(specs | wc -l), checkpointed: $(checkpointed | wc -l), fake MIG devices: $(fake_migs | wc -l), MPS daemon Pods: $(mps_pods | wc -l)"; }
+# The plugin.
+plugin_pod() { kubectl get pod -n gpu-dra -l $SEL -o jsonpath='{.items[0].metadata.name}' 2>/dev/null; }
+plugin_identity() { kubectl get pod -n gpu-dra -l $SEL -o jsonpath='{.items[0].metadata.uid}/{.items[0].status.containerStatuses[0].restartCount}' 2>/dev/null; }
+plugin_restarts() { kubectl get pod -n gpu-dra -l $SEL -o jsonpath='{.items[0].status.containerStatuses[0].restartCount}' 2>/dev/null; }
+plugin_ready() { kubectl wait -n gpu-dra --for=condition=Ready pod -l $SEL --timeout="${1:-120}s" >/dev/null 2>&1; }
+registrations() { grep -c "\"Registered DRA plugin\".*driverName=\"gpu.dra.dev\"" "$STATE/logs/kubelet.log"; }
+# The container's PID 1 (the reaper of src/plugin/reaper.rs) seen from the host.
+plugin_pid1() {
+  local pid
+  for pid in $(pgrep -f '^gpu-dra plugin'); do
+    [ "$(awk '/^NSpid:/ {print $NF}' /proc/$pid/status 2>/dev/null)" = 1 ] && { echo "$pid"; return; }
+  done
+}
+# Workloads.
+phase() { kubectl get pod -n $N "$1" -o jsonpath='{.status.phase}' 2>/dev/null; }
+restarts() { kubectl get pod -n $N "$1" -o jsonpath='{.status.containerStatuses[0].restartCount}' 2>/dev/null; }
+claim_uid() { kubectl get resourceclaim -n $N "$1" -o jsonpath='{.metadata.uid}' 2>/dev/null; }
+pod_claim_uid() { claim_uid "$(kubectl get pod -n $N "$1" -o jsonpath='{.status.resourceClaimStatuses[0].resourceClaimName}' 2>/dev/null)"; }
+has_device() { kubectl logs -n $N "$1" 2>/dev/null | grep -q '^GPU_DRA_DEVICE_'; }
+busybox_pod() { # name, claim source (resourceClaimName: x | resourceClaimTemplateName: x)
+  cat <<EOF
+apiVersion: v1
+kind: Pod
+metadata:
+  name: $1
+  namespace: $N
+spec:
+  terminationGracePeriodSeconds: 1
+  containers:
+    - name: c
+      image: localhost/busybox:local
+      imagePullPolicy: Never
+      command: ["sh", "-c", "env | grep ^GPU_DRA_ | sort; sleep 3600"]
+      resources: {claims: [{name: gpu}]}
+  resourceClaims:
+    - name: gpu
+      $2
+---
+EOF
+}
+claim() { # name, class, extra spec lines under the request / config (already indented)
+  cat <<EOF
+apiVersion: resource.k8s.io/v1
+kind: ResourceClaim
+metadata:
+  name: $1
+  namespace: $N
+spec:
+  devices:
+    requests:
+      - name: gpu
+        exactly:
+          deviceClassName: $2
+$3
+---
+EOF
+}
+MIG_SELECTOR="          selectors: [{cel: {expression: \"device.attributes['gpu.dra.dev'].profile == '1g.10gb'\"}}]"
+sharing() { # strategy, its config
+  printf '    config:\n      - opaque:\n          driver: gpu.dra.dev\n          parameters:\n            apiVersion: gpu.dra.dev/v1alpha1\n            kind: GpuConfig\n            sharing:\n              strategy: %s\n              %s\n' "$1" "$2"
+}
+one_mig_template() {
+  cat <<EOF
+apiVersion: resource.k8s.io/v1
+kind: ResourceClaimTemplate
+metadata:
+  name: one-mig
+  namespace: $N
+spec:
+  spec:
+    devices:
+      requests:
+        - name: gpu
+          exactly:
+            deviceClassName: mig.gpu.dra.dev
+            selectors: [{cel: {expression: "device.attributes['gpu.dra.dev'].profile == '1g.10gb'"}}]
+---
+apiVersion: resource.k8s.io/v1
+kind: ResourceClaimTemplate
+metadata:
+  name: one-gpu
+  namespace: $N
+spec:
+  spec:
+    devices:
+      requests:
+        - name: gpu
+          exactly: {deviceClassName: gpu.dra.dev}
+---
+EOF
+}
+fresh_namespace() {
+  kubectl delete namespace $N --ignore-not-found --wait=true --timeout=120s >/dev/null 2>&1
+  kubectl create namespace $N >/dev/null
+  one_mig_template | kubectl apply -f - >/dev/null
+}
+delete_all_and_check_clean() { # what
+  kubectl delete pods -n $N --all --wait=true --timeout=120s >/dev/null 2>&1
+  kubectl delete resourceclaims -n $N --all --wait=true --timeout=60s >/dev/null 2>&1
+  waitfor 90 nothing_for_the_driver
+  check "$1: after deleting them nothing is left ($(leftovers))" nothing_for_the_driver
+}
+
+step_upgrade() {
+  h "upgrade: a new image while pods hold a whole GPU, a dynamic MIG device, a time-sliced GPU and an MPS claim"
+  fresh_namespace
+  {
+    claim whole gpu.dra.dev ""
+    claim mig mig.gpu.dra.dev "$MIG_SELECTOR"
+    claim time-sliced gpu.dra.dev "$(sharing TimeSlicing 'timeSlicingConfig: {interval: Long}')"
+    claim mps gpu.dra.dev "$(sharing MPS 'mpsConfig: {defaultActiveThreadPercentage: 40}')"
+    for c in whole mig time-sliced mps; do busybox_pod "$c" "resourceClaimName: $c"; done
+  } | kubectl apply -f - >/dev/null
+  kubectl wait -n $N --for=condition=Ready pod --all --timeout=120s >/dev/null 2>&1
+  kubectl get pods -n $N -o wide
+  for c in whole mig time-sliced mps; do
+    check "$c: Running with its device" bash -c "[ '$(phase $c)' = Running ] && kubectl logs -n $N $c | grep -q ^GPU_DRA_DEVICE_"
+  done
+  local before_specs before_ckpt before_migs before_mps before_slices before_pods
+  before_specs=$(spec_sums); before_ckpt=$(checkpointed); before_migs=$(fake_migs); before_mps=$(mps_pod_uids)
+  before_slices=$(slice_versions)
+  before_pods=$(kubectl get pods -n $N -o jsonpath='{range .items[*]}{.metadata.name}/{.metadata.uid}/{.status.containerStatuses[0].restartCount}{"\n"}{end}')
+  echo "before: $(leftovers), slices: $(slice_count)"
+  local old; old=$(plugin_pod)
+  kubectl set image -n gpu-dra daemonset/gpu-dra-plugin plugin=gpu-dra:dev2 >/dev/null
+  kubectl rollout status -n gpu-dra daemonset/gpu-dra-plugin --timeout=180s >/dev/null
+  plugin_ready
+  check "plugin Pod replaced ($old -> $(plugin_pod)), image gpu-dra:dev2, Ready" bash -c \
+    "[ '$(plugin_pod)' != '$old' ] && kubectl get pod -n gpu-dra $(plugin_pod) -o jsonpath='{.spec.containers[0].image}' | grep -q ':dev2$'"
+  sleep 15 # three rescans of the new plugin
+  echo "after:  $(leftovers), slices: $(slice_count)"
+  check "the pods kept running, no container restarted" test "$(kubectl get pods -n $N -o jsonpath='{range .items[*]}{.metadata.name}/{.metadata.uid}/{.status.containerStatuses[0].restartCount}{"\n"}{end}')" = "$before_pods"
+  check "every CDI spec is there, unchanged" test "$(spec_sums)" = "$before_specs"
+  check "every checkpoint entry is there" test "$(checkpointed)" = "$before_ckpt"
+  check "the MIG device is there, the only one" test "$(fake_migs)" = "$before_migs"
+  check "the MPS daemon Pod is the same Pod" test "$(mps_pod_uids)" = "$before_mps"
+  check "no slice rewritten (resourceVersions unchanged)" test "$(slice_versions)" = "$before_slices"
+  check "pods still use their devices" bash -c "kubectl exec -n $N mps -- ls /dev/shm/cuda.shm.mps-stand-in >/dev/null && kubectl exec -n $N mig -- sh -c 'ls /dev/nvidia-caps/' | grep -q nvidia-cap"
+  local c uid
+  for c in whole mig time-sliced mps; do
+    uid=$(claim_uid $c)
+    kubectl delete pod -n $N $c --wait=true --timeout=60s >/dev/null
+    waitfor 30 bash -c "! ls $CDI/k8s.gpu.dra.dev-gpu_$uid.json >/dev/null 2>&1"
+    check "$c: unprepared after the upgrade (CDI spec removed, kubelet: NodeUnprepareResources ok)" bash -c \
+      "! ls $CDI/k8s.gpu.dra.dev-gpu_$uid.json >/dev/null 2>&1 && grep -qE 'Done calling NodeUnprepareResources rpc.*$uid.*err=null' $STATE/logs/kubelet.log"
+  done
+  delete_all_and_check_clean "upgrade"
+}
+
+step_burst() {
+  h "crash mid-burst: 20 pods at once, the plugin's container killed while they prepare"
+  fresh_namespace
+  local before; before=$(plugin_restarts)
+  for i in $(seq -w 1 20); do busybox_pod "burst-$i" "resourceClaimTemplateName: one-mig"; done | kubectl apply -f - >/dev/null
+  local deadline=$((SECONDS + 60)) prepared=0
+  while [ $SECONDS -lt $deadline ]; do
+    prepared=$(specs | wc -l)
+    [ "$prepared" -ge 1 ] && break
+    sleep 0.1
+  done
+  local pid; pid=$(plugin_pid1)
+  kill -9 "$pid"
+  echo "killed the plugin's container (PID 1 on the host: $pid) with $prepared of 20 claims prepared"
+  check "the kill landed mid-burst ($prepared of 20 prepared)" test "$prepared" -ge 1 -a "$prepared" -lt 20
+  waitfor 60 bash -c "[ \"\$(kubectl get pod -n gpu-dra -l $SEL -o jsonpath='{.items[0].status.containerStatuses[0].restartCount}')\" -gt $before ]"
+  check "the kubelet restarted the plugin's container" test "$(plugin_restarts)" -gt "$before"
+  kubectl wait -n $N --for=condition=Ready pod --all --timeout=300s >/dev/null 2>&1
+  local running with_device
+  running=$(kubectl get pods -n $N --field-selector=status.phase=Running -o name | wc -l)
+  with_device=0
+  for i in $(seq -w 1 20); do has_device "burst-$i" && with_device=$((with_device + 1)); done
+  check "all 20 pods Running ($running)" test "$running" = 20
+  check "all 20 with their device ($with_device)" test "$with_device" = 20
+  echo "$(leftovers)"
+  check "20 MIG devices made, one per claim, none leaked ($(fake_migs | wc -l))" test "$(fake_migs | wc -l)" = 20
+  check "20 claims prepared and checkpointed" bash -c "[ $(specs | wc -l) = 20 ] && [ $(checkpointed | wc -l) = 20 ]"
+  delete_all_and_check_clean "burst"
+}
+
+step_kubelet_restart() {
+  h "kubelet restart"
+  fresh_namespace
+  busybox_pod before "resourceClaimTemplateName: one-gpu" | kubectl apply -f - >/dev/null
+  kubectl wait -n $N --for=condition=Ready pod/before --timeout=90s >/dev/null 2>&1
+  local plugin regs pid cmdline uid
+  plugin=$(plugin_identity); regs=$(registrations); uid=$(pod_claim_uid before)
+  pid=$(cat "$STATE/pids/kubelet.pid")
+  mapfile -d '' cmdline < "/proc/$pid/cmdline"
+  kill "$pid"; waitfor 30 bash -c "! kill -0 $pid 2>/dev/null"
+  echo "kubelet (pid $pid) stopped; starting it again"
+  nohup "${cmdline[@]}" >> "$STATE/logs/kubelet.log" 2>&1 < /dev/null &
+  echo $! > "$STATE/pids/kubelet.pid"
+  waitfor 60 bash -c "[ \$(grep -c '\"Registered DRA plugin\".*driverName=\"gpu.dra.dev\"' $STATE/logs/kubelet.log) -gt $regs ]"
+  check "the kubelet registered the plugin again" test "$(registrations)" -gt "$regs"
+  check "the plugin did not restart ($plugin)" test "$(plugin_identity)" = "$plugin"
+  check "the running pod kept its device (Running, no restart, CDI spec there)" bash -c \
+    "[ '$(phase before)' = Running ] && [ '$(restarts before)' = 0 ] && [ -e $CDI/k8s.gpu.dra.dev-gpu_$uid.json ]"
+  busybox_pod after "resourceClaimTemplateName: one-gpu" | kubectl apply -f - >/dev/null
+  kubectl wait -n $N --for=condition=Ready pod/after --timeout=90s >/dev/null 2>&1
+  check "a new pod gets a GPU" bash -c "[ '$(phase after)' = Running ] && kubectl logs -n $N after | grep -q ^GPU_DRA_DEVICE_"
+  delete_all_and_check_clean "kubelet restart"
+}
+
+step_probes() {
+  h "probes: the registration socket removed under the plugin"
+  plugin_ready
+  local before; before=$(plugin_restarts)
+  check "/healthz ok" bash -c "curl -sf $HTTP/healthz | grep -qx ok"
+  check "/readyz ready" bash -c "curl -sf $HTTP/readyz | grep -qx ready"
+  rm -f "$REG_SOCKET"
+  waitfor 10 bash -c "[ \"\$(curl -s -o /dev/null -w '%{http_code}' $HTTP/healthz)\" = 503 ]"
+  local said; said=$(curl -s $HTTP/healthz)
+  echo "/healthz: $said"
+  check "/healthz fails and names the socket" grep -q "registration-server stopped (socket $REG_SOCKET was removed)" <<<"$said"
+  # The liveness probe (every 30 s, 3 failures) restarts the container; sample /readyz and the Pod's
+  # Ready condition until it is Ready again.
+  local samples; samples=$(mktemp)
+  local deadline=$((SECONDS + 180))
+  while [ $SECONDS -lt $deadline ]; do
+    local r; r=$(kubectl get pod -n gpu-dra -l $SEL -o jsonpath='{.items[0].status.conditions[?(@.type=="Ready")].status}')
+    echo "$(plugin_restarts) $r $(curl -s -m 1 $HTTP/readyz | head -1 || echo down)" >> "$samples"
+    [ "$(plugin_restarts)" -gt "$before" ] && [ "$r" = True ] && break
+    sleep 0.3
+  done
+  check "the kubelet's liveness probe restarted the plugin (restarts $before -> $(plugin_restarts))" test "$(plugin_restarts)" -gt "$before"
+  check "Event: Liveness probe failed" bash -c "kubectl get events -n gpu-dra --field-selector reason=Unhealthy -o jsonpath='{.items[*].message}' | grep -q 'Liveness probe failed'"
+  echo "readiness after the restart (restarts, Ready, /readyz): $(grep "^$((before + 1)) " "$samples" | cut -c1-160 | uniq | tr '\n' '|')"
+  check "/readyz said not ready (and why) before the new container was ready" grep -q "^$((before + 1)) .*not ready" "$samples"
+  check "the Pod was never Ready while /readyz said not ready" bash -c "! grep -q '^[0-9]* True not ready' '$samples'"
+  check "registered again: the socket is back" test -S "$REG_SOCKET"
+  rm -f "$samples"
+}
+
+step_reboot() {
+  h "node reboot"
+  fresh_namespace
+  {
+    busybox_pod whole "resourceClaimTemplateName: one-gpu"
+    busybox_pod mig "resourceClaimTemplateName: one-mig"
+  } | kubectl apply -f - >/dev/null
+  kubectl wait -n $N --for=condition=Ready pod --all --timeout=90s >/dev/null 2>&1
+  local whole mig old_mig old_boot
+  whole=$(pod_claim_uid whole); mig=$(pod_claim_uid mig); old_mig=$(fake_migs); old_boot=$(cat $BOOT_ID)
+  echo "before: $(leftovers); MIG device $old_mig"
+  "$REALK8S/node/down-node.sh" "$STATE"
+  # What a reboot does to the node: tmpfs gone (/var/run/cdi, the MPS claims' /dev/shm), a new boot id.
+  rm -f $CDI/*
+  for m in $(awk '$5 ~ "^/var/lib/kubelet/plugins/gpu.dra.dev/" {print $5}' /proc/self/mountinfo); do umount "$m"; done
+  cat /proc/sys/kernel/random/uuid > $BOOT_ID
+  echo "stopped; /var/run/cdi emptied; boot id $old_boot -> $(cat $BOOT_ID); starting the node again"
+  "$REALK8S/node/up-node.sh" "$KUBECONFIG" "$STATE" > "$STATE/logs/up-node-reboot.log" 2>&1 || tail -5 "$STATE/logs/up-node-reboot.log"
+  plugin_ready 180
+  check "plugin Ready after the reboot" plugin_ready 5
+  kubectl wait -n $N --for=condition=Ready pod --all --timeout=240s >/dev/null 2>&1
+  kubectl get pods -n $N -o wide
+  check "whole: Running with its device again" bash -c "[ '$(phase whole)' = Running ] && kubectl logs -n $N whole | grep -q ^GPU_DRA_DEVICE_"
+  check "mig: Running with its device again" bash -c "[ '$(phase mig)' = Running ] && kubectl logs -n $N mig | grep -q ^GPU_DRA_DEVICE_"
+  echo "after: $(leftovers); MIG device $(fake_migs)"
+  check "their CDI specs written again, and no other" test "$(specs)" = "$(printf '%s\n' "$whole" "$mig" | sort)"
+  check "the checkpoint holds these two claims, of this boot" bash -c \
+    "[ \"\$(jq -r .data.bootId $CHECKPOINT)\" = '$(cat $BOOT_ID)' ] && [ '$(checkpointed | tr '\n' ' ')' = '$(printf '%s\n' "$whole" "$mig" | sort | tr '\n' ' ')' ]"
+  check "one MIG device, made again in this boot (the old one went with the reboot)" bash -c \
+    "[ $(fake_migs | wc -l) = 1 ] && [ '$(fake_migs)' != '$old_mig' ]"
+  delete_all_and_check_clean "reboot"
+}
+
+step_uninstall() {
+  h "uninstall: kubectl delete -k while a pod holds a GPU"
+  fresh_namespace
+  busybox_pod holder "resourceClaimTemplateName: one-gpu" | kubectl apply -f - >/dev/null
+  kubectl wait -n $N --for=condition=Ready pod/holder --timeout=90s >/dev/null 2>&1
+  local uid; uid=$(pod_claim_uid holder)
+  kubectl delete -k e2e/real-node --wait=true --timeout=120s >/dev/null 2>&1
+  check "the plugin is gone, its sockets removed" bash -c "[ -z '$(plugin_pod)' ] && [ ! -e $REG_SOCKET ] && [ ! -e $PLUGIN_DIR/dra.sock ]"
+  local gone_at=$SECONDS
+  check "slices still there right after (the kubelet waits 30 s: an upgrade must not lose them)" test "$(slice_count)" -gt 0
+  waitfor 90 bash -c "[ -z \"\$(kubectl get resourceslices --field-selector spec.driver=gpu.dra.dev -o name)\" ]"
+  check "no slice of the driver lingers: the kubelet wiped them ($((SECONDS - gone_at)) s after)" test "$(slice_count)" = 0
+  check "the running pod keeps its GPU and its CDI spec" bash -c \
+    "[ '$(phase holder)' = Running ] && [ '$(restarts holder)' = 0 ] && [ -e $CDI/k8s.gpu.dra.dev-gpu_$uid.json ]"
+  check "the checkpoint keeps the prepared claim for a reinstall" grep -q "$uid" <<<"$(checkpointed)"
+  h "reinstall, then the pod goes"
+  kubectl apply -k e2e/real-node >/dev/null
+  plugin_ready 120
+  check "plugin Ready again, slices published" bash -c "[ $(slice_count) -gt 0 ]"
+  delete_all_and_check_clean "reinstall"
+  h "uninstall with nothing prepared"
+  kubectl delete namespace $N --wait=true --timeout=120s >/dev/null 2>&1
+  kubectl delete -k e2e/real-node --wait=true --timeout=120s >/dev/null 2>&1
+  waitfor 90 bash -c "[ -z \"\$(kubectl get resourceslices --field-selector spec.driver=gpu.dra.dev -o name)\" ]"
+  check "no slice, no DeviceClass, no namespace of the driver left" bash -c \
+    "[ $(slice_count) = 0 ] && ! kubectl get deviceclass gpu.dra.dev >/dev/null 2>&1 && ! kubectl get namespace gpu-dra >/dev/null 2>&1"
+  echo "left on the node: $(ls -A $PLUGIN_DIR 2>/dev/null | tr '\n' ' ')| CDI specs: $(specs | wc -l)"
+  check "no CDI spec and no socket left; the plugin directory holds only its state files" bash -c \
+    "[ -z \"\$(ls $CDI/k8s.gpu.dra.dev-* 2>/dev/null)\" ] && [ -z \"\$(find $PLUGIN_DIR /var/lib/kubelet/plugins_registry -type s 2>/dev/null)\" ]"
+}
+
+# The workloads' busybox, imported by up-node.sh; the kubelet's image GC removes it under disk pressure.
+BIN_DIR=${KUBE_BIN_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/gpu-dra-realk8s/bin}
+"$BIN_DIR/ctr" -n k8s.io images ls -q | grep -qx localhost/busybox:local ||
+  "$BIN_DIR/ctr" -n k8s.io images import --local "${XDG_CACHE_HOME:-$HOME/.cache}/gpu-dra-realk8s/images/busybox.tar" >/dev/null
+kubectl get daemonset -n gpu-dra gpu-dra-plugin >/dev/null 2>&1 || { echo "day-two.sh: gpu-dra is not installed (e2e/real-node-install.sh)" >&2; exit 1; }
+
+steps=("$@")
+[ ${#steps[@]} -gt 0 ] || steps=(upgrade burst kubelet-restart probes reboot uninstall)
+for s in "${steps[@]}"; do
+  case $s in
+    upgrade | burst | kubelet-restart | probes | reboot | uninstall) "step_${s//-/_}" ;;
+    *) echo "day-two.sh: no step $s (upgrade burst kubelet-restart probes reboot uninstall)" >&2; exit 64 ;;
+  esac
+done
+kubectl delete namespace $N --ignore-not-found --wait=false >/dev/null 2>&1
+echo "failures: $failures"
+exit $failures

@@ -225,7 +225,11 @@ step_burst() {
   local running with_device
   running=$(kubectl get pods -n $N --field-selector=status.phase=Running -o name | wc -l)
   with_device=0
-  for i in $(seq -w 1 20); do has_device "burst-$i" && with_device=$((with_device + 1)); done
+  for i in $(seq -w 1 20); do
+    if waitfor 10 has_device "burst-$i"; then with_device=$((with_device + 1)); else
+      echo "burst-$i has no device: $(kubectl logs -n $N "burst-$i" 2>&1 | head -3 | tr '\n' ' ')"
+    fi
+  done
   check "all 20 pods Running ($running)" test "$running" = 20
   check "all 20 with their device ($with_device)" test "$with_device" = 20
   echo "$(leftovers)"
@@ -354,7 +358,7 @@ step_uninstall() {
 
 # The workloads' busybox, imported by up-node.sh; the kubelet's image GC removes it under disk pressure.
 BIN_DIR=${KUBE_BIN_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/gpu-dra-realk8s/bin}
-"$BIN_DIR/ctr" -n k8s.io images ls -q | grep -qx localhost/busybox:local ||
+"$BIN_DIR/ctr" -n k8s.io images ls -q 2>/dev/null | grep -qx localhost/busybox:local 2>/dev/null ||
   "$BIN_DIR/ctr" -n k8s.io images import --local "${XDG_CACHE_HOME:-$HOME/.cache}/gpu-dra-realk8s/images/busybox.tar" >/dev/null
 kubectl get daemonset -n gpu-dra gpu-dra-plugin >/dev/null 2>&1 || { echo "day-two.sh: gpu-dra is not installed (e2e/real-node-install.sh)" >&2; exit 1; }
 

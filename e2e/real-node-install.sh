@@ -44,7 +44,7 @@ e2e/image.sh "${GPU_DRA_BINARY:-target/release/gpu-dra}" gpu-dra:dev target/gpu-
 # The upgrade of e2e/day-two.sh: a second tag of the same build.
 "$BIN_DIR/ctr" -n k8s.io images tag --force docker.io/library/gpu-dra:dev docker.io/library/gpu-dra:dev2 >/dev/null
 # The workloads' busybox, imported by up-node.sh; the kubelet's image GC removes it under disk pressure.
-"$BIN_DIR/ctr" -n k8s.io images ls -q | grep -qx localhost/busybox:local ||
+"$BIN_DIR/ctr" -n k8s.io images ls -q 2>/dev/null | grep -qx localhost/busybox:local ||
   "$BIN_DIR/ctr" -n k8s.io images import --local "${XDG_CACHE_HOME:-$HOME/.cache}/gpu-dra-realk8s/images/busybox.tar" >/dev/null
 check "image imported into containerd as gpu-dra:dev (and :dev2)" \
   bash -c "'$BIN_DIR/ctr' -n k8s.io images ls -q | grep -qx 'docker.io/library/gpu-dra:dev2'"

@@ -214,6 +214,24 @@ fn the_fake_values_render_the_fake_overlay() {
 }
 
 #[test]
+fn a_fake_profile_of_ones_own_renders_like_a_patched_configmap() {
+    let profile =
+        "name: one-a100\ngpus:\n  - productName: NVIDIA A100-SXM4-40GB\n    migCapable: true\n";
+    let quoted = Value::from(profile).to_string();
+    assert_same(
+        "fake.profile",
+        &helm(Some(FAKE_VALUES), &json!({"fake": {"profile": profile}})),
+        &kustomize(&format!(
+            "{FAKE}patches:
+  - target: {{kind: ConfigMap, name: gpu-dra-fake-profile}}
+    patch: |-
+      - {{op: replace, path: /data/profile.yaml, value: {quoted}}}
+"
+        )),
+    );
+}
+
+#[test]
 fn the_extended_resource_renders_the_component() {
     let on = json!({"extendedResource": {"enabled": true}});
     assert_same(

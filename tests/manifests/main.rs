@@ -2,12 +2,14 @@
 //! every object must survive a round trip through its `k8s-openapi` type without losing a key (so a
 //! misspelled or misplaced field fails), and the plugin's DaemonSet must mount and know what it needs.
 //! `rbac` checks the plugin's grants against the calls in `src/`, `admission` the policies that narrow
-//! its writes, `config_admission` the policy that refuses malformed device configs in users' claims.
+//! its writes, `config_admission` the policy that refuses malformed device configs in users' claims,
+//! `helm_chart` that the Helm chart in `deploy/helm/` renders what kustomize renders.
 
 mod admission;
 mod cel_env;
 mod config_admission;
 mod extended_resource;
+mod helm_chart;
 mod mps_pod_admission;
 mod node_admission;
 mod rbac;
@@ -224,6 +226,9 @@ fn manifests() -> (Vec<Doc>, Vec<Doc>) {
     yaml_files(&root().join("deploy"), &mut files);
     yaml_files(&root().join("e2e/workloads"), &mut files);
     yaml_files(&root().join("examples"), &mut files);
+    // The Helm chart's templates are YAML only once Helm has rendered them: helm_chart checks what they
+    // render against kustomize's render of the files here.
+    files.retain(|f| !f.starts_with(root().join("deploy/helm")));
     files.sort();
     let patches = patch_files(&files);
     let configurations = configuration_files(&files);

@@ -1,0 +1,515 @@
+//! The Helm chart in `deploy/helm/gpu-dra` is kustomize's `deploy/` in another form: for the same settings
+//! both must render the same objects (kind, namespace, name and every field), so that neither drifts from
+//! the other. The chart is rendered by Helm's own engine (Helm v4's Go SDK through the Python package
+//! helm-python-sdk, `helm_render.py`), kustomize by `kubectl kustomize`; both are needed, and a missing one
+//! fails the test with how to install it. Every rendered object also goes through `check_strict`.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::{Command, Output};
+
+use k8s_openapi::api::apps::v1::DaemonSet;
+use serde_json::{json, Value};
+
+use super::{check_strict, kustomize_dir, lost_keys, parse_docs, read_docs, root, Doc};
+
+const CHART: &str = "deploy/helm/gpu-dra";
+const FAKE_VALUES: &str = "deploy/helm/fake-values.yaml";
+const RENDER: &str = "tests/manifests/helm_render.py";
+const NVML: &str = "resources: [../../deploy/overlays/nvml]\n";
+const FAKE: &str = "resources: [../../deploy/overlays/fake]\n";
+/// Kinds without a namespace. kustomize's `namespace:` sets one on those whose schema it lacks
+/// (ValidatingAdmissionPolicy, its binding, DeviceClass); the API server has none for them.
+const CLUSTER_SCOPED: [&str; 6] = [
+    "Namespace",
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "ValidatingAdmissionPolicy",
+    "ValidatingAdmissionPolicyBinding",
+    "DeviceClass",
+];
+
+/// Runs `helm_render.py` with `args`; panics, saying how to install it, when python3 or the engine is
+/// missing.
+fn helm_render(python_flags: &[&str], args: &[&str]) -> Output {
+    let output = Command::new("python3")
+        .args(python_flags)
+        .arg(root().join(RENDER))
+        .args(args)
+        .current_dir(root())
+        .output();
+    match output {
+        Ok(output) => output,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => panic!(
+            "python3 is not installed: the Helm chart is rendered by Helm's engine through Python \
+             (tests/manifests/helm_render.py). Install Python 3.10 or later, then \
+             `python3 -m pip install $(python3 {RENDER} requirement)`"
+        ),
+        Err(e) => panic!("cannot run python3 {RENDER}: {e}"),
+    }
+}
+
+fn helm_ok(args: &[&str]) -> String {
+    let output = helm_render(&[], args);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "python3 {RENDER} {}: {stderr}",
+        args.join(" ")
+    );
+    String::from_utf8(output.stdout).unwrap_or_else(|e| panic!("{RENDER} printed no UTF-8: {e}"))
+}
+
+/// The chart's objects for the values of `values_file` (as `helm -f`) with `set` over them (as
+/// `--set-json`); each passes `check_strict`.
+fn helm(values_file: Option<&str>, set: &Value) -> Vec<Doc> {
+    let set = set.to_string();
+    let mut args = vec!["render", CHART, "--set-json", set.as_str()];
+    if let Some(file) = values_file {
+        args.extend(["--values", file]);
+    }
+    let rendered: BTreeMap<String, String> = serde_json::from_str(&helm_ok(&args))
+        .unwrap_or_else(|e| panic!("{RENDER} render printed no JSON map: {e}"));
+    let docs: Vec<Doc> = rendered
+        .iter()
+        .flat_map(|(template, text)| parse_docs(&format!("helm {template}"), text))
+        .collect();
+    let failures: Vec<String> = docs
+        .iter()
+        .filter_map(|d| {
+            check_strict(d)
+                .err()
+                .map(|e| format!("{} ({} {}): {e}", d.origin, d.kind(), d.name()))
+        })
+        .collect();
+    assert!(
+        failures.is_empty(),
+        "the chart ({set}) renders invalid objects:\n{}",
+        failures.join("\n")
+    );
+    docs
+}
+
+/// `kubectl kustomize` of an inline kustomization (see `kustomize_dir`); panics when kubectl is missing.
+fn kustomize(kustomization: &str) -> Vec<Doc> {
+    kustomize_dir(kustomization).unwrap_or_else(|| {
+        panic!(
+            "kubectl is not installed: the chart is compared with `kubectl kustomize` of deploy/. Install \
+             kubectl (it includes kustomize), e.g. from the Kubernetes release or `apt-get install kubectl` \
+             from the Kubernetes package repository"
+        )
+    })
+}
+
+type Key = (String, String, String);
+
+fn by_key<'a>(label: &str, docs: &'a [Doc]) -> BTreeMap<Key, &'a Value> {
+    let mut map = BTreeMap::new();
+    for doc in docs {
+        let key = (
+            doc.kind().to_string(),
+            doc.namespace().to_string(),
+            doc.name().to_string(),
+        );
+        assert!(
+            map.insert(key.clone(), &doc.value).is_none(),
+            "{label}: {key:?} twice"
+        );
+    }
+    map
+}
+
+/// Both sides hold the same objects with the same fields and values.
+fn assert_same(label: &str, chart: &[Doc], kustomized: &[Doc]) {
+    let chart = by_key(&format!("{label}, chart"), chart);
+    let kustomized = by_key(&format!("{label}, kustomize"), kustomized);
+    let mut problems = Vec::new();
+    for key in chart.keys().filter(|k| !kustomized.contains_key(*k)) {
+        problems.push(format!("{key:?}: only the chart renders it"));
+    }
+    for key in kustomized.keys().filter(|k| !chart.contains_key(*k)) {
+        problems.push(format!("{key:?}: only kustomize renders it"));
+    }
+    for (key, a) in &chart {
+        let Some(b) = kustomized.get(key) else {
+            continue;
+        };
+        let (mut differ, mut only_kustomize) = (Vec::new(), Vec::new());
+        lost_keys(a, b, "", &mut differ);
+        lost_keys(b, a, "", &mut only_kustomize);
+        // A changed value is in `differ` already, as `path (chart's became kustomize's)`.
+        only_kustomize.retain(|path| !path.contains(" became "));
+        if !differ.is_empty() || !only_kustomize.is_empty() {
+            problems.push(format!(
+                "{key:?}: chart's fields that differ from kustomize's: {differ:?}; fields only kustomize has: {only_kustomize:?}"
+            ));
+        }
+    }
+    assert!(
+        problems.is_empty(),
+        "{label}: the chart and kustomize render different objects (a value differing by a blank line inside \
+         an expression: kustomize's YAML parser adds one in folded `>` scalars with more-indented lines; \
+         write those as literal `|` scalars):\n{}",
+        problems.join("\n")
+    );
+}
+
+/// kustomize's render with the namespace it gives cluster-scoped objects removed (`CLUSTER_SCOPED`).
+fn without_cluster_scoped_namespaces(mut docs: Vec<Doc>) -> Vec<Doc> {
+    for doc in docs
+        .iter_mut()
+        .filter(|d| CLUSTER_SCOPED.contains(&d.kind()))
+    {
+        if let Some(metadata) = doc.value["metadata"].as_object_mut() {
+            metadata.remove("namespace");
+        }
+    }
+    docs
+}
+
+/// A kustomize patch that deletes the objects of `kind` named one of `names`.
+fn delete_patch(kind: &str, api_version: &str, names: &[&str]) -> String {
+    format!(
+        "  - target:\n      kind: {kind}\n      name: ^({})$\n    patch: |-\n      $patch: delete\n      apiVersion: {api_version}\n      kind: {kind}\n      metadata:\n        name: any\n",
+        names.join("|")
+    )
+}
+
+/// A kustomization of the nvml overlay without the objects of `files` (under deploy/base).
+fn nvml_without(files: &[&str]) -> String {
+    let docs: Vec<Doc> = files
+        .iter()
+        .flat_map(|f| read_docs(&root().join("deploy/base").join(f)))
+        .collect();
+    let mut patches = String::new();
+    let mut kinds: Vec<(&str, &str)> = docs
+        .iter()
+        .map(|d| (d.kind(), d.value["apiVersion"].as_str().unwrap_or("")))
+        .collect();
+    kinds.sort();
+    kinds.dedup();
+    for (kind, api_version) in kinds {
+        let names: Vec<&str> = docs
+            .iter()
+            .filter(|d| d.kind() == kind)
+            .map(Doc::name)
+            .collect();
+        patches.push_str(&delete_patch(kind, api_version, &names));
+    }
+    format!("{NVML}patches:\n{patches}")
+}
+
+#[test]
+fn the_defaults_render_the_nvml_overlay() {
+    assert_same("defaults", &helm(None, &json!({})), &kustomize(NVML));
+}
+
+#[test]
+fn the_fake_values_render_the_fake_overlay() {
+    assert_same(
+        FAKE_VALUES,
+        &helm(Some(FAKE_VALUES), &json!({})),
+        &kustomize(FAKE),
+    );
+}
+
+#[test]
+fn a_fake_profile_of_ones_own_renders_like_a_patched_configmap() {
+    let profile =
+        "name: one-a100\ngpus:\n  - productName: NVIDIA A100-SXM4-40GB\n    migCapable: true\n";
+    let quoted = Value::from(profile).to_string();
+    assert_same(
+        "fake.profile",
+        &helm(Some(FAKE_VALUES), &json!({"fake": {"profile": profile}})),
+        &kustomize(&format!(
+            "{FAKE}patches:
+  - target: {{kind: ConfigMap, name: gpu-dra-fake-profile}}
+    patch: |-
+      - {{op: replace, path: /data/profile.yaml, value: {quoted}}}
+"
+        )),
+    );
+}
+
+#[test]
+fn the_extended_resource_renders_the_component() {
+    let on = json!({"extendedResource": {"enabled": true}});
+    assert_same(
+        "extendedResource.enabled",
+        &helm(None, &on),
+        &kustomize(&format!(
+            "{NVML}components: [../../deploy/components/extended-resource]\n"
+        )),
+    );
+    // What e2e/run.sh deploys on kind: the fake overlay with the component.
+    assert_same(
+        "fake values, extendedResource.enabled",
+        &helm(Some(FAKE_VALUES), &on),
+        &kustomize("resources: [../../e2e/deploy]\n"),
+    );
+}
+
+#[test]
+fn a_node_selector_renders_the_node_by_node_component() {
+    assert_same(
+        "nodeSelector gpu-dra.dev/kubelet-plugin",
+        &helm(
+            None,
+            &json!({"nodeSelector": {"gpu-dra.dev/kubelet-plugin": "true"}}),
+        ),
+        &kustomize(&format!(
+            "{NVML}components: [../../deploy/components/node-by-node]\n"
+        )),
+    );
+}
+
+#[test]
+fn admission_policies_off_render_the_base_without_them() {
+    for (values, files) in [
+        (
+            json!({"pluginWrites": false}),
+            &["admission-policy.yaml"][..],
+        ),
+        (
+            json!({"deviceConfigs": false}),
+            &["config-admission-policy.yaml"][..],
+        ),
+        (
+            json!({"pluginWrites": false, "deviceConfigs": false}),
+            &["admission-policy.yaml", "config-admission-policy.yaml"][..],
+        ),
+    ] {
+        let chart = helm(None, &json!({ "admissionPolicies": values }));
+        assert_same(
+            &format!("admissionPolicies {values}"),
+            &chart,
+            &kustomize(&nvml_without(files)),
+        );
+    }
+}
+
+#[test]
+fn the_namespace_renders_as_kustomize_namespace_or_is_left_out() {
+    let chart = helm(None, &json!({"namespace": {"name": "gpus"}}));
+    for doc in chart.iter().filter(|d| CLUSTER_SCOPED.contains(&d.kind())) {
+        assert_eq!(doc.namespace(), "", "{}: cluster-scoped", doc.origin);
+    }
+    assert_same(
+        "namespace.name gpus",
+        &chart,
+        &without_cluster_scoped_namespaces(kustomize(&format!("{NVML}namespace: gpus\n"))),
+    );
+    assert_same(
+        "namespace.create false",
+        &helm(None, &json!({"namespace": {"create": false}})),
+        &kustomize(&nvml_without(&["namespace.yaml"])),
+    );
+}
+
+/// JSON patch operations on the plugin container that replace `field` of the entry named `name` of the
+/// list at `list` (`env`, `volumeMounts`, or the pod's `volumes`), found by name in deploy/base and
+/// tested by name, so that a reordered base fails here instead of patching another entry.
+fn replace_in_list(list: &str, name: &str, field: &str, value: &str) -> String {
+    let ds = read_docs(&root().join("deploy/base/daemonset.yaml"))
+        .into_iter()
+        .find(|d| d.kind() == "DaemonSet")
+        .unwrap_or_else(|| panic!("deploy/base/daemonset.yaml has no DaemonSet"));
+    let ds: DaemonSet = ds.typed();
+    let pod = ds.spec.template.spec.unwrap_or_default();
+    let names: Vec<String> = match list {
+        "env" => pod.containers[0]
+            .env
+            .iter()
+            .flatten()
+            .map(|e| e.name.clone())
+            .collect(),
+        "volumes" => pod
+            .volumes
+            .iter()
+            .flatten()
+            .map(|v| v.name.clone())
+            .collect(),
+        other => panic!("no list {other}"),
+    };
+    let index = names
+        .iter()
+        .position(|n| n == name)
+        .unwrap_or_else(|| panic!("deploy/base's plugin has no {list} entry {name}"));
+    let path = match list {
+        "env" => format!("/spec/template/spec/containers/0/env/{index}"),
+        _ => format!("/spec/template/spec/volumes/{index}"),
+    };
+    format!(
+        "      - {{op: test, path: {path}/name, value: {name}}}\n      - {{op: replace, path: {path}/{field}, value: {value}}}\n"
+    )
+}
+
+#[test]
+fn other_settings_render_like_a_kustomize_overlay_that_patches_them() {
+    let values = json!({
+        "image": {"repository": "registry.example.com/gpu/gpu-dra", "tag": "v0.1.0", "pullPolicy": "Always"},
+        "driverRoot": "/run/nvidia/driver",
+        "migMode": "dynamic",
+        "tolerations": [{"operator": "Exists"}],
+        "nodeSelector": {"node-pool": "gpus"},
+        "affinity": null,
+        "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "1Gi"}},
+        "extraEnv": [{"name": "RESCAN_SECONDS", "value": "30"}],
+    });
+    let ds = "/spec/template/spec";
+    let mut patch = String::new();
+    patch.push_str(&replace_in_list("env", "MIG_MODE", "value", "dynamic"));
+    patch.push_str(&replace_in_list(
+        "env",
+        "NVIDIA_DRIVER_ROOT",
+        "value",
+        "/run/nvidia/driver",
+    ));
+    patch.push_str(&replace_in_list(
+        "volumes",
+        "driver-root",
+        "hostPath/path",
+        "/run/nvidia/driver",
+    ));
+    patch.push_str(&format!(
+        "      - {{op: replace, path: {ds}/containers/0/imagePullPolicy, value: Always}}
+      - {{op: replace, path: {ds}/tolerations, value: [{{operator: Exists}}]}}
+      - {{op: add, path: {ds}/nodeSelector, value: {{node-pool: gpus}}}}
+      - {{op: remove, path: {ds}/affinity}}
+      - {{op: replace, path: {ds}/containers/0/resources, value: {{requests: {{cpu: 100m, memory: 128Mi}}, limits: {{memory: 1Gi}}}}}}
+      - {{op: add, path: {ds}/containers/0/env/-, value: {{name: RESCAN_SECONDS, value: \"30\"}}}}
+"
+    ));
+    let kustomization = format!(
+        "{NVML}images:
+  - name: gpu-dra
+    newName: registry.example.com/gpu/gpu-dra
+    newTag: v0.1.0
+patches:
+  - target: {{kind: DaemonSet, name: gpu-dra-plugin}}
+    patch: |-
+{patch}"
+    );
+    assert_same(
+        &format!("{values}"),
+        &helm(None, &values),
+        &kustomize(&kustomization),
+    );
+}
+
+/// `crds/` of the chart is `crd/` byte for byte (Helm applies it at install, `kubectl apply -f crd/` the
+/// other); Helm reads it as the chart's CRDs.
+#[test]
+fn the_charts_crds_are_crd_byte_for_byte() {
+    let files = |dir: &Path| -> BTreeMap<String, Vec<u8>> {
+        std::fs::read_dir(dir)
+            .unwrap_or_else(|e| panic!("cannot list {}: {e}", dir.display()))
+            .map(|entry| {
+                let path = entry
+                    .unwrap_or_else(|e| panic!("cannot list {}: {e}", dir.display()))
+                    .path();
+                let name = path
+                    .file_name()
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .unwrap_or_default();
+                let bytes = std::fs::read(&path)
+                    .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
+                (name, bytes)
+            })
+            .collect()
+    };
+    let crd = files(&root().join("crd"));
+    let chart = files(&root().join(CHART).join("crds"));
+    assert_eq!(
+        crd.keys().collect::<Vec<_>>(),
+        chart.keys().collect::<Vec<_>>(),
+        "{CHART}/crds must hold the files of crd/"
+    );
+    for (name, bytes) in &crd {
+        assert!(
+            chart[name] == *bytes,
+            "{CHART}/crds/{name} differs from crd/{name}: copy it (cp crd/{name} {CHART}/crds/)"
+        );
+    }
+    let rendered: BTreeMap<String, String> =
+        serde_json::from_str(&helm_ok(&["render", CHART, "--include-crds"]))
+            .unwrap_or_else(|e| panic!("{RENDER} render printed no JSON map: {e}"));
+    for (name, bytes) in &crd {
+        let seen = rendered
+            .get(&format!("crds/{name}"))
+            .unwrap_or_else(|| panic!("Helm does not see {CHART}/crds/{name}"));
+        assert_eq!(
+            seen.as_bytes(),
+            bytes.as_slice(),
+            "crds/{name} as Helm reads it"
+        );
+    }
+}
+
+/// `helm lint --strict` finds nothing above info in the chart, with its defaults and the fake values, and
+/// the schema refuses values the chart does not know.
+#[test]
+fn helm_lint_passes_and_the_schema_refuses_unknown_values() {
+    let lint = |extra: &[&str]| -> Value {
+        let mut args = vec!["lint", CHART];
+        args.extend(extra);
+        serde_json::from_str(&helm_ok(&args))
+            .unwrap_or_else(|e| panic!("{RENDER} lint printed no JSON: {e}"))
+    };
+    let findings = |report: &Value| -> Vec<String> {
+        report["messages"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|m| m["severity"].as_u64().unwrap_or(3) >= 2)
+            .map(|m| format!("{}: {}", m["path"], m["error"]))
+            .collect()
+    };
+    for extra in [&[][..], &["--values", FAKE_VALUES][..]] {
+        let report = lint(extra);
+        assert_eq!(
+            report["total_charts_linted"], 1,
+            "{extra:?}: nothing linted: {report}"
+        );
+        let found = findings(&report);
+        assert!(
+            found.is_empty(),
+            "helm lint {extra:?}:\n{}",
+            found.join("\n")
+        );
+    }
+    let bad = lint(&["--set-json", r#"{"backend": "nvlm"}"#]);
+    let found = findings(&bad).join("\n");
+    assert!(
+        found.contains("/backend") && found.contains("'nvml', 'fake'"),
+        "lint must refuse backend nvlm: {bad}"
+    );
+
+    for (set, says) in [
+        (r#"{"migmode": "dynamic"}"#, "'migmode' not allowed"),
+        (r#"{"migMode": "on"}"#, "/migMode"),
+        (r#"{"driverRoot": "run/nvidia/driver"}"#, "/driverRoot"),
+    ] {
+        let output = helm_render(&[], &["render", CHART, "--set-json", set]);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(
+            output.status.code(),
+            Some(1),
+            "render {set} must be refused: {stderr}"
+        );
+        assert!(stderr.contains(says), "render {set}: {stderr}");
+    }
+}
+
+/// Without the engine the render fails (exit 3) and says how to install it, instead of rendering
+/// nothing. `-I -S`: Python without its site-packages, where pip installs helm-python-sdk.
+#[test]
+fn without_the_engine_the_render_fails_with_how_to_install_it() {
+    let output = helm_render(&["-I", "-S"], &["render", CHART]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(3), "{stderr}");
+    assert!(
+        stderr.contains("python3 -m pip install helm-python-sdk=="),
+        "{stderr}"
+    );
+}

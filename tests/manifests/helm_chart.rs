@@ -1,8 +1,9 @@
 //! The Helm chart in `deploy/helm/gpu-dra` is kustomize's `deploy/` in another form: for the same settings
 //! both must render the same objects (kind, namespace, name and every field), so that neither drifts from
 //! the other. The chart is rendered by Helm's own engine (Helm v4's Go SDK through the Python package
-//! helm-python-sdk, `helm_render.py`), kustomize by `kubectl kustomize`; both are needed, and a missing one
-//! fails the test with how to install it. Every rendered object also goes through `check_strict`.
+//! helm-python-sdk, `helm_render.py`), kustomize by `kubectl kustomize`, whose renders are kept in
+//! `kustomize-renders/` for machines without kubectl (CI's). A missing engine, or a kept render older than
+//! `deploy/` where kubectl is missing, fails the test with how to fix it. Every rendered object also goes through `check_strict`.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -11,7 +12,9 @@ use std::process::{Command, Output};
 use k8s_openapi::api::apps::v1::DaemonSet;
 use serde_json::{json, Value};
 
-use super::{check_strict, kustomize_dir, lost_keys, parse_docs, read_docs, root, Doc};
+use sha2::{Digest, Sha256};
+
+use super::{check_strict, kustomize_dir_text, lost_keys, parse_docs, read_docs, root, Doc};
 
 const CHART: &str = "deploy/helm/gpu-dra";
 const FAKE_VALUES: &str = "deploy/helm/fake-values.yaml";
@@ -90,15 +93,91 @@ fn helm(values_file: Option<&str>, set: &Value) -> Vec<Doc> {
     docs
 }
 
-/// `kubectl kustomize` of an inline kustomization (see `kustomize_dir`); panics when kubectl is missing.
+/// Where kustomize's renders of the chart's counterparts are kept, for machines without kubectl (CI's).
+const RENDERS: &str = "tests/manifests/kustomize-renders";
+
+/// What a render depends on: the kustomization and every file it can reach (`deploy/` but the chart,
+/// `e2e/deploy/`), hashed.
+fn render_inputs(kustomization: &str) -> String {
+    fn files(dir: &Path, out: &mut Vec<std::path::PathBuf>) {
+        for entry in std::fs::read_dir(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
+            let path = entry.unwrap().path();
+            if path.ends_with("deploy/helm") {
+                continue;
+            }
+            if path.is_dir() {
+                files(&path, out);
+            } else {
+                out.push(path);
+            }
+        }
+    }
+    let mut all = Vec::new();
+    files(&root().join("deploy"), &mut all);
+    files(&root().join("e2e/deploy"), &mut all);
+    all.sort();
+    let mut hash = Sha256::new();
+    hash.update(kustomization.as_bytes());
+    for path in all {
+        hash.update(
+            path.strip_prefix(root())
+                .unwrap()
+                .to_string_lossy()
+                .as_bytes(),
+        );
+        hash.update(std::fs::read(&path).unwrap());
+    }
+    hex::encode(hash.finalize())
+}
+
+/// kustomize's render of an inline kustomization (see `kustomize_dir`). Each render is also kept in
+/// `RENDERS`, under a hash of its kustomization, with a hash of its inputs: where kubectl is installed
+/// the kept render must equal today's (`UPDATE_KUSTOMIZE_RENDERS=1` rewrites it); where it is not (CI),
+/// the kept render is used, and only while its inputs are unchanged.
 fn kustomize(kustomization: &str) -> Vec<Doc> {
-    kustomize_dir(kustomization).unwrap_or_else(|| {
-        panic!(
-            "kubectl is not installed: the chart is compared with `kubectl kustomize` of deploy/. Install \
-             kubectl (it includes kustomize), e.g. from the Kubernetes release or `apt-get install kubectl` \
-             from the Kubernetes package repository"
-        )
-    })
+    let name = hex::encode(&Sha256::digest(kustomization.as_bytes())[..8]);
+    let kept = root().join(RENDERS).join(format!("{name}.yaml"));
+    let inputs = render_inputs(kustomization);
+    let header = format!(
+        "# kubectl kustomize of:\n# {}\n# inputs: {inputs}\n",
+        kustomization.trim_end().replace('\n', "\n# ")
+    );
+    let stored = std::fs::read_to_string(&kept).ok();
+    let text = match kustomize_dir_text(kustomization) {
+        Some(rendered) => {
+            let fresh = format!("{header}{rendered}");
+            if stored.as_deref() != Some(fresh.as_str()) {
+                if std::env::var_os("UPDATE_KUSTOMIZE_RENDERS").is_some() {
+                    std::fs::create_dir_all(kept.parent().unwrap()).unwrap();
+                    std::fs::write(&kept, &fresh).unwrap();
+                } else {
+                    panic!(
+                        "{} is not kustomize's render of today's deploy/ (missing or stale): run \
+                         `UPDATE_KUSTOMIZE_RENDERS=1 cargo test --test manifests helm_chart` and commit it",
+                        kept.display()
+                    );
+                }
+            }
+            rendered
+        }
+        None => {
+            let stored = stored.unwrap_or_else(|| {
+                panic!(
+                    "kubectl is not installed and {} is missing: install kubectl (it includes kustomize) and \
+                     run `UPDATE_KUSTOMIZE_RENDERS=1 cargo test --test manifests helm_chart`",
+                    kept.display()
+                )
+            });
+            assert!(
+                stored.starts_with(&header),
+                "{} was rendered from another deploy/ than today's, and kubectl is not installed to render it \
+                 again: install kubectl and run `UPDATE_KUSTOMIZE_RENDERS=1 cargo test --test manifests helm_chart`",
+                kept.display()
+            );
+            stored[header.len()..].to_string()
+        }
+    };
+    parse_docs(&format!("kustomize ({name})"), &text)
 }
 
 type Key = (String, String, String);

@@ -519,6 +519,11 @@ fn kustomize(overlay: &str) -> Option<Vec<Doc>> {
 /// Renders a kustomization given as text, in a directory two levels below the repository (so that it
 /// reaches `deploy/` as `../../deploy/...`); `None` when kubectl is not installed.
 fn kustomize_dir(kustomization: &str) -> Option<Vec<Doc>> {
+    kustomize_dir_text(kustomization).map(|text| parse_docs("kustomize (inline)", &text))
+}
+
+/// `kustomize_dir`, as the YAML text kustomize wrote.
+fn kustomize_dir_text(kustomization: &str) -> Option<String> {
     let parent = root().join("target");
     std::fs::create_dir_all(&parent)
         .unwrap_or_else(|e| panic!("cannot create {}: {e}", parent.display()));
@@ -542,10 +547,7 @@ fn kustomize_dir(kustomization: &str) -> Option<Vec<Doc>> {
         "kubectl kustomize failed: {}",
         String::from_utf8_lossy(&output.stderr)
     );
-    Some(parse_docs(
-        "kustomize (inline)",
-        &String::from_utf8_lossy(&output.stdout),
-    ))
+    Some(String::from_utf8_lossy(&output.stdout).into_owned())
 }
 
 #[test]

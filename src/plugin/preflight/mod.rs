@@ -3,7 +3,8 @@
 //! directory that is not a hostPath volume, a service account token without the node claim that the
 //! admission policies key on. A failed check is told where an operator looks: one error line in the
 //! log, the container's termination message, and a Warning Event on the plugin's Pod (its Node when
-//! the plugin runs outside a Pod). Then the plugin exits.
+//! the plugin runs outside a Pod). Then the plugin exits. The hostPath check reads the mount table
+//! (`mounts`), the token check asks the API server who the plugin is (`identity`).
 //!
 //! ```no_run
 //! # async fn f(config: gpu_dra::plugin::PluginConfig, client: kube::Client) {
@@ -16,12 +17,14 @@
 //! # }
 //! ```
 
+mod identity;
+mod mounts;
+
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use k8s_openapi::api::authentication::v1::{SelfSubjectReview, UserInfo};
 use k8s_openapi::api::core::v1::{ObjectReference, Pod};
-use kube::api::{Api, PostParams};
+use kube::api::Api;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use thiserror::Error;
 use tracing::{error, info, warn};
@@ -29,6 +32,8 @@ use tracing::{error, info, warn};
 use super::node_events::{truncate_note, NodeEvents};
 use super::{BackendChoice, PluginConfig};
 use crate::cdi::{find_nvml_library, DriverRoot};
+pub use identity::{judge_identity, who_am_i, Identity};
+pub use mounts::{check_host_paths, KubeletDir, NotMounted};
 
 /// The Event reason of a driver root that is missing or is no NVIDIA driver's root.
 pub const REASON_DRIVER_ROOT_INVALID: &str = "DriverRootInvalid";
@@ -88,9 +93,9 @@ impl DriverRootSetting {
         match &self.container {
             Some(container) => format!(
                 "it must be the host's --driver-root (NVIDIA_DRIVER_ROOT) {host} mounted there: in the \
-                 DaemonSet, a hostPath volume whose path equals NVIDIA_DRIVER_ROOT, mounted at \
-                 CONTAINER_DRIVER_ROOT {container}, with NVIDIA_DRIVER_ROOT the driver's root on the host \
-                 ({ROOTS_HINT})",
+                 DaemonSet, the hostPath volume mounted at CONTAINER_DRIVER_ROOT {container} must have \
+                 NVIDIA_DRIVER_ROOT as its path, and NVIDIA_DRIVER_ROOT must be the driver's root on the \
+                 host ({ROOTS_HINT})",
                 host = self.host.display(),
                 container = container.display(),
             ),
@@ -111,23 +116,6 @@ pub enum DriverRootProblem {
     },
     /// A path that cannot be used: relative, or a host path with `..` (CDI specs name it).
     Invalid(String),
-}
-
-/// One kubelet or CDI directory that must be a hostPath volume, for [`check_host_paths`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct KubeletDir {
-    /// The flag and its variable, for messages.
-    pub flag: &'static str,
-    pub path: PathBuf,
-    /// Who on the host needs to see it, and what.
-    pub seen_by: &'static str,
-}
-
-/// A directory of [`KubeletDir`] that is not a hostPath volume, and where it is instead.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct NotMounted {
-    pub dir: KubeletDir,
-    pub found: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
@@ -187,8 +175,8 @@ fn driver_root_text(setting: &DriverRootSetting, problem: &DriverRootProblem) ->
         }
         DriverRootProblem::NoNvmlLibrary { searched } => format!(
             "{named} is not an NVIDIA driver root: it holds no libnvidia-ml.so (searched {searched}); \
-             {fix} (under the GPU Operator, its driver container may still be installing the driver: \
-             the plugin starts once it is there)"
+             {fix}; under the GPU Operator, the driver container may also still be installing the \
+             driver, and the plugin starts once it is there"
         ),
         DriverRootProblem::Invalid(reason) => format!(
             "the NVIDIA driver root cannot be used: {reason}; --driver-root (NVIDIA_DRIVER_ROOT) must be \
@@ -252,150 +240,6 @@ pub fn check_driver_root(
             .map_err(|searched| problem(DriverRootProblem::NoNvmlLibrary { searched }))?;
     }
     Ok(())
-}
-
-/// One line of `/proc/self/mountinfo`: what is mounted where.
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct MountEntry {
-    /// The directory of the mounted filesystem that appears at `mount_point` (a hostPath's host path,
-    /// relative to its filesystem).
-    root: String,
-    mount_point: PathBuf,
-}
-
-/// The mounts of a mountinfo text, in its order (a later mount at the same point covers an earlier one).
-fn parse_mountinfo(text: &str) -> Vec<MountEntry> {
-    text.lines()
-        .filter_map(|line| {
-            let mut fields = line.split(' ');
-            let root = fields.nth(3)?;
-            let mount_point = fields.next()?;
-            Some(MountEntry {
-                root: unescape_mountinfo(root),
-                mount_point: PathBuf::from(unescape_mountinfo(mount_point)),
-            })
-        })
-        .collect()
-}
-
-/// The kernel writes space, tab, newline and backslash in mountinfo paths as `\ooo` octal escapes.
-fn unescape_mountinfo(field: &str) -> String {
-    let bytes = field.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let octal = bytes
-            .get(i + 1..i + 4)
-            .filter(|digits| bytes[i] == b'\\' && digits.iter().all(|d| (b'0'..=b'7').contains(d)));
-        match octal.and_then(|d| u8::from_str_radix(std::str::from_utf8(d).ok()?, 8).ok()) {
-            Some(byte) => {
-                out.push(byte);
-                i += 4;
-            }
-            None => {
-                out.push(bytes[i]);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
-}
-
-/// Checks that each directory is on a volume from the host: the mount that holds it (itself, or one
-/// above it such as a hostPath of all of `/var/lib/kubelet`) must not be the container's own root
-/// filesystem, nor an emptyDir. `mountinfo` is this process's `/proc/self/mountinfo`.
-pub fn check_host_paths(dirs: &[KubeletDir], mountinfo: &str) -> Result<(), PreflightError> {
-    let mounts = parse_mountinfo(mountinfo);
-    let not_mounted: Vec<NotMounted> = dirs
-        .iter()
-        .filter_map(|dir| {
-            let found = where_mounted(&dir.path, &mounts)?;
-            Some(NotMounted {
-                dir: dir.clone(),
-                found,
-            })
-        })
-        .collect();
-    if not_mounted.is_empty() {
-        Ok(())
-    } else {
-        Err(PreflightError::HostPathNotMounted { dirs: not_mounted })
-    }
-}
-
-/// `None` when `path` is on a volume from the host; else where it is instead.
-fn where_mounted(path: &Path, mounts: &[MountEntry]) -> Option<String> {
-    // Mountinfo names mount points with symlinks resolved (/var/run is often a link to /run).
-    let resolved = match std::fs::canonicalize(path) {
-        Ok(resolved) => resolved,
-        Err(_) => return Some("does not exist in this container".to_string()),
-    };
-    // The last of the longest mount points wins: it is the mount on top.
-    let holder = mounts
-        .iter()
-        .filter(|m| resolved.starts_with(&m.mount_point))
-        .fold(None::<&MountEntry>, |best, m| match best {
-            Some(b) if b.mount_point.as_os_str().len() > m.mount_point.as_os_str().len() => Some(b),
-            _ => Some(m),
-        });
-    match holder {
-        None => Some("is on no mount listed in /proc/self/mountinfo".to_string()),
-        Some(m) if m.mount_point == Path::new("/") => {
-            Some("is on the container's own root filesystem".to_string())
-        }
-        Some(m) if m.root.contains("/volumes/kubernetes.io~empty-dir/") => Some(format!(
-            "is an emptyDir volume (mounted at {})",
-            m.mount_point.display()
-        )),
-        Some(_) => None,
-    }
-}
-
-/// What the API server says of the plugin's identity, for [`judge_identity`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Identity {
-    /// A service account whose token is bound to a Pod on this node.
-    BoundToThisNode { user: String },
-    /// Not a service account (a user's kubeconfig): the admission policies do not apply to it.
-    NotServiceAccount { user: String },
-}
-
-/// Judges a SelfSubjectReview's user against `--node-name`: a service account must carry the node claim
-/// of `node`, as the admission policies require of the plugin's writes.
-pub fn judge_identity(user: &UserInfo, node: &str) -> Result<Identity, PreflightError> {
-    let name = user.username.clone().unwrap_or_default();
-    if !name.starts_with("system:serviceaccount:") {
-        return Ok(Identity::NotServiceAccount { user: name });
-    }
-    let claim = user
-        .extra
-        .as_ref()
-        .and_then(|extra| extra.get(NODE_NAME_CLAIM))
-        .and_then(|values| values.first())
-        .filter(|value| !value.is_empty());
-    match claim {
-        None => Err(PreflightError::TokenWithoutNodeClaim { user: name }),
-        Some(token_node) if token_node != node => Err(PreflightError::NodeNameMismatch {
-            user: name,
-            token_node: token_node.clone(),
-            node: node.to_string(),
-        }),
-        Some(_) => Ok(Identity::BoundToThisNode { user: name }),
-    }
-}
-
-/// Asks the API server who the client is (`POST authentication.k8s.io/v1 selfsubjectreviews`, which
-/// every authenticated user may do).
-pub async fn who_am_i(client: &kube::Client) -> Result<UserInfo, String> {
-    let reviews: Api<SelfSubjectReview> = Api::all(client.clone());
-    let review = reviews
-        .create(&PostParams::default(), &SelfSubjectReview::default())
-        .await
-        .map_err(|e| e.to_string())?;
-    review
-        .status
-        .and_then(|status| status.user_info)
-        .ok_or_else(|| "the SelfSubjectReview came back without status.userInfo".to_string())
 }
 
 /// Where the plugin runs, as far as the checks care.
@@ -644,5 +488,4 @@ fn write_termination_message(path: &Path, message: &str) {
 }
 
 #[cfg(test)]
-#[path = "preflight_tests.rs"]
 mod tests;

@@ -1,7 +1,8 @@
 use std::path::{Path, PathBuf};
 
-use k8s_openapi::api::authentication::v1::SelfSubjectReview;
+use k8s_openapi::api::authentication::v1::{SelfSubjectReview, UserInfo};
 
+use super::mounts::unescape_mountinfo;
 use super::*;
 use crate::cdi::fake_root::{native_dir, FakeRoot, VERSION};
 
@@ -47,7 +48,7 @@ fn a_missing_container_driver_root_names_both_paths_and_the_volume_to_fix() {
         &[
             "--container-driver-root (CONTAINER_DRIVER_ROOT) /nonexistent/driver-root does not exist",
             "--driver-root (NVIDIA_DRIVER_ROOT) /run/nvidia/driver",
-            "a hostPath volume whose path equals NVIDIA_DRIVER_ROOT",
+            "must have NVIDIA_DRIVER_ROOT as its path",
         ],
     );
     // On the host, without a container path, only the host path is named.

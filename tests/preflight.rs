@@ -109,7 +109,7 @@ async fn a_driver_root_that_is_not_there_stops_the_plugin_with_a_log_line_an_eve
         "refusing to start: ",
         "--container-driver-root (CONTAINER_DRIVER_ROOT) /nonexistent/driver-root does not exist",
         "--driver-root (NVIDIA_DRIVER_ROOT) /run/nvidia/driver",
-        "a hostPath volume whose path equals NVIDIA_DRIVER_ROOT",
+        "must have NVIDIA_DRIVER_ROOT as its path",
     ] {
         assert!(line.contains(piece), "{piece:?} missing in {line}");
     }

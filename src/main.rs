@@ -359,6 +359,14 @@ struct PluginArgs {
     /// kernel's when absent. For acting out a reboot on a host that does not reboot (e2e/day-two.sh).
     #[arg(long, env = "BOOT_ID_FILE")]
     boot_id_file: Option<PathBuf>,
+    /// The container's terminationMessagePath: why the plugin refused to start goes there, when the
+    /// file exists (the kubelet shows it as the container's last state).
+    #[arg(
+        long,
+        env = "TERMINATION_MESSAGE_PATH",
+        default_value = gpu_dra::plugin::preflight::TERMINATION_LOG
+    )]
+    termination_message_path: PathBuf,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -556,13 +564,27 @@ fn run_plugin(args: PluginArgs) -> Result<()> {
         },
         sharing_timeout: gpu_dra::claims::SHARING_TIMEOUT,
     };
+    use gpu_dra::plugin::preflight::{self, DriverRootSetting, Environment, Preflight};
+    let preflight = Preflight::new(
+        &config,
+        DriverRootSetting {
+            host: args.backend.driver_root.clone(),
+            container: args.backend.container_driver_root.clone(),
+        },
+        Environment::detect(&args.termination_message_path),
+    );
     let kubeconfig = args.kubeconfig;
     runtime()?.block_on(async move {
         // Handlers go in before anything is created, so a signal never finds sockets to leave behind.
         use tokio::signal::unix::{signal, SignalKind};
         let mut term = signal(SignalKind::terminate()).context("installing SIGTERM handler")?;
         let mut int = signal(SignalKind::interrupt()).context("installing SIGINT handler")?;
-        let client = gpu_dra::plugin::kube_client(kubeconfig.as_deref(), &config.api).await?;
+        let client = gpu_dra::plugin::kube_client(kubeconfig.as_deref(), &config.api).await;
+        if preflight.run(client.as_ref().ok()).await.is_err() {
+            // Told already: in the log, the termination message and the Events.
+            std::process::exit(preflight::EXIT_CODE);
+        }
+        let client = client?;
         let plugin = gpu_dra::plugin::start(config, client).await?;
         tokio::select! {
             _ = term.recv() => tracing::info!("SIGTERM received, shutting down"),

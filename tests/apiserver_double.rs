@@ -755,3 +755,75 @@ async fn finalizers_delay_deletion() {
         .unwrap();
     assert!(server.get("nodes", None, "node-a").is_none());
 }
+
+/// `kubectl auth whoami` as kube-apiserver v1.34 answers it (realk8s): `201` with `status.userInfo`; a
+/// token bound to a Pod carries the Pod's and its node's claims in `extra`, one bound to nothing only
+/// its credential id; a token the server did not issue is `401`.
+#[tokio::test]
+async fn self_subject_reviews_answer_who_the_token_is() {
+    use gpu_dra::support::apiserver::NODE_NAME_CLAIM;
+    use k8s_openapi::api::authentication::v1::SelfSubjectReview;
+    let api = ApiServer::start().await.expect("API server double");
+    let who = |client: kube::Client| async move {
+        Api::<SelfSubjectReview>::all(client)
+            .create(&PostParams::default(), &SelfSubjectReview::default())
+            .await
+            .map(|review| review.status.and_then(|s| s.user_info).expect("userInfo"))
+    };
+
+    let bound = api.pod_bound_token("gpu-dra", "gpu-dra-plugin", "plugin-x", "node-1");
+    let user = who(api.client_with_token(&bound)).await.unwrap();
+    assert_eq!(
+        user.username.as_deref(),
+        Some("system:serviceaccount:gpu-dra:gpu-dra-plugin")
+    );
+    assert_eq!(
+        user.groups.unwrap_or_default(),
+        [
+            "system:serviceaccounts",
+            "system:serviceaccounts:gpu-dra",
+            "system:authenticated"
+        ]
+    );
+    assert!(user.uid.is_some_and(|uid| !uid.is_empty()));
+    let extra = user.extra.unwrap_or_default();
+    let keys: Vec<&str> = extra.keys().map(String::as_str).collect();
+    assert_eq!(
+        keys,
+        [
+            "authentication.kubernetes.io/credential-id",
+            NODE_NAME_CLAIM,
+            "authentication.kubernetes.io/node-uid",
+            "authentication.kubernetes.io/pod-name",
+            "authentication.kubernetes.io/pod-uid",
+        ]
+    );
+    assert_eq!(extra[NODE_NAME_CLAIM], ["node-1"]);
+    assert_eq!(extra["authentication.kubernetes.io/pod-name"], ["plugin-x"]);
+
+    let unbound = api.unbound_token("gpu-dra", "gpu-dra-plugin");
+    let user = who(api.client_with_token(&unbound)).await.unwrap();
+    let extra = user.extra.unwrap_or_default();
+    assert_eq!(
+        extra.keys().collect::<Vec<_>>(),
+        ["authentication.kubernetes.io/credential-id"]
+    );
+
+    // No token: the admin of the double's kubeconfig.
+    let user = who(api.client()).await.unwrap();
+    assert_eq!(user.username.as_deref(), Some("admin"));
+    assert!(user.extra.is_none());
+
+    let refused = status(who(api.client_with_token("not-issued")).await);
+    assert_eq!(
+        (refused.code, refused.reason.as_str()),
+        (401, "Unauthorized")
+    );
+    let codes: Vec<u16> = api
+        .requests()
+        .iter()
+        .filter(|r| r.resource == "selfsubjectreviews" && r.verb == Verb::Create)
+        .map(|r| r.code)
+        .collect();
+    assert_eq!(codes, [201, 201, 201, 401]);
+}

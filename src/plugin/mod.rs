@@ -6,6 +6,7 @@ pub mod gpu_reports;
 mod monitor;
 pub mod node_events;
 pub mod node_labels;
+pub mod preflight;
 pub mod reaper;
 pub mod selftest;
 pub mod startup;

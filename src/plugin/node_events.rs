@@ -145,7 +145,8 @@ impl NodeEvents {
     }
 }
 
-fn truncate_note(note: &str) -> String {
+/// `note` cut to the API's limit on an Event's note, on a character boundary.
+pub(super) fn truncate_note(note: &str) -> String {
     let mut note = note.to_string();
     if note.len() > MAX_NOTE {
         let mut end = MAX_NOTE - 3;

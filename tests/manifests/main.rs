@@ -575,6 +575,57 @@ fn overlays_render_to_valid_objects() {
     }
 }
 
+/// What the plugin's preflight checks at start (`src/plugin/preflight`), checked on the manifests: the
+/// volume mounted at CONTAINER_DRIVER_ROOT is a hostPath of NVIDIA_DRIVER_ROOT.
+fn assert_driver_root_volume_is_the_driver_root(ds: &DaemonSet, origin: &str) {
+    let pod = ds.spec.template.spec.as_ref().expect("a pod spec");
+    let container = pod
+        .containers
+        .iter()
+        .find(|c| c.name == "plugin")
+        .expect("the plugin container");
+    let env = |name: &str| {
+        container
+            .env
+            .iter()
+            .flatten()
+            .find(|e| e.name == name)
+            .and_then(|e| e.value.clone())
+            .unwrap_or_else(|| panic!("{origin}: {name} is not set"))
+    };
+    let (host, seen_at) = (env("NVIDIA_DRIVER_ROOT"), env("CONTAINER_DRIVER_ROOT"));
+    let mount = container
+        .volume_mounts
+        .iter()
+        .flatten()
+        .find(|m| m.mount_path == seen_at)
+        .unwrap_or_else(|| {
+            panic!("{origin}: nothing is mounted at CONTAINER_DRIVER_ROOT {seen_at}")
+        });
+    let volume_path = pod
+        .volumes
+        .iter()
+        .flatten()
+        .find(|v| v.name == mount.name)
+        .and_then(|v| Some(v.host_path.as_ref()?.path.clone()));
+    assert_eq!(
+        volume_path.as_deref(),
+        Some(host.as_str()),
+        "{origin}: the hostPath volume at CONTAINER_DRIVER_ROOT must have NVIDIA_DRIVER_ROOT as its path"
+    );
+}
+
+#[test]
+fn the_driver_root_volume_is_the_driver_root_the_plugin_is_told() {
+    let (objects, _) = manifests();
+    let base: DaemonSet = one(&objects, "DaemonSet", "gpu-dra-plugin").typed();
+    assert_driver_root_volume_is_the_driver_root(&base, "deploy/base");
+    if let Some(docs) = kustomize("nvml") {
+        let nvml: DaemonSet = one(&docs, "DaemonSet", "gpu-dra-plugin").typed();
+        assert_driver_root_volume_is_the_driver_root(&nvml, "deploy/overlays/nvml");
+    }
+}
+
 #[test]
 fn fake_overlay_runs_the_fake_backend_without_the_driver_root() {
     let Some(docs) = kustomize("fake") else {
@@ -596,6 +647,8 @@ fn fake_overlay_runs_the_fake_backend_without_the_driver_root() {
     assert_eq!(env.get("GPU_BACKEND"), Some(&"fake"));
     assert_eq!(env.get("MIG_MODE"), Some(&"dynamic"));
     assert!(!env.contains_key("NVIDIA_DRIVER_ROOT"));
+    // The preflight refuses a CONTAINER_DRIVER_ROOT that is not there, with the fake backend too.
+    assert!(!env.contains_key("CONTAINER_DRIVER_ROOT"));
     let profile = env
         .get("FAKE_GPU_PROFILE")
         .unwrap_or_else(|| panic!("FAKE_GPU_PROFILE is not set"));

@@ -78,6 +78,37 @@ pub enum HostDriverError {
     HookOverride { path: PathBuf, reason: String },
 }
 
+/// The library directories below a driver root, with those its ld.so.cache names for the driver's
+/// libraries: the cache's directories are for this ABI, so they go before the generic /usr/lib and /lib.
+fn search_dirs(finder: &mut Finder) -> Vec<String> {
+    let mut dirs = library_dirs();
+    let mut at = dirs
+        .iter()
+        .position(|d| d == "/usr/lib")
+        .unwrap_or(dirs.len());
+    for dir in finder.ld_cache_dirs() {
+        if !dirs.contains(&dir) {
+            dirs.insert(at, dir);
+            at += 1;
+        }
+    }
+    dirs
+}
+
+/// Where some version of libnvidia-ml is under `driver_root` (the path this process sees the root
+/// at), looking where [`HostDriver::discover`] looks: the library directories and those of the root's
+/// ld.so.cache, with the root's symlinks followed inside it. Without it a directory is no driver root.
+/// `Err` lists the directories searched.
+pub fn find_nvml_library(driver_root: &Path) -> Result<PathBuf, String> {
+    let host_root = PathBuf::from("/");
+    let mut finder = Finder::new(driver_root, &host_root);
+    let dirs = search_dirs(&mut finder);
+    finder
+        .any_version_of(&dirs, NVML_LIBRARY)
+        .map(|file| file.found_at)
+        .ok_or_else(|| dirs.join(", "))
+}
+
 /// The driver files of one driver version under one driver root.
 #[derive(Clone, Debug)]
 pub struct HostDriver {
@@ -136,18 +167,7 @@ impl HostDriver {
         }
 
         let mut finder = Finder::new(driver_root, &host_root);
-        // The cache's directories are for this ABI, so they go before the generic /usr/lib and /lib.
-        let mut dirs = library_dirs();
-        let mut at = dirs
-            .iter()
-            .position(|d| d == "/usr/lib")
-            .unwrap_or(dirs.len());
-        for dir in finder.ld_cache_dirs() {
-            if !dirs.contains(&dir) {
-                dirs.insert(at, dir);
-                at += 1;
-            }
-        }
+        let dirs = search_dirs(&mut finder);
         let (mut files, other_versions) = finder.libraries(&dirs, driver_version);
 
         let has = |stem: &str| {

@@ -233,6 +233,27 @@ impl<'a> Finder<'a> {
         })
     }
 
+    /// The first regular file (through symlinks) in `dirs` whose name is a version of library `stem`
+    /// (`libnvidia-ml.so.1`, `libnvidia-ml.so.550.90.07`), whatever the version.
+    pub(super) fn any_version_of(&mut self, dirs: &[String], stem: &str) -> Option<DriverFile> {
+        let prefix = format!("{stem}.so.");
+        for dir in dirs {
+            let Some((_, names)) = self.list(Path::new(dir)) else {
+                continue;
+            };
+            let found = names
+                .iter()
+                .filter(|name| name.starts_with(&prefix))
+                .find_map(|name| {
+                    self.file(Path::new(dir).join(name), FileKind::Library(Compute), false)
+                });
+            if found.is_some() {
+                return found;
+            }
+        }
+        None
+    }
+
     pub(super) fn executable(&mut self, name: &str, kind: FileKind) -> Option<DriverFile> {
         BINARY_DIRS
             .iter()

@@ -3,7 +3,8 @@
 //! ResourceSlices, ResourceClaims, ResourceClaimTemplates and DeviceClasses, and rejects invalid ResourceSlices as the real server does.
 //!
 //! Tests drive it over HTTP like a cluster, and reach around HTTP through the hooks on [`ApiServer`] to play
-//! the kubelet or a controller (`insert`, `remove`), inject faults (`fail_next`, `set_latency`, `hang_next`,
+//! the kubelet or a controller (`insert`, `remove`), issue service account tokens that its SelfSubjectReview
+//! answers for (`pod_bound_token`, `unbound_token`; see [`identity`]), inject faults (`fail_next`, `set_latency`, `hang_next`,
 //! `freeze_watches`), turn feature gates off (`start_with_gates`, `set_feature_gates`, `upgrade`; see
 //! [`gates`]) and observe what the driver did (`requests`, `writes`, `dry_runs`).
 //!
@@ -14,6 +15,7 @@
 
 mod gates;
 mod hangs;
+mod identity;
 mod patch;
 mod rest;
 mod selectors;
@@ -32,6 +34,7 @@ use tokio::task::JoinHandle;
 
 pub use gates::{FeatureGate, FeatureGates};
 pub use hangs::HangSpec;
+pub use identity::NODE_NAME_CLAIM;
 
 /// How many watch events the server keeps for watches that resume from a resourceVersion; an older
 /// resourceVersion gets `410 Gone`, as after an etcd compaction.
@@ -332,6 +335,8 @@ struct Shared {
     unserved: Mutex<BTreeSet<&'static str>>,
     shutdown: watch::Receiver<bool>,
     hangs: hangs::Hangs,
+    /// The bearer tokens the double issued (see [`identity`]).
+    tokens: Mutex<identity::Tokens>,
 }
 
 /// Locks a mutex, ignoring poisoning: a test that panicked while holding it must not hide its own
@@ -503,6 +508,7 @@ impl ApiServer {
             unserved: Mutex::new(BTreeSet::new()),
             shutdown: shutdown.clone(),
             hangs: hangs::Hangs::default(),
+            tokens: Mutex::new(identity::Tokens::default()),
         });
         let clients = Clients::new(addr).map_err(std::io::Error::other)?;
         let router = rest::router(shared.clone());

@@ -17,8 +17,8 @@ use serde_json::{json, Value};
 use super::selectors::Selection;
 use super::validation::{self, FieldError};
 use super::{
-    fill_system_meta, fill_type_meta, meta, meta_str, now_timestamp, remove_meta, resource_def,
-    set_meta, EventType, ObjectKey, RequestRecord, ResourceDef, Shared, Store, Verb,
+    fill_system_meta, fill_type_meta, lock, meta, meta_str, now_timestamp, remove_meta,
+    resource_def, set_meta, EventType, ObjectKey, RequestRecord, ResourceDef, Shared, Store, Verb,
 };
 
 /// Characters of a generated name suffix: the real server's alphabet, without vowels and look-alikes.
@@ -299,6 +299,9 @@ async fn handle(
         });
         return json_response(200, &version_info(&shared));
     }
+    if uri.path() == "/apis/authentication.k8s.io/v1/selfsubjectreviews" {
+        return self_subject_review(&shared, &method, &headers, body.len()).await;
+    }
     let request = match Request::parse(&method, &uri) {
         Ok(request) => request,
         Err(err) => return err.response(),
@@ -349,6 +352,46 @@ async fn handle(
         body_bytes: body.len(),
     });
     response
+}
+
+/// `kubectl auth whoami`: not stored, answered from the request's token (see [`super::identity`]), with
+/// the latency and faults (resource `selfsubjectreviews`) that tests inject.
+async fn self_subject_review(
+    shared: &Shared,
+    method: &Method,
+    headers: &HeaderMap,
+    body_bytes: usize,
+) -> Response {
+    const RESOURCE: &str = "selfsubjectreviews";
+    if method != Method::POST {
+        return ApiError::MethodNotAllowed.response();
+    }
+    let latency = shared.latency();
+    if !latency.is_zero() {
+        tokio::time::sleep(latency).await;
+    }
+    let (code, body) = match shared.take_fault(Verb::Create, RESOURCE) {
+        Some(code) => {
+            let error = ApiError::Injected { code };
+            (code, error.status())
+        }
+        None => {
+            let authorization = headers
+                .get(header::AUTHORIZATION)
+                .and_then(|value| value.to_str().ok());
+            super::identity::self_subject_review(&lock(&shared.tokens), authorization)
+        }
+    };
+    shared.record(RequestRecord {
+        verb: Verb::Create,
+        resource: RESOURCE.into(),
+        namespace: None,
+        name: None,
+        code,
+        dry_run: false,
+        body_bytes,
+    });
+    json_response(code, &body)
 }
 
 fn serve(shared: &Arc<Shared>, request: &Request, headers: &HeaderMap, body: &[u8]) -> Response {

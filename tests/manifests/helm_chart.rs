@@ -96,8 +96,8 @@ fn helm(values_file: Option<&str>, set: &Value) -> Vec<Doc> {
 /// Where kustomize's renders of the chart's counterparts are kept, for machines without kubectl (CI's).
 const RENDERS: &str = "tests/manifests/kustomize-renders";
 
-/// What a render depends on: the kustomization and every file it can reach (`deploy/` but the chart,
-/// `e2e/deploy/`), hashed.
+/// What a render depends on: the kustomization and every YAML file it can reach (`deploy/` but the
+/// chart, `e2e/deploy/`), hashed.
 fn render_inputs(kustomization: &str) -> String {
     fn files(dir: &Path, out: &mut Vec<std::path::PathBuf>) {
         for entry in std::fs::read_dir(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
@@ -107,7 +107,7 @@ fn render_inputs(kustomization: &str) -> String {
             }
             if path.is_dir() {
                 files(&path, out);
-            } else {
+            } else if path.extension().is_some_and(|e| e == "yaml" || e == "yml") {
                 out.push(path);
             }
         }

@@ -25,7 +25,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run the kubelet plugin on this node.
-    Plugin(PluginArgs),
+    Plugin(Box<PluginArgs>),
     /// Print the ResourceSlices this node would publish.
     Devices(DevicesArgs),
     /// Evaluate CEL selectors offline, with the scheduler's semantics.
@@ -399,7 +399,7 @@ fn main() -> Result<()> {
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     match cli.command {
         Command::Explain(args) => exit_with(explain(args)),
-        Command::Plugin(args) => run_plugin(args),
+        Command::Plugin(args) => run_plugin(*args),
         Command::Devices(args) => print_devices(args),
         Command::Demo => {
             // The demo tells its own story on stdout (including the fault it injects); logs only for errors

@@ -432,57 +432,31 @@ pub async fn start(
             kubelet::lenient_incoming(dra_listener),
             stopped(shutdown_rx.clone()),
         );
-    let dra_socket_lost = kubelet::socket_lost(
-        config.dra_socket(),
-        dra_socket_file,
-        kubelet::SOCKET_CHECK_INTERVAL,
-    );
-    tasks.push(vital.spawn_explained("dra-server", async move {
-        tokio::select! {
-            served = dra_server => match served {
-                Ok(()) => "ended".to_string(),
-                Err(error) => {
-                    error!(%error, "DRA gRPC server failed");
-                    format!("failed: {error}")
-                }
-            },
-            lost = dra_socket_lost => {
-                error!(what = %lost, "the kubelet can no longer reach the DRA server");
-                lost
-            }
-        }
-    }));
+    tasks.push(vital.spawn_explained(
+        "dra-server",
+        serve_while_reachable("DRA", dra_server, config.dra_socket(), dra_socket_file),
+    ));
     readiness.set_serving();
 
     let registration =
         RegistrationService::new(&config.driver_name, &config.dra_socket(), readiness.clone());
     let registration_listener = kubelet::bind_private_socket(&config.registration_socket())?;
-    let registration_socket_lost = kubelet::socket_lost(
-        config.registration_socket(),
-        kubelet::SocketFile::at(&config.registration_socket()),
-        kubelet::SOCKET_CHECK_INTERVAL,
-    );
+    let registration_socket_file = kubelet::SocketFile::at(&config.registration_socket());
     let registration_server = tonic::transport::Server::builder()
         .add_service(RegistrationServer::new(registration))
         .serve_with_incoming_shutdown(
             kubelet::lenient_incoming(registration_listener),
             stopped(shutdown_rx.clone()),
         );
-    tasks.push(vital.spawn_explained("registration-server", async move {
-        tokio::select! {
-            served = registration_server => match served {
-                Ok(()) => "ended".to_string(),
-                Err(error) => {
-                    error!(%error, "registration gRPC server failed");
-                    format!("failed: {error}")
-                }
-            },
-            lost = registration_socket_lost => {
-                error!(what = %lost, "the kubelet can no longer reach the registration server");
-                lost
-            }
-        }
-    }));
+    tasks.push(vital.spawn_explained(
+        "registration-server",
+        serve_while_reachable(
+            "registration",
+            registration_server,
+            config.registration_socket(),
+            registration_socket_file,
+        ),
+    ));
 
     tasks.push(tokio::spawn(selftest::run(
         client.clone(),
@@ -683,4 +657,28 @@ pub async fn kube_client(
     timeouts: &ApiTimeouts,
 ) -> Result<kube::Client, anyhow::Error> {
     Ok(crate::apiclient::kube_client(kubeconfig, timeouts).await?)
+}
+
+/// Serves a kubelet-facing gRPC server until it ends, or until the kubelet can no longer reach it
+/// because the socket file it was bound as (`bound`, at `socket`) was removed or replaced; returns why,
+/// for `/healthz`.
+async fn serve_while_reachable(
+    what: &'static str,
+    server: impl std::future::Future<Output = Result<(), tonic::transport::Error>>,
+    socket: PathBuf,
+    bound: Option<kubelet::SocketFile>,
+) -> String {
+    tokio::select! {
+        served = server => match served {
+            Ok(()) => "ended".to_string(),
+            Err(error) => {
+                error!(%error, server = what, "gRPC server failed");
+                format!("failed: {error}")
+            }
+        },
+        lost = kubelet::socket_lost(socket, bound, kubelet::SOCKET_CHECK_INTERVAL) => {
+            error!(server = what, why = %lost, "the kubelet can no longer reach this gRPC server");
+            lost
+        }
+    }
 }

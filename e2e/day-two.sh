@@ -10,8 +10,8 @@
 #   kubelet-restart  the plugin is registered again without a restart of its own; pods keep their
 #                    devices; a new pod gets one
 #   probes           a registration socket removed under the plugin: /healthz fails, the kubelet's
-#                    liveness probe restarts it; /readyz is false until it serves, is registered and has
-#                    published
+#                    liveness probe restarts it; with slice creates refused by a policy, /readyz and the
+#                    Pod stay not ready until it can publish
 #   reboot           kubelet, containerd and the plugin stopped, /var/run/cdi emptied, the MPS tmpfs gone,
 #                    a new boot id (the BOOT_ID_FILE of e2e/real-node), all started again: the pods the
 #                    kubelet restarts get their devices (their MIG device made again), nothing stale left
@@ -273,22 +273,64 @@ step_probes() {
   local said; said=$(curl -s $HTTP/healthz)
   echo "/healthz: $said"
   check "/healthz fails and names the socket" grep -q "registration-server stopped (socket $REG_SOCKET was removed)" <<<"$said"
-  # The liveness probe (every 30 s, 3 failures) restarts the container; sample /readyz and the Pod's
-  # Ready condition until it is Ready again.
-  local samples; samples=$(mktemp)
-  local deadline=$((SECONDS + 180))
+  # The liveness probe (every 30 s, 3 failures) restarts the container; wait until it is Ready again.
+  local deadline=$((SECONDS + 180)) pod_now
   while [ $SECONDS -lt $deadline ]; do
-    local r; r=$(kubectl get pod -n gpu-dra -l $SEL -o jsonpath='{.items[0].status.conditions[?(@.type=="Ready")].status}')
-    echo "$(plugin_restarts) $r $(curl -s -m 1 $HTTP/readyz | head -1 || echo down)" >> "$samples"
-    [ "$(plugin_restarts)" -gt "$before" ] && [ "$r" = True ] && break
-    sleep 0.3
+    pod_now=$(kubectl get pod -n gpu-dra -l $SEL -o jsonpath='{.items[0].status.containerStatuses[0].restartCount} {.items[0].status.conditions[?(@.type=="Ready")].status}')
+    [ "$pod_now" = "$((before + 1)) True" ] && break
+    sleep 0.5
   done
   check "the kubelet's liveness probe restarted the plugin (restarts $before -> $(plugin_restarts))" test "$(plugin_restarts)" -gt "$before"
   check "Event: Liveness probe failed" bash -c "kubectl get events -n gpu-dra --field-selector reason=Unhealthy -o jsonpath='{.items[*].message}' | grep -q 'Liveness probe failed'"
-  echo "readiness after the restart (restarts, Ready, /readyz): $(grep "^$((before + 1)) " "$samples" | cut -c1-160 | uniq | tr '\n' '|')"
-  check "/readyz said not ready (and why) before the new container was ready" grep -q "^$((before + 1)) .*not ready" "$samples"
-  check "the Pod was never Ready while /readyz said not ready" bash -c "! grep -q '^[0-9]* True not ready' '$samples'"
-  check "registered again: the socket is back" test -S "$REG_SOCKET"
+  check "registered again: the socket is back, the Pod Ready" bash -c "[ -S '$REG_SOCKET' ] && [ '$pod_now' = '$((before + 1)) True' ]"
+
+  h "probes: readiness while the plugin cannot publish"
+  # A policy that refuses the plugin's slice creates, the driver's slices deleted, the plugin restarted:
+  # it serves and registers, but cannot publish, so it must stay not Ready until the policy goes. (Once
+  # Ready, a plugin stays Ready through later publish failures: the running one here, whose slices are
+  # deleted under it, does; a flip would change nothing for a DaemonSet Pod.)
+  kubectl apply -f - >/dev/null <<EOF
+apiVersion: admissionregistration.k8s.io/v1
+kind: ValidatingAdmissionPolicy
+metadata: {name: day-two-no-slices}
+spec:
+  failurePolicy: Fail
+  matchConstraints:
+    resourceRules:
+      - {apiGroups: [resource.k8s.io], apiVersions: ["*"], operations: [CREATE], resources: [resourceslices]}
+  validations:
+    - expression: "request.userInfo.username != 'system:serviceaccount:gpu-dra:gpu-dra-plugin'"
+      message: "day-two.sh: slice creates refused for the readiness check"
+---
+apiVersion: admissionregistration.k8s.io/v1
+kind: ValidatingAdmissionPolicyBinding
+metadata: {name: day-two-no-slices}
+spec:
+  policyName: day-two-no-slices
+  validationActions: [Deny]
+EOF
+  sleep 3 # the API server loads new policies within a second or so
+  kubectl delete resourceslices --field-selector spec.driver=gpu.dra.dev >/dev/null
+  sleep 10
+  check "the policy holds: the running plugin could not create its slices again in 10 s" test "$(slice_count)" = 0
+  kubectl delete pod -n gpu-dra -l $SEL --wait=true >/dev/null
+  waitfor 60 bash -c "kubectl get pod -n gpu-dra -l $SEL -o jsonpath='{.items[0].status.phase}' | grep -q Running"
+  sleep 20 # four readiness probes
+  local said; said=$(curl -s -m 2 $HTTP/readyz)
+  echo "/readyz: $said; Pod Ready: $(kubectl get pod -n gpu-dra -l $SEL -o jsonpath='{.items[0].status.conditions[?(@.type=="Ready")].status}'); slices: $(slice_count)"
+  check "/readyz says the slices are not published (and nothing else is missing)" test "$said" = "not ready: ResourceSlices not published yet"
+  check "the Pod is Running but not Ready" test "$(kubectl get pod -n gpu-dra -l $SEL -o jsonpath='{.items[0].status.conditions[?(@.type=="Ready")].status}')" = False
+  kubectl delete validatingadmissionpolicybinding,validatingadmissionpolicy day-two-no-slices >/dev/null
+  local samples; samples=$(mktemp); deadline=$((SECONDS + 120))
+  while [ $SECONDS -lt $deadline ]; do
+    local r; r=$(kubectl get pod -n gpu-dra -l $SEL -o jsonpath='{.items[0].status.conditions[?(@.type=="Ready")].status}')
+    echo "$r $(slice_count)" >> "$samples"
+    [ "$r" = True ] && break
+    sleep 0.5
+  done
+  echo "after the policy went (count, Ready, slices): $(sort "$samples" | uniq -c | tr -s ' \n' ' ')"
+  check "Ready once it published, never before (no sample Ready with 0 slices)" bash -c \
+    "grep -q '^True [1-9]' '$samples' && ! grep -q '^True 0\$' '$samples'"
   rm -f "$samples"
 }
 

@@ -38,10 +38,7 @@ impl NodeEvents {
     pub fn new(client: kube::Client, driver: &str, node: &str) -> Self {
         NodeEvents {
             client: client.clone(),
-            reporter: Reporter {
-                controller: format!("{driver}/kubelet-plugin"),
-                instance: Some(format!("{driver}/{node}")),
-            },
+            reporter: plugin_reporter(driver, node),
             series: Mutex::new(HashMap::new()),
             nodes: Api::all(client),
             node: node.to_string(),
@@ -142,6 +139,14 @@ impl NodeEvents {
                 "could not record an Event on the Node: the API server did not answer in time"
             ),
         }
+    }
+}
+
+/// Who posts the plugin's Events: the driver's kubelet plugin, on this node.
+pub(super) fn plugin_reporter(driver: &str, node: &str) -> Reporter {
+    Reporter {
+        controller: format!("{driver}/kubelet-plugin"),
+        instance: Some(format!("{driver}/{node}")),
     }
 }
 

@@ -25,11 +25,11 @@ use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{ObjectReference, Pod};
 use kube::api::Api;
-use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::events::{Event, EventType, Recorder};
 use thiserror::Error;
 use tracing::{error, info, warn};
 
-use super::node_events::{truncate_note, NodeEvents};
+use super::node_events::{plugin_reporter, truncate_note, NodeEvents};
 use super::{BackendChoice, PluginConfig};
 use crate::cdi::{find_nvml_library, DriverRoot};
 pub use identity::{judge_identity, who_am_i, Identity};
@@ -448,10 +448,7 @@ impl Preflight {
             uid,
             ..Default::default()
         };
-        let reporter = Reporter {
-            controller: format!("{}/kubelet-plugin", self.driver_name),
-            instance: Some(format!("{}/{}", self.driver_name, self.node_name)),
-        };
+        let reporter = plugin_reporter(&self.driver_name, &self.node_name);
         let event = Event {
             type_: EventType::Warning,
             reason: failure.reason().to_string(),

@@ -11,9 +11,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for file in files {
         println!("cargo:rerun-if-changed={file}");
     }
-    // The optimised binary's code layout (tools/link-ordered.sh): a new list relinks it.
-    println!("cargo:rerun-if-changed=tools/code-order.txt");
-    println!("cargo:rerun-if-changed=tools/link-ordered.sh");
     let descriptors = protox::compile(files, ["proto"])?;
     tonic_prost_build::configure()
         .build_server(true)

@@ -2,8 +2,9 @@
 //! double, with the plugin as a separate (release) process so its resident memory can be read.
 //!
 //! Run: `cargo bench --bench prepare` (the README and BENCHMARKS.md quote its output).
-//! `GPU_DRA_BENCH_PLUGIN=<program>` runs the plugin through another program given the same arguments
-//! (tools/code-order.sh runs it under callgrind that way).
+//! `GPU_DRA_BENCH_PLUGIN=<program>` runs another plugin binary (or a program that runs one) with the
+//! same arguments: `cargo bench` builds this package with its test doubles, so BENCHMARKS.md measures the
+//! node binary of `cargo build --release` that way, and an older build beside it.
 
 use std::time::{Duration, Instant};
 
@@ -267,17 +268,15 @@ async fn run(title: &str, cdi_root: Option<&std::path::Path>) {
     }
     match rss {
         Some(rss) => println!(
-            "plugin resident memory after the burst: {:.1} MiB (peak {:.1} MiB; \
-             {:.1} MiB heap and stacks, {:.1} MiB mapped code and files)",
+            "plugin memory after the burst: RssAnon {:.1} MiB, PSS {:.1} MiB, RSS {:.1} MiB \
+             (peak RSS {:.1} MiB; {:.1} MiB of RSS mapped code and files)",
+            mib(rss.anonymous),
+            mib(rss.proportional),
             mib(rss.total),
             mib(rss.peak),
-            mib(rss.anonymous),
             mib(rss.file)
         ),
-        None => println!("plugin resident memory: unavailable (no /proc)"),
-    }
-    if let Some((found, listed)) = code_order_found() {
-        println!("  functions of tools/code-order.txt laid out first: {found} of {listed}");
+        None => println!("plugin memory: unavailable (no /proc)"),
     }
     stop(plugin);
     println!();
@@ -304,32 +303,6 @@ fn stop(mut plugin: std::process::Child) {
     }
     let _ = plugin.kill();
     let _ = plugin.wait();
-}
-
-/// How many of the functions tools/code-order.txt lays out first are in the binary the benchmark
-/// runs (`nm` reads its symbols); `None` without `nm`. Few found means the list is stale: its
-/// functions were renamed or removed, and more of the binary's code is resident than need be.
-fn code_order_found() -> Option<(usize, usize)> {
-    let list =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tools/code-order.txt"))
-            .ok()?;
-    let symbols = std::process::Command::new("nm")
-        .args(["--defined-only", "--demangle"])
-        .arg(env!("CARGO_BIN_EXE_gpu-dra"))
-        .output()
-        .ok()
-        .filter(|out| out.status.success())?;
-    let text = String::from_utf8_lossy(&symbols.stdout);
-    let defined: std::collections::HashSet<&str> = text
-        .lines()
-        .filter_map(|line| line.splitn(3, ' ').nth(2))
-        .collect();
-    let listed: Vec<&str> = list.lines().filter(|name| !name.is_empty()).collect();
-    let found = listed
-        .iter()
-        .filter(|name| defined.contains(**name))
-        .count();
-    Some((found, listed.len()))
 }
 
 /// One prepare and one unprepare of `claim`; how long each call took.
@@ -375,13 +348,15 @@ fn insert_claim(node: &Harness, name: &str, gpu: usize) -> ClaimRef {
     ClaimRef::new("default", name, uid)
 }
 
-/// Resident memory in KiB, from /proc/PID/status.
+/// Memory in KiB, from /proc/PID/status and /proc/PID/smaps_rollup.
 struct Resident {
     total: u64,
     peak: u64,
-    /// Heap and stacks: what the plugin allocates.
+    /// Heap and stacks: what the plugin allocates, and what a node pays for it.
     anonymous: u64,
-    /// Mapped files, mostly the plugin's own machine code; it grows with the binary.
+    /// Proportional set size: resident pages, each divided among the processes that map it.
+    proportional: u64,
+    /// Mapped files, mostly the plugin's own machine code: clean pages the kernel shares and can drop.
     file: u64,
 }
 
@@ -396,7 +371,16 @@ fn resident_kib(pid: u32) -> Option<Resident> {
             .parse()
             .ok()
     };
+    let rollup = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
+    let proportional = rollup
+        .lines()
+        .find(|l| l.starts_with("Pss:"))?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()?;
     Some(Resident {
+        proportional,
         total: field("VmRSS:")?,
         peak: field("VmHWM:")?,
         anonymous: field("RssAnon:")?,

@@ -2,7 +2,8 @@
 //!
 //! The modules follow the data flow: `gpu` (backends) → `devices` (DRA devices) → `slices` (planner and
 //! publisher); the kubelet calls `kubelet` (gRPC) → `claims` (prepare/unprepare) → `cdi` (spec files).
-//! `plugin` wires them together; `demo` walks through it all with the test doubles in `support`.
+//! `plugin` wires them together; `demo` walks through it all with the test doubles in `support` (both only with the `doubles` feature:
+//! the node binary leaves them out).
 
 pub mod api;
 pub mod apiclient;
@@ -10,6 +11,7 @@ pub mod boot;
 pub mod cdi;
 pub mod cel;
 pub mod claims;
+#[cfg(feature = "doubles")]
 pub mod demo;
 pub mod devices;
 pub mod explain;
@@ -23,5 +25,6 @@ pub mod proto;
 pub mod quantity;
 pub mod slices;
 
+#[cfg(feature = "doubles")]
 #[path = "../tests/support/mod.rs"]
 pub mod support;

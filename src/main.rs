@@ -41,7 +41,9 @@ enum Command {
     /// Why a pod is Pending: the scheduler's DRA decision for its claims on every node, with the
     /// devices it would get or a reason per node. Exit 0 it fits on some node, 1 on none, 2 an error.
     Explain(ExplainArgs),
-    /// A local end-to-end walkthrough with the fake backend and in-process API server and kubelet.
+    /// A local end-to-end walkthrough with the fake backend and in-process API server and kubelet
+    /// (builds with `--features doubles` only).
+    #[cfg(feature = "doubles")]
     Demo,
     /// Fake GPU backend tools.
     Fake {
@@ -213,6 +215,7 @@ enum FakeCommand {
     },
     /// Stand-in for NVIDIA's nvidia-cuda-mps-control (MPS sharing with the fake backend): -d starts
     /// the daemon, -f runs it in the foreground, neither sends stdin's commands to it.
+    #[cfg(feature = "doubles")]
     #[command(hide = true)]
     MpsControlDaemon {
         /// Start the daemon in the background; return once it runs.
@@ -401,6 +404,7 @@ fn main() -> Result<()> {
         Command::Explain(args) => exit_with(explain(args)),
         Command::Plugin(args) => run_plugin(*args),
         Command::Devices(args) => print_devices(args),
+        #[cfg(feature = "doubles")]
         Command::Demo => {
             // The demo tells its own story on stdout (including the fault it injects); logs only for errors
             // unless RUST_LOG asks.
@@ -450,6 +454,7 @@ fn main() -> Result<()> {
             Ok(())
         }
         Command::MpsDaemon(args) => mps_daemon(args),
+        #[cfg(feature = "doubles")]
         Command::Fake {
             command: FakeCommand::MpsControlDaemon { daemon, foreground },
         } => {

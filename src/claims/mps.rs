@@ -27,6 +27,7 @@ pub use mps_pod::{DaemonPodTemplate, DaemonProgram};
 pub mod mps_pod;
 #[path = "mps_shm.rs"]
 pub mod mps_shm;
+#[cfg(feature = "doubles")]
 #[path = "mps_stand_in.rs"]
 pub mod stand_in;
 #[path = "mps_supervisor.rs"]
@@ -135,6 +136,8 @@ pub enum MpsError {
     },
     #[error("MPS daemon for claim {claim}: no image to run the daemon's Pod in: the plugin runs outside a Pod (set --mps-daemon-image, or POD_NAME and POD_NAMESPACE)")]
     NoDaemonPods { claim: String },
+    #[error("MPS daemon for claim {claim}: {}", supervisor::NO_STAND_IN)]
+    NoStandIn { claim: String },
     #[error("MPS daemon for claim {claim}: Pod {namespace}/{pod}: {action}: {source}")]
     Api {
         claim: String,
@@ -257,6 +260,9 @@ impl MpsDaemons {
         let pods = self.pods.as_ref().ok_or_else(|| MpsError::NoDaemonPods {
             claim: dirs.claim.clone(),
         })?;
+        if pods.template.program == DaemonProgram::StandIn && !cfg!(feature = "doubles") {
+            return Err(MpsError::NoStandIn { claim: dirs.claim });
+        }
         limit_commands(spec)?;
         let started = self.launch(pods, &dirs, spec).await;
         match &started {

@@ -106,7 +106,9 @@ impl DaemonPodTemplate {
                     args.push(format!("--library-path={}", in_root(dir).display()));
                 }
             }
-            DaemonProgram::StandIn => args.push("--program=stand-in".to_string()),
+            DaemonProgram::StandIn => {
+                args.push(format!("--program={}", super::supervisor::STAND_IN_PROGRAM))
+            }
         }
         args.extend(limits.iter().map(|command| format!("--command={command}")));
         let mut mounts = vec![

@@ -21,9 +21,15 @@ const READY_TIMEOUT: Duration = Duration::from_secs(30);
 const COMMAND_TIMEOUT: Duration = Duration::from_secs(5);
 const QUIT_WAIT: Duration = Duration::from_secs(10);
 const POLL: Duration = Duration::from_millis(50);
+/// `--program` for the fake backend's stand-in (`gpu-dra fake mps-control-daemon`), which only a build
+/// with the `doubles` feature has.
+pub const STAND_IN_PROGRAM: &str = "stand-in";
 /// The environment variable that tells the stand-in where its `/dev/shm` is (the real daemon always
 /// uses `/dev/shm`; the stand-in may run where nothing is mounted there, in the test doubles).
 pub const STAND_IN_SHM_ENV: &str = "GPU_DRA_FAKE_MPS_SHM";
+
+/// Why MPS on the fake backend fails in the node binary.
+pub const NO_STAND_IN: &str = "MPS on the fake backend runs a stand-in for NVIDIA's control daemon, which this build leaves out (only a build with `--features doubles` has it); the node binary runs MPS on real GPUs only";
 
 /// What the Pod's arguments say.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -87,7 +93,7 @@ impl SupervisorArgs {
     }
 
     fn command(&self, args: &[&str]) -> Command {
-        let mut command = if self.program == "stand-in" {
+        let mut command = if cfg!(feature = "doubles") && self.program == STAND_IN_PROGRAM {
             // Never after a chroot: the stand-in mode runs without one.
             let exe = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("/proc/self/exe"));
             let mut command = Command::new(exe);
@@ -123,6 +129,9 @@ impl SupervisorArgs {
 /// Runs the supervisor; returns the exit code.
 pub async fn supervise(args: SupervisorArgs) -> Result<i32, SupervisorError> {
     use tokio::signal::unix::{signal, SignalKind};
+    if args.program == STAND_IN_PROGRAM && !cfg!(feature = "doubles") {
+        return Err(args.failed(NO_STAND_IN.to_string()));
+    }
     if !is_tmpfs(&args.shm_dir) {
         return Err(SupervisorError::SharedMemoryNotTmpfs {
             claim: args.claim.clone(),

@@ -594,6 +594,12 @@ async fn mps_daemons(
         ),
         BackendChoice::Fake { .. } => (DaemonProgram::StandIn, PathBuf::from("/")),
     };
+    if program == DaemonProgram::StandIn && !cfg!(feature = "doubles") {
+        warn!(
+            "{}: MPS claims will fail at prepare",
+            claims::mps::supervisor::NO_STAND_IN
+        );
+    }
     let image = match (&config.mps.image, &config.mps.own_pod) {
         (Some(image), _) => Some(image.clone()),
         (None, Some(pod)) => own_image(client, &config.mps.namespace, pod).await,

@@ -5,20 +5,20 @@
 
 FROM rust:1-bookworm AS builder
 WORKDIR /src
-# Only what the release binary is built from; benches/ is there because Cargo.toml names its targets.
+# Only what the node binary is built from; benches/ is there because Cargo.toml names its targets.
 COPY Cargo.toml Cargo.lock build.rs ./
-# The linker wrapper that lays out the code the plugin runs (BENCHMARKS.md, "Memory").
-COPY .cargo ./.cargo
-COPY tools ./tools
 COPY proto ./proto
 COPY src ./src
 COPY benches ./benches
+# Compiled only with FEATURES=doubles (e2e/run.sh: MPS on the fake backend needs the stand-in).
+COPY tests/support ./tests/support
+ARG FEATURES=
 # Cache mounts keep the registry and the build between image builds; the binary is copied out of
 # the cached target folder in the same step.
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
-    cargo build --profile dist --locked \
-    && install -m 0755 target/dist/gpu-dra /usr/local/bin/gpu-dra
+    cargo build --release --locked ${FEATURES:+--features "$FEATURES"} \
+    && install -m 0755 target/release/gpu-dra /usr/local/bin/gpu-dra
 
 FROM debian:bookworm-slim
 # libnvidia-ml comes from the host's driver at run time (NVIDIA_DRIVER_ROOT), not from the image.

@@ -31,6 +31,10 @@ plugin_pod() { kubectl get pod -n gpu-dra -l app.kubernetes.io/component=kubelet
 plugin_ready() { kubectl wait -n gpu-dra --for=condition=Ready pod -l app.kubernetes.io/component=kubelet-plugin --timeout=90s >/dev/null 2>&1; }
 
 h "image"
+# The fake overlay's MPS claims (here and in e2e/day-two.sh) run the fake backend's MPS stand-in, which
+# only a build with the test doubles has: cargo build --release --features doubles.
+"${GPU_DRA_BINARY:-target/release/gpu-dra}" fake mps-control-daemon --help >/dev/null 2>&1 ||
+  { echo "${0##*/}: ${GPU_DRA_BINARY:-target/release/gpu-dra} has no MPS stand-in; build it with --features doubles" >&2; exit 1; }
 e2e/image.sh "${GPU_DRA_BINARY:-target/release/gpu-dra}" gpu-dra:dev target/gpu-dra-image.tar || exit 1
 "$BIN_DIR/ctr" -n k8s.io images import target/gpu-dra-image.tar >/dev/null
 "$BIN_DIR/ctr" -n k8s.io images tag --force docker.io/library/gpu-dra:dev docker.io/library/gpu-dra:dev2 >/dev/null

@@ -55,7 +55,7 @@ cd "$ROOT"
 
 log "building $IMAGE"
 # A tar stream without target/ and .git keeps the build context small.
-tar --exclude=./target --exclude=./.git -cf - . | docker build -t "$IMAGE" -f Dockerfile -
+tar --exclude=./target --exclude=./.git -cf - . | docker build --build-arg FEATURES=doubles -t "$IMAGE" -f Dockerfile -
 
 if [ "${KEEP_CLUSTER:-0}" = 1 ] && kind get clusters | grep -qx "$CLUSTER_NAME"; then
   log "reusing cluster $CLUSTER_NAME"

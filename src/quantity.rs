@@ -4,6 +4,10 @@
 //! parser: the CEL environment, the allocator, the config decoder, the device model and the slice
 //! publisher (which must not take the API server's canonical form, `40Gi` for `42949672960`, for a
 //! change) all use it.
+//!
+//! Hand-written because no crate matches apimachinery: `kube_quantity` 0.9 (rust_decimal inside)
+//! refuses `1E`, `1Ei` and `1e100`, which the API server accepts, and keeps `0.1n` where apimachinery
+//! rounds up to `1n`; a selector comparing such a capacity would then fail where the scheduler's passes.
 
 use std::fmt;
 use std::str::FromStr;

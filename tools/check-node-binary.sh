@@ -29,14 +29,21 @@ demo_refused=false
 refused demo && demo_refused=true
 stand_in_refused=false
 refused fake mps-control-daemon && stand_in_refused=true
+# An MPS daemon Pod of the fake backend: refused, with the reason.
+mps_refused=false
+if ! out=$("$binary" mps-daemon --claim check --pipe-dir /nonexistent --log-dir /nonexistent \
+  --shm-dir /nonexistent --program stand-in 2>&1) && grep -q "which this build leaves out" <<<"$out"; then
+  mps_refused=true
+fi
 
 echo "$binary: $found symbols of the test doubles, demo and MPS stand-in;" \
-  "'gpu-dra demo' refused: $demo_refused; 'gpu-dra fake mps-control-daemon' refused: $stand_in_refused"
+  "'gpu-dra demo' refused: $demo_refused; 'gpu-dra fake mps-control-daemon' refused: $stand_in_refused;" \
+  "an MPS daemon with the stand-in refused: $mps_refused"
 if $expect_doubles; then
-  [ "$found" -gt 0 ] && ! $demo_refused && ! $stand_in_refused && exit 0
+  [ "$found" -gt 0 ] && ! $demo_refused && ! $stand_in_refused && ! $mps_refused && exit 0
   echo "check-node-binary: expected a build with the doubles" >&2
   exit 1
 fi
-[ "$found" -eq 0 ] && $demo_refused && $stand_in_refused && exit 0
+[ "$found" -eq 0 ] && $demo_refused && $stand_in_refused && $mps_refused && exit 0
 echo "check-node-binary: $binary is not the node binary: it carries the test doubles (build it without --features doubles)" >&2
 exit 1

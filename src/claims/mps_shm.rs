@@ -62,15 +62,8 @@ pub fn tmpfs_size(dir: &Path) -> Option<u64> {
 /// kernel's own `/dev/shm` default do; 64 MiB where `/proc/meminfo` cannot be read.
 pub fn default_size() -> u64 {
     const FALLBACK: u64 = 64 * 1024 * 1024;
-    std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|text| {
-            text.lines()
-                .find_map(|line| line.strip_prefix("MemTotal:"))
-                .and_then(|rest| rest.trim().strip_suffix("kB"))
-                .and_then(|kib| kib.trim().parse::<u64>().ok())
-        })
-        .map_or(FALLBACK, |kib| kib * 1024 / 2)
+    use procfs::Current;
+    procfs::Meminfo::current().map_or(FALLBACK, |memory| memory.mem_total / 2)
 }
 
 #[cfg(test)]

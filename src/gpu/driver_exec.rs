@@ -39,9 +39,6 @@ const CHROOT_PROGRAMS: [&str; 4] = [
     "/bin/chroot",
 ];
 
-/// Symlink chains longer than this are loops, as the kernel's own limit says.
-const MAX_SYMLINKS: usize = 40;
-
 /// A script's interpreter may itself be a script; the kernel stops after 4 levels.
 const MAX_INTERPRETERS: usize = 4;
 
@@ -325,23 +322,24 @@ fn chroot_program() -> Option<PathBuf> {
         .find(|path| path.is_file())
 }
 
-/// `relative` below `root`, following symlinks of its last component with absolute targets taken
-/// below the root; `None` unless it ends at a regular file.
+/// `relative` below `root`, resolved as the root's own programs would see it: every symlink on the way,
+/// absolute targets taken below the root and `..` held at it (pathrs: `openat2(RESOLVE_IN_ROOT)`, or its
+/// own safe emulation on kernels before 5.6). The path is `root` joined with where it ends inside the
+/// root; `None` unless that is a regular file.
 pub(super) fn resolve_in_root(root: &Path, relative: &Path) -> Option<PathBuf> {
-    let relative = relative.strip_prefix("/").unwrap_or(relative);
-    let mut path = root.join(relative);
-    for _ in 0..MAX_SYMLINKS {
-        let meta = std::fs::symlink_metadata(&path).ok()?;
-        if !meta.file_type().is_symlink() {
-            return meta.is_file().then_some(path);
-        }
-        let target = std::fs::read_link(&path).ok()?;
-        path = match target.strip_prefix("/") {
-            Ok(inside) => root.join(inside),
-            Err(_) => path.parent()?.join(target),
-        };
-    }
-    None
+    use std::os::fd::{AsFd, AsRawFd};
+    let handle = pathrs::Root::open(root).ok()?.resolve(relative).ok()?;
+    // Where the handle ends, as this process sees it; below the root's own canonical path.
+    let reached =
+        std::fs::read_link(format!("/proc/self/fd/{}", handle.as_fd().as_raw_fd())).ok()?;
+    let inside = reached
+        .strip_prefix(std::fs::canonicalize(root).ok()?)
+        .ok()?
+        .to_path_buf();
+    let path = root.join(inside);
+    std::fs::metadata(&path)
+        .is_ok_and(|meta| meta.is_file())
+        .then_some(path)
 }
 
 /// The first interpreter on `binary`'s chain (its ELF loader, or a script's `#!` program, and so on)

@@ -3,11 +3,9 @@
 //! root's, started inside that root ([`DriverCommand`]), under a timeout; failures name the command,
 //! its exit status and what it printed.
 
-use std::io::Read;
-use std::os::unix::process::CommandExt;
 use std::path::Path;
-use std::process::{Child, ExitStatus, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{ExitStatus, Stdio};
+use std::time::Duration;
 
 use super::driver_exec::{DriverCommand, DriverExecError};
 use super::TimeSliceInterval;
@@ -18,9 +16,6 @@ pub(super) const TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Output beyond this is cut from error messages (nvidia-smi's errors are one or two lines).
 const MAX_SHOWN: usize = 2000;
-
-/// How often a running command is checked for having exited.
-const POLL: Duration = Duration::from_millis(10);
 
 #[derive(Debug, thiserror::Error)]
 pub(super) enum NvidiaSmiError {
@@ -79,13 +74,19 @@ impl NvidiaSmi {
             .map(|_| ())
     }
 
-    /// Runs `nvidia-smi` with `args`; its stdout when it exits with status 0.
+    /// Runs `nvidia-smi` with `args`; its stdout when it exits with status 0. Called from blocking
+    /// threads (a GPU's sharing change) and tests: the wait runs on a runtime of its own, whose timer
+    /// bounds it and whose process driver reads both pipes, so a chatty child never blocks on a full one.
     pub(super) fn run(&self, args: &[&str]) -> Result<String, NvidiaSmiError> {
         let command_line = std::iter::once(self.program.describe())
             .chain(args.iter().map(|a| a.to_string()))
             .collect::<Vec<_>>()
             .join(" ");
-        let mut command = self.program.command();
+        let spawn_error = |source| NvidiaSmiError::Spawn {
+            command: command_line.clone(),
+            source,
+        };
+        let mut command = tokio::process::Command::from(self.program.command());
         command
             .args(args)
             .stdin(Stdio::null())
@@ -93,95 +94,59 @@ impl NvidiaSmi {
             .stderr(Stdio::piped())
             // Its own process group, so that a timeout kills whatever it started too.
             .process_group(0);
-        let mut child = command.spawn().map_err(|source| NvidiaSmiError::Spawn {
-            command: command_line.clone(),
-            source,
-        })?;
-        // Read both pipes on their own threads so a chatty child never blocks on a full pipe.
-        let stdout = child.stdout.take().map(read_all);
-        let stderr = child.stderr.take().map(read_all);
-        let status = match wait_until(&mut child, Instant::now() + self.timeout) {
-            Ok(Some(status)) => status,
-            Ok(None) => {
-                kill_group(child);
-                // The reader threads end when the killed processes' pipes close; not waited for.
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(spawn_error)?;
+        let output = runtime.block_on(async {
+            let child = command.spawn()?;
+            let group = child.id();
+            let output = tokio::time::timeout(self.timeout, child.wait_with_output()).await;
+            if !matches!(output, Ok(Ok(_))) {
+                kill_group(group);
+            }
+            Ok(output)
+        });
+        let output = match output.map_err(spawn_error)? {
+            Ok(Ok(output)) => output,
+            Ok(Err(source)) => return Err(spawn_error(source)),
+            // The child went with the dropped wait: tokio reaps it once it dies, and a process in
+            // uninterruptible sleep (a driver call that does not return) dies only when that call
+            // returns, so nothing here waits for it, and the GPU's sharing lock is not held as long.
+            Err(_) => {
                 return Err(NvidiaSmiError::TimedOut {
                     command: command_line,
                     timeout: self.timeout,
-                });
-            }
-            Err(source) => {
-                kill_group(child);
-                return Err(NvidiaSmiError::Spawn {
-                    command: command_line,
-                    source,
-                });
+                })
             }
         };
-        let collect = |reader: Option<std::thread::JoinHandle<String>>| {
-            reader.and_then(|r| r.join().ok()).unwrap_or_default()
-        };
-        let (stdout, stderr) = (collect(stdout), collect(stderr));
-        if status.success() {
+        let text = |bytes: &[u8]| String::from_utf8_lossy(bytes).into_owned();
+        let (stdout, stderr) = (text(&output.stdout), text(&output.stderr));
+        if output.status.success() {
             return Ok(stdout);
         }
         // nvidia-smi prints many of its errors on stdout.
-        let output = [stderr.trim(), stdout.trim()]
+        let shown = [stderr.trim(), stdout.trim()]
             .into_iter()
             .find(|text| !text.is_empty())
             .map(shorten)
             .unwrap_or_else(|| "no output".to_string());
         Err(NvidiaSmiError::Failed {
             command: command_line,
-            status: describe_status(status),
-            output,
+            status: describe_status(output.status),
+            output: shown,
         })
     }
 }
 
-fn read_all(mut pipe: impl Read + Send + 'static) -> std::thread::JoinHandle<String> {
-    std::thread::spawn(move || {
-        let mut bytes = Vec::new();
-        // A read error leaves what was read so far: the text is only shown in messages.
-        let _ = pipe.read_to_end(&mut bytes);
-        String::from_utf8_lossy(&bytes).into_owned()
-    })
-}
-
-/// The child's exit status, or `None` once `deadline` passed with it still running.
-fn wait_until(
-    child: &mut std::process::Child,
-    deadline: Instant,
-) -> std::io::Result<Option<ExitStatus>> {
-    loop {
-        if let Some(status) = child.try_wait()? {
-            return Ok(Some(status));
-        }
-        let now = Instant::now();
-        if now >= deadline {
-            return Ok(None);
-        }
-        std::thread::sleep(POLL.min(deadline - now));
-    }
-}
-
-/// Kills the child's process group (the child and anything it started), and reaps the child on a
-/// thread of its own: a process in uninterruptible sleep (a driver call that does not return) dies
-/// only when that call returns, and waiting for it here would hold the caller, and the GPU's
-/// sharing lock, as long.
-fn kill_group(mut child: Child) {
+/// Kills the process group the child leads (`process_group(0)`: its pid is the group id), so what it
+/// started goes too. Errors mean the group is already gone.
+fn kill_group(group: Option<u32>) {
     use nix::sys::signal::{killpg, Signal};
     use nix::unistd::Pid;
-    // The child leads its own group (`process_group(0)`), so its pid is the group id. Errors mean
-    // the group is already gone.
-    if let Ok(pid) = i32::try_from(child.id()) {
+    if let Some(pid) = group.and_then(|pid| i32::try_from(pid).ok()) {
         let _ = killpg(Pid::from_raw(pid), Signal::SIGKILL);
     }
-    let _ = child.kill();
-    // Without a thread the child stays a zombie until this process ends; nothing else is lost.
-    let _ = std::thread::Builder::new()
-        .name("nvidia-smi reaper".into())
-        .spawn(move || child.wait());
 }
 
 fn describe_status(status: ExitStatus) -> String {
@@ -206,6 +171,7 @@ mod tests {
     use crate::cdi::fake_root::FakeRoot;
     use crate::gpu::nvml_support::library_candidates;
     use std::os::unix::fs::PermissionsExt;
+    use std::time::Instant;
 
     /// A driver root whose `nvidia-smi` is the shell script `body`.
     fn root_with(body: &str) -> tempfile::TempDir {

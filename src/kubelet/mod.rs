@@ -6,7 +6,7 @@ pub mod accept;
 pub mod authority;
 pub mod dra;
 pub mod health;
-mod hpack;
+pub mod hpack;
 pub mod registration;
 pub mod socket;
 

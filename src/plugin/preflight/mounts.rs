@@ -31,17 +31,15 @@ struct MountEntry {
     mount_point: PathBuf,
 }
 
-/// The mounts of a mountinfo text, in its order (a later mount at the same point covers an earlier one).
+/// The mounts of a mountinfo text, in its order (a later mount at the same point covers an earlier one);
+/// a line `procfs` cannot read is skipped. `procfs` leaves the kernel's octal escapes in the paths (a
+/// kubelet directory with a space in it would match nothing), so they are decoded here.
 fn parse_mountinfo(text: &str) -> Vec<MountEntry> {
     text.lines()
-        .filter_map(|line| {
-            let mut fields = line.split(' ');
-            let root = fields.nth(3)?;
-            let mount_point = fields.next()?;
-            Some(MountEntry {
-                root: unescape_mountinfo(root),
-                mount_point: PathBuf::from(unescape_mountinfo(mount_point)),
-            })
+        .filter_map(|line| procfs::process::MountInfo::from_line(line).ok())
+        .map(|mount| MountEntry {
+            root: unescape_mountinfo(&mount.root),
+            mount_point: PathBuf::from(unescape_mountinfo(&mount.mount_point.to_string_lossy())),
         })
         .collect()
 }

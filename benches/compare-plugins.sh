@@ -6,8 +6,11 @@
 # CLIENT=head drives both with this checkout's client instead, for figures the base's client does not
 # print (prepare and unprepare apart, the plugin's CPU time); the plugins' command line must match.
 # The base is built in a git worktree under ${TMPDIR:-/tmp} with this checkout's target directory, so only
-# the gpu-dra crate is compiled twice. Needs a base whose kubelet double this checkout's plugin accepts
-# (every commit does: the plugin accepts any :authority).
+# the gpu-dra crate is compiled twice (a base with another .cargo/config.toml compiles everything again).
+# BASE_PLUGIN=<binary> runs that binary as the base's plugin instead of building one (with CLIENT=head; the
+# base commit then only names it). Needs a base whose kubelet double this checkout's plugin accepts
+# (every commit does: the plugin accepts any :authority). Where the checkout has the `doubles` feature,
+# its plugin is the node binary of `cargo build --release`, not the benchmark's own build (which has the doubles).
 set -euo pipefail
 BASE=${1:?usage: benches/compare-plugins.sh BASE_COMMIT [ROUNDS]}
 ROUNDS=${2:-5}
@@ -24,14 +27,22 @@ build() { # dir, name: builds the prepare benchmark there and keeps its plugin b
     sed -n 's/.*Executable benches\/prepare.rs (\(.*\))/\1/p')
   [ -n "$exe" ] || { echo "compare-plugins.sh: building the benchmark in $1 failed" >&2; exit 1; }
   case $exe in /*) ;; *) exe=$1/$exe ;; esac
+  if grep -q '^doubles = ' "$1/Cargo.toml"; then
+    (cd "$1" && CARGO_TARGET_DIR=$TARGET cargo build --release --bin gpu-dra 2>/dev/null)
+  fi
   cp "$TARGET/release/gpu-dra" "$WORK/gpu-dra-$2"
   cp "$exe" "$WORK/client-$2"
 }
 
-git -C "$ROOT" worktree add --detach "$WORK/base" "$BASE" >/dev/null
-echo "building $(git -C "$ROOT" rev-parse --short HEAD) and $BASE ..." >&2
 build "$ROOT" head
-build "$WORK/base" base
+if [ -n "${BASE_PLUGIN:-}" ]; then
+  [ "$CLIENT" = head ] || { echo "compare-plugins.sh: BASE_PLUGIN needs CLIENT=head" >&2; exit 1; }
+  cp "$BASE_PLUGIN" "$WORK/gpu-dra-base"
+else
+  git -C "$ROOT" worktree add --detach "$WORK/base" "$BASE" >/dev/null
+  echo "building $(git -C "$ROOT" rev-parse --short HEAD) and $BASE ..." >&2
+  build "$WORK/base" base
+fi
 
 # The client runs the plugin at target/release/gpu-dra; each run puts the plugin under test there.
 for round in $(seq "$ROUNDS"); do
@@ -61,12 +72,16 @@ for plugin, body in zip(runs[::2], runs[1::2]):
              num(r"prepare alone: p50 ([\d.]+) ms"), num(r"prepare alone: p50 [\d.]+ ms, p99 ([\d.]+) ms"),
              num(r"unprepare alone: p50 ([\d.]+) ms"),
              num(r"CPU time ([\d.]+) ms per round trip"),
-             num(r"(\d+) claims/s"), num(r"burst: ([\d.]+) MiB")))
+             num(r"(\d+) claims/s"), num(r"burst: ([\d.]+) MiB"),
+             num(r"RssAnon ([\d.]+) MiB"), num(r"PSS ([\d.]+) MiB"), num(r"RSS ([\d.]+) MiB"),
+             num(r"CPU time ([\d.]+) ms per claim")))
 for layout, plugins in rows.items():
     print(f"== {layout}: medians of {len(plugins['head'])} interleaved runs, {base if client == 'base' else 'this checkout'}'s client")
     for plugin in ("base", "head"):
-        p50, p99, prep50, prep99, unprep50, cpu, rate, rss = (statistics.median(c) for c in zip(*plugins[plugin]))
+        p50, p99, prep50, prep99, unprep50, cpu, rate, rss, anon, pss, rss_new, burst_cpu = (statistics.median(c) for c in zip(*plugins[plugin]))
         apart = "" if prep50 != prep50 else f" (prepare p50 {prep50:.2f} ms, p99 {prep99:.2f} ms; unprepare p50 {unprep50:.2f} ms)"
         cost = "" if cpu != cpu else f", plugin CPU {cpu:.2f} ms per round trip"
-        print(f"  {plugin:4} plugin: round trip p50 {p50:.2f} ms, p99 {p99:.2f} ms{apart}{cost}, burst {rate:.0f} claims/s, resident {rss:.1f} MiB")
+        cost += "" if burst_cpu != burst_cpu else f", burst CPU {burst_cpu:.2f} ms per claim"
+        memory = f"resident {rss:.1f} MiB" if anon != anon else f"RssAnon {anon:.1f} MiB, PSS {pss:.1f} MiB, RSS {rss_new:.1f} MiB"
+        print(f"  {plugin:4} plugin: round trip p50 {p50:.2f} ms, p99 {p99:.2f} ms{apart}{cost}, burst {rate:.0f} claims/s, {memory}")
 EOF

@@ -13,6 +13,8 @@
 //! let slices: kube::Api<ResourceSlice> = kube::Api::all(server.client()?);
 //! ```
 
+mod admission;
+mod errors;
 mod gates;
 mod hangs;
 mod hooks;
@@ -24,6 +26,7 @@ mod selectors;
 mod store;
 mod validation;
 mod watches;
+mod writes;
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;

@@ -8,6 +8,10 @@
 //! `freeze_watches`), turn feature gates off (`start_with_gates`, `set_feature_gates`, `upgrade`; see
 //! [`gates`]) and observe what the driver did (`requests`, `writes`, `dry_runs`).
 //!
+//! Its parts: [`resources`] (the kinds served), [`store`] (objects, watch history, server-owned metadata),
+//! [`rest`] (routing, faults and reads), [`writes`] with [`admission`] and [`validation`] (the write path),
+//! [`watches`], [`errors`] (the `Status` answers) and [`hooks`] (the test hooks on [`ApiServer`]).
+//!
 //! ```ignore
 //! let server = ApiServer::start().await?;
 //! let slices: kube::Api<ResourceSlice> = kube::Api::all(server.client()?);

@@ -24,7 +24,11 @@ mod tests;
 #[cfg(test)]
 mod tests_env;
 #[cfg(test)]
+mod tests_language;
+#[cfg(test)]
 mod tests_library;
+#[cfg(test)]
+mod tests_upstream;
 
 use std::sync::Arc;
 

@@ -4,17 +4,21 @@
 //! `rbac` checks the plugin's grants against the calls in `src/`, `admission` the policies that narrow
 //! its writes, `config_admission` the policy that refuses malformed device configs in users' claims,
 //! `helm_chart` that the Helm chart in `deploy/helm/` renders what kustomize renders.
+//! Here the manifests are read, rendered and round-tripped; `daemonset` checks the plugin's DaemonSet,
+//! `workloads` the e2e workloads and examples against the classes and templates they name.
 
 mod admission;
 mod cel_env;
 mod config_admission;
+mod daemonset;
 mod extended_resource;
 mod helm_chart;
 mod mps_pod_admission;
 mod node_admission;
 mod rbac;
+mod workloads;
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -348,156 +352,6 @@ fn patches_name_an_object_of_the_base() {
     }
 }
 
-#[test]
-fn plugin_daemonset_mounts_kubelet_and_cdi_dirs_and_knows_its_node() {
-    let (objects, _) = manifests();
-    let ds: DaemonSet = one(&objects, "DaemonSet", "gpu-dra-plugin").typed();
-    let pod = ds
-        .spec
-        .template
-        .spec
-        .as_ref()
-        .unwrap_or_else(|| panic!("DaemonSet gpu-dra-plugin has no pod spec"));
-    let container = pod
-        .containers
-        .iter()
-        .find(|c| c.name == "plugin")
-        .unwrap_or_else(|| panic!("DaemonSet gpu-dra-plugin has no container `plugin`"));
-
-    // Volume name → host path.
-    let host_paths: BTreeMap<&str, &str> = pod
-        .volumes
-        .iter()
-        .flatten()
-        .filter_map(|v| Some((v.name.as_str(), v.host_path.as_ref()?.path.as_str())))
-        .collect();
-    let mounts = container.volume_mounts.as_deref().unwrap_or_default();
-    for dir in [
-        "/var/lib/kubelet/plugins_registry",
-        "/var/lib/kubelet/plugins",
-        "/var/run/cdi",
-    ] {
-        let mount = mounts
-            .iter()
-            .find(|m| host_paths.get(m.name.as_str()) == Some(&dir))
-            .unwrap_or_else(|| panic!("host path {dir} is not mounted into the plugin"));
-        assert_eq!(
-            mount.mount_path, dir,
-            "{dir} must be mounted at the same path in the container"
-        );
-    }
-    let plugins = mounts
-        .iter()
-        .find(|m| m.mount_path == "/var/lib/kubelet/plugins")
-        .and_then(|m| m.mount_propagation.as_deref());
-    assert_eq!(plugins, Some("Bidirectional"));
-    let privileged = container
-        .security_context
-        .as_ref()
-        .and_then(|s| s.privileged);
-    assert_eq!(
-        privileged,
-        Some(true),
-        "Bidirectional propagation and MIG need a privileged container"
-    );
-
-    let node_name = container
-        .env
-        .iter()
-        .flatten()
-        .find(|e| e.name == "NODE_NAME")
-        .and_then(|e| e.value_from.as_ref()?.field_ref.as_ref())
-        .map(|f| f.field_path.as_str());
-    assert_eq!(node_name, Some("spec.nodeName"));
-}
-
-#[test]
-fn workloads_reference_existing_templates_and_device_classes() {
-    let (objects, partial) = manifests();
-    let classes: BTreeSet<&str> = objects
-        .iter()
-        .filter(|d| d.kind() == "DeviceClass")
-        .map(Doc::name)
-        .collect();
-    // Extended resources that a class answers to, in deploy/ or in a component's patch of a class there.
-    let extended_resources: BTreeSet<&str> = objects
-        .iter()
-        .chain(&partial)
-        .filter(|d| d.kind() == "DeviceClass" && classes.contains(d.name()))
-        .filter_map(|d| d.value["spec"]["extendedResourceName"].as_str())
-        .collect();
-    let templates: BTreeSet<(&str, &str)> = objects
-        .iter()
-        .filter(|d| d.kind() == "ResourceClaimTemplate")
-        .map(|d| (d.namespace(), d.name()))
-        .collect();
-    for doc in objects
-        .iter()
-        .filter(|d| d.kind() == "ResourceClaimTemplate")
-    {
-        let template: ResourceClaimTemplate = doc.typed();
-        let requests = template
-            .spec
-            .and_then(|s| s.spec?.devices?.requests)
-            .unwrap_or_default();
-        assert!(
-            !requests.is_empty(),
-            "{}: the template requests no device",
-            doc.origin
-        );
-        for request in &requests {
-            let class = request
-                .exactly
-                .as_ref()
-                .map(|e| e.device_class_name.as_str())
-                .unwrap_or_else(|| {
-                    panic!("{}: request {} has no `exactly`", doc.origin, request.name)
-                });
-            assert!(
-                classes.contains(class),
-                "{}: DeviceClass {class} is not in deploy/",
-                doc.origin
-            );
-        }
-    }
-    for doc in objects.iter().filter(|d| d.kind() == "Pod") {
-        let pod: Pod = doc.typed();
-        let spec = pod.spec.unwrap_or_default();
-        let claims = spec.resource_claims.unwrap_or_default();
-        let asks_for_extended_resource = spec.containers.iter().any(|c| {
-            c.resources
-                .iter()
-                .flat_map(|r| r.limits.iter().chain(r.requests.iter()).flatten())
-                .any(|(name, _)| extended_resources.contains(name.as_str()))
-        });
-        assert!(
-            !claims.is_empty() || asks_for_extended_resource,
-            "{}: the workload claims no device and asks for no extended resource a class answers to ({extended_resources:?})",
-            doc.origin
-        );
-        for claim in &claims {
-            if let Some(template) = &claim.resource_claim_template_name {
-                assert!(
-                    templates.contains(&(doc.namespace(), template.as_str())),
-                    "{}: ResourceClaimTemplate {template} is not in its namespace",
-                    doc.origin
-                );
-            }
-            let used = spec.containers.iter().any(|c| {
-                c.resources
-                    .as_ref()
-                    .and_then(|r| r.claims.as_ref())
-                    .is_some_and(|cs| cs.iter().any(|c| c.name == claim.name))
-            });
-            assert!(
-                used,
-                "{}: no container uses claim {}",
-                doc.origin, claim.name
-            );
-        }
-    }
-}
-
 /// Renders an overlay with `kubectl kustomize`; `None` when kubectl is not installed.
 fn kustomize(overlay: &str) -> Option<Vec<Doc>> {
     let dir = root().join("deploy/overlays").join(overlay);
@@ -573,112 +427,4 @@ fn overlays_render_to_valid_objects() {
         one(&docs, "DeviceClass", "gpu.dra.dev");
         one(&docs, "ClusterRole", "gpu-dra-explain");
     }
-}
-
-/// What the plugin's preflight checks at start (`src/plugin/preflight`), checked on the manifests: the
-/// volume mounted at CONTAINER_DRIVER_ROOT is a hostPath of NVIDIA_DRIVER_ROOT.
-fn assert_driver_root_volume_is_the_driver_root(ds: &DaemonSet, origin: &str) {
-    let pod = ds.spec.template.spec.as_ref().expect("a pod spec");
-    let container = pod
-        .containers
-        .iter()
-        .find(|c| c.name == "plugin")
-        .expect("the plugin container");
-    let env = |name: &str| {
-        container
-            .env
-            .iter()
-            .flatten()
-            .find(|e| e.name == name)
-            .and_then(|e| e.value.clone())
-            .unwrap_or_else(|| panic!("{origin}: {name} is not set"))
-    };
-    let (host, seen_at) = (env("NVIDIA_DRIVER_ROOT"), env("CONTAINER_DRIVER_ROOT"));
-    let mount = container
-        .volume_mounts
-        .iter()
-        .flatten()
-        .find(|m| m.mount_path == seen_at)
-        .unwrap_or_else(|| {
-            panic!("{origin}: nothing is mounted at CONTAINER_DRIVER_ROOT {seen_at}")
-        });
-    let volume_path = pod
-        .volumes
-        .iter()
-        .flatten()
-        .find(|v| v.name == mount.name)
-        .and_then(|v| Some(v.host_path.as_ref()?.path.clone()));
-    assert_eq!(
-        volume_path.as_deref(),
-        Some(host.as_str()),
-        "{origin}: the hostPath volume at CONTAINER_DRIVER_ROOT must have NVIDIA_DRIVER_ROOT as its path"
-    );
-}
-
-#[test]
-fn the_driver_root_volume_is_the_driver_root_the_plugin_is_told() {
-    let (objects, _) = manifests();
-    let base: DaemonSet = one(&objects, "DaemonSet", "gpu-dra-plugin").typed();
-    assert_driver_root_volume_is_the_driver_root(&base, "deploy/base");
-    if let Some(docs) = kustomize("nvml") {
-        let nvml: DaemonSet = one(&docs, "DaemonSet", "gpu-dra-plugin").typed();
-        assert_driver_root_volume_is_the_driver_root(&nvml, "deploy/overlays/nvml");
-    }
-}
-
-#[test]
-fn fake_overlay_runs_the_fake_backend_without_the_driver_root() {
-    let Some(docs) = kustomize("fake") else {
-        return;
-    };
-    let ds: DaemonSet = one(&docs, "DaemonSet", "gpu-dra-plugin").typed();
-    let pod = ds
-        .spec
-        .template
-        .spec
-        .unwrap_or_else(|| panic!("the fake DaemonSet has no pod spec"));
-    let container = &pod.containers[0];
-    let env: BTreeMap<&str, &str> = container
-        .env
-        .iter()
-        .flatten()
-        .filter_map(|e| Some((e.name.as_str(), e.value.as_deref()?)))
-        .collect();
-    assert_eq!(env.get("GPU_BACKEND"), Some(&"fake"));
-    assert_eq!(env.get("MIG_MODE"), Some(&"dynamic"));
-    assert!(!env.contains_key("NVIDIA_DRIVER_ROOT"));
-    // The preflight refuses a CONTAINER_DRIVER_ROOT that is not there, with the fake backend too.
-    assert!(!env.contains_key("CONTAINER_DRIVER_ROOT"));
-    let profile = env
-        .get("FAKE_GPU_PROFILE")
-        .unwrap_or_else(|| panic!("FAKE_GPU_PROFILE is not set"));
-    let mounts = container.volume_mounts.as_deref().unwrap_or_default();
-    assert!(
-        mounts.iter().all(|m| m.mount_path != "/driver-root"),
-        "the fake overlay still mounts the host root"
-    );
-    let profile_mount = mounts
-        .iter()
-        .find(|m| profile.starts_with(&format!("{}/", m.mount_path)))
-        .unwrap_or_else(|| panic!("{profile} is on no volume"));
-    let config_map = pod
-        .volumes
-        .iter()
-        .flatten()
-        .find(|v| v.name == profile_mount.name)
-        .and_then(|v| v.config_map.as_ref())
-        .map(|c| c.name.as_str());
-    assert_eq!(config_map, Some("gpu-dra-fake-profile"));
-    let cm: ConfigMap = one(&docs, "ConfigMap", "gpu-dra-fake-profile").typed();
-    let file = profile.rsplit('/').next().unwrap_or_default();
-    assert!(
-        cm.data.unwrap_or_default().contains_key(file),
-        "ConfigMap gpu-dra-fake-profile has no key {file}"
-    );
-    assert_eq!(pod.affinity, None, "kind nodes have no NFD labels");
-    let selector = pod.node_selector.unwrap_or_default();
-    assert_eq!(
-        selector.get("gpu-dra.dev/fake").map(String::as_str),
-        Some("true")
-    );
 }

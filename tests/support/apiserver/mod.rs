@@ -8,37 +8,51 @@
 //! `freeze_watches`), turn feature gates off (`start_with_gates`, `set_feature_gates`, `upgrade`; see
 //! [`gates`]) and observe what the driver did (`requests`, `writes`, `dry_runs`).
 //!
+//! Its parts: [`resources`] (the kinds served), [`store`] (objects, watch history, server-owned metadata),
+//! [`rest`] (routing, faults and reads), [`writes`] with [`admission`] and [`validation`] (the write path),
+//! [`watches`], [`errors`] (the `Status` answers) and [`hooks`] (the test hooks on [`ApiServer`]).
+//!
 //! ```ignore
 //! let server = ApiServer::start().await?;
 //! let slices: kube::Api<ResourceSlice> = kube::Api::all(server.client()?);
 //! ```
 
+mod admission;
+mod errors;
 mod gates;
 mod hangs;
+mod hooks;
 mod identity;
 mod patch;
+mod resources;
 mod rest;
 mod selectors;
+mod store;
 mod validation;
 mod watches;
+mod writes;
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use serde_json::{json, Value};
+use serde_json::json;
 use tokio::sync::{broadcast, watch};
 use tokio::task::JoinHandle;
 
 pub use gates::{FeatureGate, FeatureGates};
 pub use hangs::HangSpec;
 pub use identity::NODE_NAME_CLAIM;
+pub use store::ApiHandle;
 
-/// How many watch events the server keeps for watches that resume from a resourceVersion; an older
-/// resourceVersion gets `410 Gone`, as after an etcd compaction.
-const HISTORY_LIMIT: usize = 10_000;
+use resources::{hook_resource, resource_def, ResourceDef};
+use store::{
+    fill_system_meta, fill_type_meta, meta, meta_str, now_timestamp, remove_meta, set_meta,
+    EventType, ObjectKey, Store, StoreEvent,
+};
+
 /// Capacity of the live event channel; a watcher that falls this far behind gets `410 Gone`.
 const EVENT_CHANNEL_CAPACITY: usize = 4_096;
 
@@ -112,209 +126,6 @@ fn resource_matches(pattern: &str, resource: &str) -> bool {
     pattern == resource || resource.split('/').next() == Some(pattern)
 }
 
-/// A kind of object the server stores.
-#[derive(Debug, PartialEq, Eq)]
-struct ResourceDef {
-    plural: &'static str,
-    kind: &'static str,
-    group: &'static str,
-    version: &'static str,
-    namespaced: bool,
-    /// Whether `status` is a subresource: the main resource ignores status changes and `/status`
-    /// changes nothing else.
-    status_subresource: bool,
-    /// Whether a create keeps the status it is given (nodes) or starts with none (claims).
-    status_on_create: bool,
-}
-
-impl ResourceDef {
-    fn api_version(&self) -> String {
-        if self.group.is_empty() {
-            self.version.to_string()
-        } else {
-            format!("{}/{}", self.group, self.version)
-        }
-    }
-
-    /// `resourceslices.resource.k8s.io`, as error messages name a resource.
-    fn qualified_plural(&self) -> String {
-        if self.group.is_empty() {
-            self.plural.to_string()
-        } else {
-            format!("{}.{}", self.plural, self.group)
-        }
-    }
-
-    /// `ResourceSlice.resource.k8s.io`, as validation errors name a kind.
-    fn qualified_kind(&self) -> String {
-        if self.group.is_empty() {
-            self.kind.to_string()
-        } else {
-            format!("{}.{}", self.kind, self.group)
-        }
-    }
-}
-
-const RESOURCES: [ResourceDef; 8] = [
-    ResourceDef {
-        plural: "nodes",
-        kind: "Node",
-        group: "",
-        version: "v1",
-        namespaced: false,
-        status_subresource: true,
-        status_on_create: true,
-    },
-    ResourceDef {
-        plural: "resourceslices",
-        kind: "ResourceSlice",
-        group: "resource.k8s.io",
-        version: "v1",
-        namespaced: false,
-        status_subresource: false,
-        status_on_create: false,
-    },
-    ResourceDef {
-        plural: "resourceclaims",
-        kind: "ResourceClaim",
-        group: "resource.k8s.io",
-        version: "v1",
-        namespaced: true,
-        status_subresource: true,
-        status_on_create: false,
-    },
-    ResourceDef {
-        plural: "resourceclaimtemplates",
-        kind: "ResourceClaimTemplate",
-        group: "resource.k8s.io",
-        version: "v1",
-        namespaced: true,
-        status_subresource: false,
-        status_on_create: false,
-    },
-    // What `gpu-dra explain` reads about a pod: its claims, node selector, affinity and tolerations. Its
-    // status (the claims made from templates) is written with `insert`, as the controllers would.
-    ResourceDef {
-        plural: "pods",
-        kind: "Pod",
-        group: "",
-        version: "v1",
-        namespaced: true,
-        status_subresource: true,
-        status_on_create: false,
-    },
-    ResourceDef {
-        plural: "deviceclasses",
-        kind: "DeviceClass",
-        group: "resource.k8s.io",
-        version: "v1",
-        namespaced: false,
-        status_subresource: false,
-        status_on_create: false,
-    },
-    // What the plugin reports about DeviceClasses, on its Node (as kube's Recorder writes them).
-    ResourceDef {
-        plural: "events",
-        kind: "Event",
-        group: "events.k8s.io",
-        version: "v1",
-        namespaced: true,
-        status_subresource: false,
-        status_on_create: false,
-    },
-    // gpu-dra's own CRD (crd/), cluster-scoped with a status subresource.
-    ResourceDef {
-        plural: "gpunodepolicies",
-        kind: "GpuNodePolicy",
-        group: "gpu.dra.dev",
-        version: "v1alpha1",
-        namespaced: false,
-        status_subresource: true,
-        status_on_create: false,
-    },
-];
-
-fn resource_def(plural: &str) -> Option<&'static ResourceDef> {
-    RESOURCES.iter().find(|def| def.plural == plural)
-}
-
-/// The resource a test hook names; naming one the server does not serve is a bug in the test.
-fn hook_resource(plural: &str) -> &'static ResourceDef {
-    match resource_def(plural) {
-        Some(def) => def,
-        None => panic!("the API server double does not serve {plural:?}"),
-    }
-}
-
-/// Where an object lives: resource, namespace ("" when cluster-scoped), name.
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
-struct ObjectKey {
-    resource: &'static str,
-    namespace: String,
-    name: String,
-}
-
-impl ObjectKey {
-    fn new(def: &ResourceDef, namespace: Option<&str>, name: &str) -> Self {
-        let namespace = if def.namespaced {
-            namespace.unwrap_or("default")
-        } else {
-            ""
-        };
-        ObjectKey {
-            resource: def.plural,
-            namespace: namespace.to_string(),
-            name: name.to_string(),
-        }
-    }
-
-    fn of(def: &ResourceDef, obj: &Value) -> Self {
-        ObjectKey::new(
-            def,
-            meta_str(obj, "namespace"),
-            meta_str(obj, "name").unwrap_or_default(),
-        )
-    }
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum EventType {
-    Added,
-    Modified,
-    Deleted,
-}
-
-impl EventType {
-    fn as_str(self) -> &'static str {
-        match self {
-            EventType::Added => "ADDED",
-            EventType::Modified => "MODIFIED",
-            EventType::Deleted => "DELETED",
-        }
-    }
-}
-
-/// One change to the store, kept for watches. `previous` lets a filtered watch turn a change that moves
-/// an object into or out of its selection into ADDED or DELETED, as the real server does.
-#[derive(Debug)]
-struct StoreEvent {
-    revision: u64,
-    resource: &'static str,
-    kind: EventType,
-    object: Value,
-    previous: Option<Value>,
-}
-
-/// The objects, the global resourceVersion counter and the recent history of changes.
-#[derive(Default)]
-struct Store {
-    revision: u64,
-    objects: BTreeMap<ObjectKey, Value>,
-    history: VecDeque<Arc<StoreEvent>>,
-    /// The newest revision whose event is no longer in `history`.
-    compacted_through: u64,
-}
-
 #[derive(Default)]
 struct Faults {
     pending: Vec<FaultSpec>,
@@ -348,49 +159,6 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Shared {
-    fn store(&self) -> MutexGuard<'_, Store> {
-        lock(&self.store)
-    }
-
-    /// Stores `obj` (or removes it for `Deleted`) under a new resourceVersion and tells the watches.
-    /// Returns the object as stored.
-    fn commit(
-        &self,
-        store: &mut Store,
-        def: &'static ResourceDef,
-        kind: EventType,
-        mut obj: Value,
-    ) -> Value {
-        store.revision += 1;
-        let revision = store.revision;
-        set_meta(&mut obj, "resourceVersion", json!(revision.to_string()));
-        let key = ObjectKey::of(def, &obj);
-        let previous = match kind {
-            EventType::Deleted => store.objects.remove(&key),
-            EventType::Added | EventType::Modified => store.objects.insert(key, obj.clone()),
-        };
-        let event = Arc::new(StoreEvent {
-            revision,
-            resource: def.plural,
-            kind,
-            object: obj.clone(),
-            previous: if kind == EventType::Modified {
-                previous
-            } else {
-                None
-            },
-        });
-        store.history.push_back(event.clone());
-        while store.history.len() > HISTORY_LIMIT {
-            if let Some(dropped) = store.history.pop_front() {
-                store.compacted_through = dropped.revision;
-            }
-        }
-        // Nobody watching is fine: the event stays in the history.
-        let _ = self.events.send(event);
-        obj
-    }
-
     fn record(&self, record: RequestRecord) {
         lock(&self.requests).push(record);
     }
@@ -570,285 +338,10 @@ impl ApiServer {
             let _ = tokio::time::timeout(Duration::from_secs(5), task).await;
         }
     }
-
-    /// The current global resourceVersion.
-    pub fn resource_version(&self) -> u64 {
-        self.shared.store().revision
-    }
-
-    /// A handle on the stored objects, for the doubles of other components (the pod runner plays the
-    /// kubelet) that write as a controller or the kubelet would, without HTTP: their traffic is not among
-    /// [`ApiServer::requests`], so tests of what the plugin sends see only the plugin.
-    pub fn handle(&self) -> ApiHandle {
-        ApiHandle {
-            shared: self.shared.clone(),
-        }
-    }
-
-    /// Creates or replaces an object without validation, as a controller or the kubelet would have written
-    /// it; see [`ApiHandle::insert`].
-    pub fn insert(&self, resource: &str, obj: Value) -> Value {
-        self.handle().insert(resource, obj)
-    }
-
-    /// One stored object.
-    pub fn get(&self, resource: &str, namespace: Option<&str>, name: &str) -> Option<Value> {
-        self.handle().get(resource, namespace, name)
-    }
-
-    /// All stored objects of a resource, in namespace/name order.
-    pub fn list(&self, resource: &str) -> Vec<Value> {
-        self.handle().list(resource)
-    }
-
-    /// Deletes an object at once (finalizers ignored), notifying watches. Returns what was stored.
-    pub fn remove(&self, resource: &str, namespace: Option<&str>, name: &str) -> Option<Value> {
-        self.handle().remove(resource, namespace, name)
-    }
-
-    /// Deletes every object of `resource` for which `pred` holds, as the kubelet wipes a node's slices.
-    /// Returns the removed objects.
-    pub fn remove_where(&self, resource: &str, pred: impl Fn(&Value) -> bool) -> Vec<Value> {
-        let def = hook_resource(resource);
-        let mut store = self.shared.store();
-        let doomed: Vec<Value> = store
-            .objects
-            .iter()
-            .filter(|(key, obj)| key.resource == def.plural && pred(obj))
-            .map(|(_, obj)| obj.clone())
-            .collect();
-        doomed
-            .into_iter()
-            .map(|obj| self.shared.commit(&mut store, def, EventType::Deleted, obj))
-            .collect()
-    }
-
-    /// Forgets the watch history, so that resuming a watch from any earlier resourceVersion gets
-    /// `410 Gone` and the watcher must list again.
-    pub fn compact(&self) {
-        let mut store = self.shared.store();
-        store.history.clear();
-        store.compacted_through = store.revision;
-    }
-
-    /// Waits until `pred` holds for the objects of `resource` (in namespace/name order) and returns them,
-    /// or `None` after `timeout`.
-    pub async fn wait_for(
-        &self,
-        resource: &str,
-        pred: impl Fn(&[Value]) -> bool,
-        timeout: Duration,
-    ) -> Option<Vec<Value>> {
-        let mut events = self.shared.events.subscribe();
-        let deadline = tokio::time::Instant::now() + timeout;
-        loop {
-            let objects = self.list(resource);
-            if pred(&objects) {
-                return Some(objects);
-            }
-            match tokio::time::timeout_at(deadline, events.recv()).await {
-                Err(_elapsed) => return None,
-                // A lag only means we missed events; the next round looks at the store anyway.
-                Ok(Ok(_) | Err(broadcast::error::RecvError::Lagged(_))) => {}
-                Ok(Err(broadcast::error::RecvError::Closed)) => return None,
-            }
-        }
-    }
-
-    /// Makes the next matching requests fail; see [`FaultSpec`].
-    pub fn fail_next(&self, fault: FaultSpec) {
-        lock(&self.shared.faults).pending.push(fault);
-    }
-
-    /// Delays every request by `latency` before it is handled (a watch only before its response starts).
-    pub fn set_latency(&self, latency: Duration) {
-        lock(&self.shared.faults).latency = latency;
-    }
-
-    /// Changes the feature gates from the next request on, as restarting kube-apiserver with other
-    /// `--feature-gates` would; the stored objects stay as they are.
-    pub fn set_feature_gates(&self, gates: FeatureGates) {
-        *lock(&self.shared.gates) = gates;
-    }
-
-    /// Upgrades (or downgrades) the server in place: `/version`, validation and the feature gates
-    /// change from the next request on; the stored objects stay, as etcd's do.
-    pub fn upgrade(&self, version: ServerVersion, gates: FeatureGates) {
-        *lock(&self.shared.version) = version;
-        self.set_feature_gates(gates);
-    }
-
-    /// Drops pending faults and latency.
-    pub fn clear_faults(&self) {
-        *lock(&self.shared.faults) = Faults::default();
-    }
-
-    /// Every request answered so far, in order (a watch is recorded when its response starts).
-    pub fn requests(&self) -> Vec<RequestRecord> {
-        lock(&self.shared.requests).clone()
-    }
-
-    pub fn clear_requests(&self) {
-        lock(&self.shared.requests).clear();
-    }
-
-    /// Answers every request on `resource` (a plural) with a plain-text `404 page not found`, as a real
-    /// kube-apiserver does for an API group it does not serve (a CRD alone in its group, not applied).
-    /// Watches already open are not cut (a real server ends them when the CRD is deleted).
-    /// [`ApiServer::serve`] undoes it.
-    pub fn stop_serving(&self, resource: &str) {
-        lock(&self.shared.unserved).insert(hook_resource(resource).plural);
-    }
-
-    /// Serves `resource` again (its CRD applied), with the objects it held.
-    pub fn serve(&self, resource: &str) {
-        lock(&self.shared.unserved).remove(hook_resource(resource).plural);
-    }
-
-    /// How many create, update, patch and delete requests on `resource` succeeded and were stored
-    /// (dry runs store nothing and are not counted; see [`FaultSpec`] for how subresources match).
-    pub fn writes(&self, resource: &str) -> usize {
-        lock(&self.shared.requests)
-            .iter()
-            .filter(|r| {
-                r.verb.is_write()
-                    && !r.dry_run
-                    && r.code < 300
-                    && resource_matches(resource, &r.resource)
-            })
-            .count()
-    }
-
-    /// How many `dryRun=All` write requests on `resource` were answered, successful or not.
-    pub fn dry_runs(&self, resource: &str) -> usize {
-        lock(&self.shared.requests)
-            .iter()
-            .filter(|r| r.verb.is_write() && r.dry_run && resource_matches(resource, &r.resource))
-            .count()
-    }
 }
 
 impl Drop for ApiServer {
     fn drop(&mut self) {
         let _ = self.stop.send(true);
     }
-}
-
-fn meta<'a>(obj: &'a Value, field: &str) -> Option<&'a Value> {
-    obj.get("metadata")?.get(field)
-}
-
-/// A non-empty string field of `metadata`.
-fn meta_str<'a>(obj: &'a Value, field: &str) -> Option<&'a str> {
-    meta(obj, field)?.as_str().filter(|s| !s.is_empty())
-}
-
-/// Sets a `metadata` field, creating `metadata` if the object has none. Non-objects are left alone
-/// (request bodies are checked to be objects before this is called).
-fn set_meta(obj: &mut Value, field: &str, value: Value) {
-    if let Some(map) = obj.as_object_mut() {
-        let metadata = map.entry("metadata").or_insert_with(|| json!({}));
-        if !metadata.is_object() {
-            *metadata = json!({});
-        }
-        if let Some(metadata) = metadata.as_object_mut() {
-            metadata.insert(field.to_string(), value);
-        }
-    }
-}
-
-fn remove_meta(obj: &mut Value, field: &str) {
-    if let Some(metadata) = obj.get_mut("metadata").and_then(Value::as_object_mut) {
-        metadata.remove(field);
-    }
-}
-
-fn fill_type_meta(def: &ResourceDef, obj: &mut Value) {
-    if let Some(map) = obj.as_object_mut() {
-        map.insert("apiVersion".into(), json!(def.api_version()));
-        map.insert("kind".into(), json!(def.kind));
-    }
-}
-
-/// Gives a new object the fields the server owns: uid, creationTimestamp, generation.
-fn fill_system_meta(obj: &mut Value) {
-    if meta_str(obj, "uid").is_none() {
-        set_meta(obj, "uid", json!(uuid::Uuid::new_v4().to_string()));
-    }
-    if meta_str(obj, "creationTimestamp").is_none() {
-        set_meta(obj, "creationTimestamp", json!(now_timestamp()));
-    }
-    if meta(obj, "generation").and_then(Value::as_i64).is_none() {
-        set_meta(obj, "generation", json!(1));
-    }
-}
-
-/// The stored objects of a running [`ApiServer`], shared with the doubles of other components.
-#[derive(Clone)]
-pub struct ApiHandle {
-    shared: Arc<Shared>,
-}
-
-impl ApiHandle {
-    /// Creates or replaces an object without validation, as a controller or the kubelet would have written
-    /// it. Fills kind, apiVersion, uid, creationTimestamp and generation where missing; bumps the
-    /// resourceVersion and notifies watches. Returns the stored object.
-    pub fn insert(&self, resource: &str, mut obj: Value) -> Value {
-        let def = hook_resource(resource);
-        fill_type_meta(def, &mut obj);
-        if def.namespaced && meta_str(&obj, "namespace").is_none() {
-            set_meta(&mut obj, "namespace", json!("default"));
-        }
-        let mut store = self.shared.store();
-        let existing = store.objects.get(&ObjectKey::of(def, &obj)).cloned();
-        let kind = match &existing {
-            Some(old) => {
-                for field in ["uid", "creationTimestamp"] {
-                    if let (None, Some(value)) = (meta(&obj, field), meta(old, field)) {
-                        set_meta(&mut obj, field, value.clone());
-                    }
-                }
-                EventType::Modified
-            }
-            None => EventType::Added,
-        };
-        fill_system_meta(&mut obj);
-        self.shared.commit(&mut store, def, kind, obj)
-    }
-
-    /// One stored object.
-    pub fn get(&self, resource: &str, namespace: Option<&str>, name: &str) -> Option<Value> {
-        let key = ObjectKey::new(hook_resource(resource), namespace, name);
-        self.shared.store().objects.get(&key).cloned()
-    }
-
-    /// All stored objects of a resource, in namespace/name order.
-    pub fn list(&self, resource: &str) -> Vec<Value> {
-        let def = hook_resource(resource);
-        let store = self.shared.store();
-        store
-            .objects
-            .iter()
-            .filter(|(key, _)| key.resource == def.plural)
-            .map(|(_, obj)| obj.clone())
-            .collect()
-    }
-
-    /// Deletes an object at once (finalizers ignored), notifying watches. Returns what was stored.
-    pub fn remove(&self, resource: &str, namespace: Option<&str>, name: &str) -> Option<Value> {
-        let def = hook_resource(resource);
-        let mut store = self.shared.store();
-        let obj = store
-            .objects
-            .get(&ObjectKey::new(def, namespace, name))?
-            .clone();
-        Some(self.shared.commit(&mut store, def, EventType::Deleted, obj))
-    }
-}
-
-/// The current time as Kubernetes writes a `metav1.Time`: RFC 3339 in UTC, whole seconds.
-fn now_timestamp() -> String {
-    k8s_openapi::jiff::Timestamp::now()
-        .strftime("%Y-%m-%dT%H:%M:%SZ")
-        .to_string()
 }

@@ -12,7 +12,8 @@ use axum::response::Response;
 use serde_json::{json, Value};
 use tokio::sync::broadcast::error::RecvError;
 
-use super::rest::{ApiError, Request};
+use super::errors::ApiError;
+use super::rest::Request;
 use super::selectors::Selection;
 use super::{EventType, ResourceDef, Shared, StoreEvent};
 

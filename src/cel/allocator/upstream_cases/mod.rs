@@ -24,6 +24,7 @@ mod basics;
 mod constraints;
 mod counters;
 mod first_available;
+mod first_available_all;
 mod pools;
 mod taints;
 

@@ -1,0 +1,136 @@
+//! The kinds of object the double serves: group, version, scope and how each treats `status`. A kind
+//! listed here is routed, stored and watched; the rest of the server looks kinds up by plural.
+
+/// A kind of object the server stores.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) struct ResourceDef {
+    pub(super) plural: &'static str,
+    pub(super) kind: &'static str,
+    pub(super) group: &'static str,
+    pub(super) version: &'static str,
+    pub(super) namespaced: bool,
+    /// Whether `status` is a subresource: the main resource ignores status changes and `/status`
+    /// changes nothing else.
+    pub(super) status_subresource: bool,
+    /// Whether a create keeps the status it is given (nodes) or starts with none (claims).
+    pub(super) status_on_create: bool,
+}
+
+impl ResourceDef {
+    pub(super) fn api_version(&self) -> String {
+        if self.group.is_empty() {
+            self.version.to_string()
+        } else {
+            format!("{}/{}", self.group, self.version)
+        }
+    }
+
+    /// `resourceslices.resource.k8s.io`, as error messages name a resource.
+    pub(super) fn qualified_plural(&self) -> String {
+        if self.group.is_empty() {
+            self.plural.to_string()
+        } else {
+            format!("{}.{}", self.plural, self.group)
+        }
+    }
+
+    /// `ResourceSlice.resource.k8s.io`, as validation errors name a kind.
+    pub(super) fn qualified_kind(&self) -> String {
+        if self.group.is_empty() {
+            self.kind.to_string()
+        } else {
+            format!("{}.{}", self.kind, self.group)
+        }
+    }
+}
+
+const RESOURCES: [ResourceDef; 8] = [
+    ResourceDef {
+        plural: "nodes",
+        kind: "Node",
+        group: "",
+        version: "v1",
+        namespaced: false,
+        status_subresource: true,
+        status_on_create: true,
+    },
+    ResourceDef {
+        plural: "resourceslices",
+        kind: "ResourceSlice",
+        group: "resource.k8s.io",
+        version: "v1",
+        namespaced: false,
+        status_subresource: false,
+        status_on_create: false,
+    },
+    ResourceDef {
+        plural: "resourceclaims",
+        kind: "ResourceClaim",
+        group: "resource.k8s.io",
+        version: "v1",
+        namespaced: true,
+        status_subresource: true,
+        status_on_create: false,
+    },
+    ResourceDef {
+        plural: "resourceclaimtemplates",
+        kind: "ResourceClaimTemplate",
+        group: "resource.k8s.io",
+        version: "v1",
+        namespaced: true,
+        status_subresource: false,
+        status_on_create: false,
+    },
+    // What `gpu-dra explain` reads about a pod: its claims, node selector, affinity and tolerations. Its
+    // status (the claims made from templates) is written with `insert`, as the controllers would.
+    ResourceDef {
+        plural: "pods",
+        kind: "Pod",
+        group: "",
+        version: "v1",
+        namespaced: true,
+        status_subresource: true,
+        status_on_create: false,
+    },
+    ResourceDef {
+        plural: "deviceclasses",
+        kind: "DeviceClass",
+        group: "resource.k8s.io",
+        version: "v1",
+        namespaced: false,
+        status_subresource: false,
+        status_on_create: false,
+    },
+    // What the plugin reports about DeviceClasses, on its Node (as kube's Recorder writes them).
+    ResourceDef {
+        plural: "events",
+        kind: "Event",
+        group: "events.k8s.io",
+        version: "v1",
+        namespaced: true,
+        status_subresource: false,
+        status_on_create: false,
+    },
+    // gpu-dra's own CRD (crd/), cluster-scoped with a status subresource.
+    ResourceDef {
+        plural: "gpunodepolicies",
+        kind: "GpuNodePolicy",
+        group: "gpu.dra.dev",
+        version: "v1alpha1",
+        namespaced: false,
+        status_subresource: true,
+        status_on_create: false,
+    },
+];
+
+pub(super) fn resource_def(plural: &str) -> Option<&'static ResourceDef> {
+    RESOURCES.iter().find(|def| def.plural == plural)
+}
+
+/// The resource a test hook names; naming one the server does not serve is a bug in the test.
+pub(super) fn hook_resource(plural: &str) -> &'static ResourceDef {
+    match resource_def(plural) {
+        Some(def) => def,
+        None => panic!("the API server double does not serve {plural:?}"),
+    }
+}

@@ -145,7 +145,7 @@ pub fn run_plugin(args: PluginArgs) -> Result<()> {
             image: args.mps_daemon_image,
             shm_size: match &args.mps_shm_size {
                 Some(size) => shm_size(size)?,
-                None => crate::claims::mps::mps_shm::default_size(),
+                None => crate::claims::mps::shm::default_size(),
             },
         },
         sharing_timeout: crate::claims::SHARING_TIMEOUT,

@@ -46,7 +46,7 @@ pub(super) async fn mps_daemons(
             driver_root,
             host_driver_root,
         } => (
-            claims::mps::mps_pod::program_for_root(driver_root),
+            claims::mps::pod::program_for_root(driver_root),
             host_driver_root.clone(),
         ),
         BackendChoice::Fake { .. } => (DaemonProgram::StandIn, PathBuf::from("/")),

@@ -1,6 +1,6 @@
 //! MPS control daemons: one per prepared claim that shares its GPUs through MPS. A claim gets
 //! `<plugin-dir>/mps/<claimUID>/{pipe,log,shm}`, with a size-limited tmpfs mounted at `shm`
-//! (`mps_shm.rs`), and a Pod of its own that runs the daemon (`mps_pod.rs`, `mps_supervisor.rs`): the
+//! (`shm.rs`), and a Pod of its own that runs the daemon (`pod.rs`, `supervisor.rs`): the
 //! daemon outlives the plugin's container (crash, OOM kill, upgrade), and its memory is the Pod's. The
 //! claim's containers get `pipe`, `log` and `shm` through CDI ([`MpsDaemons::container_edits`]).
 //!
@@ -21,16 +21,12 @@ use thiserror::Error;
 use tracing::{info, warn};
 
 use crate::cdi::{ContainerEdits, Mount};
-pub use mps_pod::{DaemonPodTemplate, DaemonProgram};
+pub use pod::{DaemonPodTemplate, DaemonProgram};
 
-#[path = "mps_pod.rs"]
-pub mod mps_pod;
-#[path = "mps_shm.rs"]
-pub mod mps_shm;
+pub mod pod;
+pub mod shm;
 #[cfg(feature = "doubles")]
-#[path = "mps_stand_in.rs"]
 pub mod stand_in;
-#[path = "mps_supervisor.rs"]
 pub mod supervisor;
 
 /// The file, in the pipe directory, where the daemon keeps its pid (the real daemon's name).
@@ -284,7 +280,7 @@ impl MpsDaemons {
         spec: &MpsDaemonSpec,
     ) -> Result<MpsDaemonRecord, MpsError> {
         self.prepare_dirs(dirs)?;
-        mps_shm::mount_tmpfs(&dirs.shm, self.shm_size).map_err(|source| MpsError::Shm {
+        shm::mount_tmpfs(&dirs.shm, self.shm_size).map_err(|source| MpsError::Shm {
             claim: dirs.claim.clone(),
             path: dirs.shm.clone(),
             source,
@@ -374,7 +370,7 @@ impl MpsDaemons {
         let dirs = self.dirs_for_record(record)?;
         let same_devices = record.devices == spec.devices
             && record.active_thread_percentage == spec.active_thread_percentage;
-        let mounted = mps_shm::is_mount_point(&dirs.shm) && mps_shm::is_tmpfs(&dirs.shm);
+        let mounted = shm::is_mount_point(&dirs.shm) && shm::is_tmpfs(&dirs.shm);
         if same_devices && mounted && self.is_running(record).await {
             info!(claim = %dirs.claim, pod = %record.pod, "MPS control daemon taken over");
             return Ok(TakeOver::TakenOver);
@@ -473,9 +469,9 @@ impl MpsDaemons {
         let params = ListParams::default()
             .labels(&format!(
                 "{}={},{}={}",
-                mps_pod::COMPONENT_LABEL,
-                mps_pod::COMPONENT,
-                mps_pod::DRIVER_LABEL,
+                pod::COMPONENT_LABEL,
+                pod::COMPONENT,
+                pod::DRIVER_LABEL,
                 template.driver
             ))
             .fields(&format!("spec.nodeName={}", template.node));
@@ -492,7 +488,7 @@ impl MpsDaemons {
                 .metadata
                 .labels
                 .as_ref()
-                .and_then(|l| l.get(mps_pod::CLAIM_LABEL))
+                .and_then(|l| l.get(pod::CLAIM_LABEL))
                 .cloned()
             else {
                 continue;
@@ -643,12 +639,12 @@ impl MpsDaemons {
             (&dirs.shm, 0o1777),
         ] {
             fs::create_dir_all(dir).map_err(dirs.io("creating", dir))?;
-            if !mps_shm::is_mount_point(dir) {
+            if !shm::is_mount_point(dir) {
                 fs::set_permissions(dir, fs::Permissions::from_mode(mode))
                     .map_err(dirs.io("setting the mode of", dir))?;
             }
         }
-        let ready = dirs.log.join(mps_pod::READY_FILE);
+        let ready = dirs.log.join(pod::READY_FILE);
         match fs::remove_file(&ready) {
             Err(e) if e.kind() != io::ErrorKind::NotFound => Err(dirs.io("removing", &ready)(e)),
             _ => Ok(()),
@@ -657,7 +653,7 @@ impl MpsDaemons {
 
     /// Unmounts the tmpfs and removes the claim's directory; failures are logged.
     fn remove_dirs(&self, dirs: &ClaimDirs) {
-        if let Err(e) = mps_shm::unmount(&dirs.shm) {
+        if let Err(e) = shm::unmount(&dirs.shm) {
             warn!(claim = %dirs.claim, path = %dirs.shm.display(), error = %e, "unmounting the MPS shared memory failed");
             return;
         }
@@ -783,5 +779,4 @@ fn remove_dir_all(dir: &Path) -> io::Result<()> {
 }
 
 #[cfg(test)]
-#[path = "mps_tests.rs"]
 mod tests;

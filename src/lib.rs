@@ -2,8 +2,9 @@
 //!
 //! The modules follow the data flow: `gpu` (backends) → `devices` (DRA devices) → `slices` (planner and
 //! publisher); the kubelet calls `kubelet` (gRPC) → `claims` (prepare/unprepare) → `cdi` (spec files).
-//! `plugin` wires them together; `demo` walks through it all with the test doubles in `support` (both only with the `doubles` feature:
-//! the node binary leaves them out).
+//! `plugin` wires them together and `cli` holds the commands that `src/main.rs` dispatches to; `demo`
+//! walks through it all with the test doubles in `support` (both only with the `doubles` feature: the
+//! node binary leaves them out).
 
 pub mod api;
 pub mod apiclient;
@@ -11,6 +12,7 @@ pub mod boot;
 pub mod cdi;
 pub mod cel;
 pub mod claims;
+pub mod cli;
 #[cfg(feature = "doubles")]
 pub mod demo;
 pub mod devices;

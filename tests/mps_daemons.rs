@@ -10,7 +10,7 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use gpu_dra::claims::mps::mps_shm::{is_mount_point, is_tmpfs, tmpfs_size};
+use gpu_dra::claims::mps::shm::{is_mount_point, is_tmpfs, tmpfs_size};
 use gpu_dra::claims::mps::stand_in::SHM_SEGMENT;
 use gpu_dra::claims::mps::{
     DaemonPodTemplate, DaemonPods, DaemonProgram, MpsDaemonRecord, MpsDaemonSpec, MpsDaemons,

@@ -15,6 +15,7 @@ mod allocation;
 pub mod checkpoint;
 pub mod configs;
 mod edits;
+mod error;
 mod gpu_modes;
 mod mig;
 mod mig_records;
@@ -24,13 +25,13 @@ mod reboot;
 mod rebuild;
 mod recovery;
 mod sharing;
+mod state;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use thiserror::Error;
 use tokio::sync::watch;
 use tracing::{info, info_span, warn, Instrument};
 
@@ -38,13 +39,15 @@ pub use allocation::allocation_results;
 pub use checkpoint::{ClaimRecord, ClaimState, PreparedDevice, PreparedMig};
 use edits::write_spec_with;
 pub use edits::{container_edits, DriverEdits};
+pub use error::ClaimError;
 pub use gpu_modes::SHARING_TIMEOUT;
 
 use crate::cdi::CdiRegistry;
 use crate::devices::MigMode;
 use crate::gpu::{GpuBackend, Inventory};
 use crate::observability::Metrics;
-use checkpoint::{CheckpointData, CheckpointError, CheckpointFile};
+use checkpoint::{CheckpointData, CheckpointFile};
+use state::{describe, lock, State};
 
 /// A claim as the kubelet names it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -58,70 +61,6 @@ impl std::fmt::Display for ClaimRef {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{}/{} ({})", self.namespace, self.name, self.uid)
     }
-}
-
-/// Why one claim could not be prepared or unprepared; the message names the claim and, where it
-/// applies, the device, in words an operator can act on.
-#[derive(Debug, Error)]
-pub enum ClaimError {
-    #[error("ResourceClaim {claim}: {reason}")]
-    Invalid { claim: String, reason: String },
-    #[error("ResourceClaim {claim}: reading it from the API server: {source}")]
-    Fetch { claim: String, source: kube::Error },
-    #[error("ResourceClaim {claim}: the API server did not answer in time (within {waited:?}); the kubelet will retry")]
-    ApiTimeout { claim: String, waited: Duration },
-    #[error("ResourceClaim {claim} not found in the API server")]
-    NotFound { claim: String },
-    #[error("ResourceClaim {claim} was replaced: the API server has UID {found}")]
-    Replaced { claim: String, found: String },
-    #[error("ResourceClaim {claim} is not allocated")]
-    NotAllocated { claim: String },
-    #[error("ResourceClaim {claim} has no devices of driver {driver} in pool {pool}")]
-    NoDevicesHere {
-        claim: String,
-        driver: String,
-        pool: String,
-    },
-    #[error("ResourceClaim {claim}: device {device} is not published by this node: {reason}")]
-    UnknownDevice {
-        claim: String,
-        device: String,
-        reason: String,
-    },
-    #[error("ResourceClaim {claim}: MIG device {device}: {reason}")]
-    Mig {
-        claim: String,
-        device: String,
-        reason: String,
-    },
-    #[error("ResourceClaim {claim}: device {device} is already prepared for claim {owner}")]
-    DeviceInUse {
-        claim: String,
-        device: String,
-        owner: String,
-    },
-    #[error("ResourceClaim {claim}: {reason}")]
-    Config { claim: String, reason: String },
-    #[error("ResourceClaim {claim}: device {device} cannot be shared as asked: {reason}")]
-    SharingConflict {
-        claim: String,
-        device: String,
-        reason: String,
-    },
-    #[error("ResourceClaim {claim}: sharing: {reason}")]
-    Sharing { claim: String, reason: String },
-    #[error("ResourceClaim {claim}: writing CDI spec: {source}")]
-    Cdi {
-        claim: String,
-        source: crate::cdi::CdiError,
-    },
-    #[error("ResourceClaim {claim}: {source}")]
-    Checkpoint {
-        claim: String,
-        source: CheckpointError,
-    },
-    #[error("ResourceClaim {claim}: internal error: {reason}")]
-    Internal { claim: String, reason: String },
 }
 
 /// What a restart found and did.
@@ -163,18 +102,13 @@ pub struct Recovery {
 /// A checkpoint that could not be used: why, and where it went.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CheckpointSetAside {
-    /// `corrupt`, `unreadable` or `too_new` (see [`CheckpointError::kind`]).
+    /// `corrupt`, `unreadable` or `too_new`
+    /// (see [`CheckpointError::kind`](checkpoint::CheckpointError::kind)).
     pub kind: &'static str,
     /// The error, for people.
     pub reason: String,
     /// The `<checkpoint>.corrupt-<time>` file, or `None` when it could not be moved.
     pub moved_to: Option<std::path::PathBuf>,
-}
-
-struct State {
-    data: CheckpointData,
-    /// Bumped on every change of `data`; the checkpoint writer persists up to a revision.
-    revision: u64,
 }
 
 pub struct ClaimsConfig {
@@ -470,89 +404,6 @@ impl Preparer {
         Ok(())
     }
 
-    /// Takes the devices for the claim and records it as started (in memory), or fails if another claim holds one
-    /// of them or a device that overlaps it (a whole GPU and its MIG devices, MIG devices sharing
-    /// memory slices). Devices are exclusive, except that admin access (monitoring, debugging) shares
-    /// a device with whoever else has it.
-    fn reserve(
-        &self,
-        claim: &ClaimRef,
-        inventory: &Inventory,
-        devices: &[PreparedDevice],
-    ) -> Result<(), ClaimError> {
-        let mut state = lock(&self.state);
-        for device in devices.iter().filter(|d| !d.admin_access) {
-            if let Some(reason) = sharing::interval_conflict(&state.data.claims, &claim.uid, device)
-            {
-                return Err(ClaimError::SharingConflict {
-                    claim: claim.to_string(),
-                    device: device.device.clone(),
-                    reason,
-                });
-            }
-            let holder = state.data.claims.iter().find_map(|(uid, record)| {
-                let held = record.devices.iter().find(|held| {
-                    // Shares of a device published with allowMultipleAllocations (each has a
-                    // shareID) go to several claims; the scheduler has counted their capacity.
-                    let both_shares = held.device == device.device
-                        && held.share_id.is_some()
-                        && device.share_id.is_some();
-                    !held.admin_access
-                        && !both_shares
-                        && mig::conflict(inventory, &held.device, &device.device)
-                });
-                (*uid != claim.uid)
-                    .then_some(held)
-                    .flatten()
-                    .map(|held| (uid, record, held))
-            });
-            if let Some((uid, record, held)) = holder {
-                let owner = if held.device == device.device {
-                    describe(uid, record)
-                } else {
-                    format!("{} (which holds {})", describe(uid, record), held.device)
-                };
-                return Err(ClaimError::DeviceInUse {
-                    claim: claim.to_string(),
-                    device: device.device.clone(),
-                    owner,
-                });
-            }
-        }
-        state.data.claims.insert(
-            claim.uid.clone(),
-            ClaimRecord {
-                namespace: claim.namespace.clone(),
-                name: claim.name.clone(),
-                state: ClaimState::Started,
-                devices: devices.to_vec(),
-                mps: None,
-            },
-        );
-        // A spec left in place by a rebuild is this claim's again from here on.
-        state.data.left_in_place.remove(&claim.uid);
-        state.revision += 1;
-        Ok(())
-    }
-
-    /// Marks the claim completed with its devices as prepared (MIG devices included).
-    fn complete(&self, claim: &ClaimRef, devices: &[PreparedDevice]) {
-        let mut state = lock(&self.state);
-        if let Some(record) = state.data.claims.get_mut(&claim.uid) {
-            record.state = ClaimState::Completed;
-            record.devices = devices.to_vec();
-        }
-        state.revision += 1;
-    }
-
-    /// Forgets the claim and frees its devices (in memory; the caller persists).
-    fn release(&self, claim: &ClaimRef) {
-        let mut state = lock(&self.state);
-        state.data.claims.remove(&claim.uid);
-        state.data.left_in_place.remove(&claim.uid);
-        state.revision += 1;
-    }
-
     /// Undoes a prepare that failed half way: MIG devices it created destroyed, spec removed, devices
     /// freed, checkpoint updated. Failures here are logged; the restart recovery finishes the job if
     /// the plugin dies meanwhile.
@@ -579,46 +430,6 @@ impl Preparer {
             warn!(%error, "writing checkpoint during roll-back");
         }
     }
-
-    /// Writes the checkpoint if it is behind the in-memory state. Concurrent callers share one write:
-    /// whoever takes the writer lock writes everything changed so far.
-    async fn persist(&self, claim: &ClaimRef) -> Result<(), ClaimError> {
-        let wanted = lock(&self.state).revision;
-        let mut persisted = self.persisted.lock().await;
-        if *persisted >= wanted {
-            return Ok(());
-        }
-        let (snapshot, revision) = {
-            let state = lock(&self.state);
-            (state.data.clone(), state.revision)
-        };
-        // In place on this worker: it reaches only the page cache (see `make_devices`).
-        self.checkpoint
-            .store(&snapshot)
-            .map_err(|source| ClaimError::Checkpoint {
-                claim: claim.to_string(),
-                source,
-            })?;
-        *persisted = revision;
-        Ok(())
-    }
-
-    async fn with_claim_lock<T>(&self, uid: &str, work: impl std::future::Future<Output = T>) -> T {
-        let claim_lock = lock(&self.claim_locks)
-            .entry(uid.to_string())
-            .or_default()
-            .clone();
-        let result = {
-            let _guard = claim_lock.lock().await;
-            work.await
-        };
-        // Drop the lock's map entry when nobody else is waiting on it, so the map does not grow forever.
-        let mut locks = lock(&self.claim_locks);
-        if Arc::strong_count(&claim_lock) == 2 {
-            locks.remove(uid);
-        }
-        result
-    }
 }
 
 fn check_ref(claim: &ClaimRef) -> Result<(), ClaimError> {
@@ -637,23 +448,11 @@ fn check_ref(claim: &ClaimRef) -> Result<(), ClaimError> {
         })
 }
 
-fn describe(uid: &str, record: &ClaimRecord) -> String {
-    format!("{}/{} ({uid})", record.namespace, record.name)
-}
-
 fn internal(claim: &str, error: impl std::fmt::Display) -> ClaimError {
     ClaimError::Internal {
         claim: claim.to_string(),
         reason: error.to_string(),
     }
-}
-
-/// Locks a std mutex, recovering the data if a panicking thread poisoned it: every critical section
-/// here leaves the state consistent before anything that could panic.
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// The checkpoint's place: beside the DRA socket, in the plugin's own directory.

@@ -2,7 +2,7 @@
 //! opaque configs (`configs.rs`, upstream's precedence). What that asks of a whole GPU (a time-slice
 //! interval, or the exclusive-process compute mode that MPS needs on a GPU only one claim has) is set
 //! through the backend, from what every recorded claim needs, so the last claim to go resets it. A claim
-//! with MPS devices gets its own MPS control daemon (`mps.rs`), recorded with the claim.
+//! with MPS devices gets its own MPS control daemon (`mps/`), recorded with the claim.
 
 use std::collections::{BTreeMap, BTreeSet};
 

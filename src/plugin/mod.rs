@@ -1,6 +1,8 @@
 //! `gpu-dra plugin`: wires the backend, the claim state machine, the gRPC servers, the ResourceSlice
 //! publisher and the HTTP endpoints together, and takes them down cleanly (sockets removed) on shutdown.
 
+mod claims_setup;
+mod config;
 pub mod feature_gates;
 pub mod gpu_reports;
 mod monitor;
@@ -12,6 +14,7 @@ pub mod selftest;
 pub mod startup;
 mod supervise;
 
+pub use config::{BackendChoice, MpsConfig, PluginConfig};
 pub use monitor::NodePolicy;
 use monitor::{Monitor, MonitorChannels};
 pub use startup::PolicyAtStart;
@@ -29,10 +32,8 @@ use tracing::{error, info, warn};
 
 use crate::apiclient::{ApiClientError, ApiTimeouts};
 use crate::cdi::CdiRegistry;
-use crate::cdi::DriverRoot;
-use crate::claims::DriverEdits;
 use crate::claims::{self, ClaimsConfig, Preparer, Recovery};
-use crate::devices::{node_devices, MigMode};
+use crate::devices::node_devices;
 use crate::gpu::{FakeBackend, GpuBackend, GpuError, Inventory, NvmlBackend, NvmlOptions};
 use crate::kubelet::health::DEFAULT_HEALTH_TIMEOUT;
 use crate::kubelet::{
@@ -45,119 +46,6 @@ use crate::proto::health_v1::dra_resource_health_server::DraResourceHealthServer
 use crate::proto::health_v1alpha1::dra_resource_health_server::DraResourceHealthServer as HealthV1alpha1Server;
 use crate::proto::pluginregistration::registration_server::RegistrationServer;
 use crate::slices::Publisher;
-
-/// Which GPU backend to read the node from.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum BackendChoice {
-    Nvml {
-        /// Where this process sees the NVIDIA driver's root (a hostPath mount of it); `/` on a bare host.
-        driver_root: PathBuf,
-        /// The same driver root on the host, which claim CDI specs name: `/` for a driver installed on
-        /// the host, `/run/nvidia/driver` under the GPU Operator's driver container.
-        host_driver_root: PathBuf,
-    },
-    /// A built-in fake profile name or a YAML profile path.
-    Fake {
-        profile: String,
-        /// Where the fake GPUs keep their MIG state across plugin restarts; in memory when `None`.
-        state_file: Option<PathBuf>,
-    },
-}
-
-#[derive(Debug, Clone)]
-pub struct PluginConfig {
-    pub driver_name: String,
-    pub node_name: String,
-    pub registry_dir: PathBuf,
-    pub plugins_dir: PathBuf,
-    pub cdi_root: PathBuf,
-    pub backend: BackendChoice,
-    /// `None` disables the HTTP endpoints.
-    pub http_addr: Option<SocketAddr>,
-    /// How often the backend is asked whether the GPUs changed.
-    pub rescan_interval: Duration,
-    /// `--mig-mode`; a GpuNodePolicy that sets one takes precedence, from the start.
-    pub mig_mode: MigMode,
-    /// How long start-up waits for the API server (the GpuNodePolicy, a checkpoint rebuild).
-    pub startup_api_timeout: Duration,
-    /// Timeouts towards the API server: the client's, the watches', and the per-claim budget of a
-    /// prepare. The client built by [`kube_client`] must be made with the same values.
-    pub api: ApiTimeouts,
-    /// How MPS control daemons are run: each in a Pod of its own.
-    pub mps: MpsConfig,
-    /// How long one change of a GPU's sharing mode may take before the GPU counts as stuck.
-    pub sharing_timeout: Duration,
-}
-
-/// Where and how the Pods of MPS control daemons run.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct MpsConfig {
-    /// The plugin's namespace; the daemons' Pods are made there.
-    pub namespace: String,
-    /// The plugin's own Pod (`POD_NAME`), whose image the daemons run unless `image` is set.
-    pub own_pod: Option<String>,
-    pub image: Option<String>,
-    /// The size limit of each claim's shared-memory tmpfs, in bytes.
-    pub shm_size: u64,
-}
-
-impl Default for MpsConfig {
-    fn default() -> Self {
-        MpsConfig {
-            namespace: "gpu-dra".to_string(),
-            own_pod: None,
-            image: None,
-            shm_size: 64 * 1024 * 1024,
-        }
-    }
-}
-
-impl PluginConfig {
-    /// A node laid out under one directory (`plugins_registry/`, `plugins/`, `cdi/`, the fake GPU
-    /// state `fake-gpu-state.json`) with the fake backend, static MIG, HTTP off and a 5 s rescan:
-    /// what the demo, the tests and the benchmark run.
-    pub fn fake_node_under(
-        root: &std::path::Path,
-        driver: &str,
-        node: &str,
-        profile: &str,
-    ) -> Self {
-        PluginConfig {
-            driver_name: driver.to_string(),
-            node_name: node.to_string(),
-            registry_dir: root.join("plugins_registry"),
-            plugins_dir: root.join("plugins"),
-            cdi_root: root.join("cdi"),
-            backend: BackendChoice::Fake {
-                profile: profile.to_string(),
-                state_file: Some(root.join("fake-gpu-state.json")),
-            },
-            http_addr: None,
-            rescan_interval: Duration::from_secs(5),
-            mig_mode: MigMode::Static,
-            startup_api_timeout: startup::DEFAULT_STARTUP_API_TIMEOUT,
-            api: ApiTimeouts::default(),
-            mps: MpsConfig::default(),
-            sharing_timeout: claims::SHARING_TIMEOUT,
-        }
-    }
-
-    /// The DRA socket: `<plugins-dir>/<driver>/dra.sock`.
-    pub fn dra_socket(&self) -> PathBuf {
-        self.plugin_dir().join("dra.sock")
-    }
-
-    /// The registration socket: `<registry-dir>/<driver>-reg.sock`.
-    pub fn registration_socket(&self) -> PathBuf {
-        self.registry_dir
-            .join(format!("{}-reg.sock", self.driver_name))
-    }
-
-    /// The plugin's own directory: the DRA socket and the checkpoint live here.
-    pub fn plugin_dir(&self) -> PathBuf {
-        self.plugins_dir.join(&self.driver_name)
-    }
-}
 
 #[derive(Debug, Error)]
 pub enum PluginError {
@@ -326,10 +214,10 @@ pub async fn start(
             cdi: CdiRegistry::new(&config.cdi_root, &config.driver_name),
             checkpoint_path: claims::checkpoint_path(&plugin_dir),
             mig_mode: mig_mode_rx,
-            driver_edits: driver_edits(&config, &inventory)?,
+            driver_edits: claims_setup::driver_edits(&config, &inventory)?,
             startup_api_timeout: config.startup_api_timeout,
             claim_read_budget: config.api.claim_read,
-            mps: mps_daemons(&config, &plugin_dir, &client).await,
+            mps: claims_setup::mps_daemons(&config, &plugin_dir, &client).await,
             sharing_timeout: config.sharing_timeout,
         },
         client.clone(),
@@ -553,91 +441,6 @@ async fn rescan(
             // The health monitor turns it into devices; MIG devices created for claims change the
             // inventory but not what dynamic MIG publishes, so the slices stay as they are then.
             let _ = inventory_tx.send(Arc::new(latest));
-        }
-    }
-}
-
-/// What containers get from the host driver: nothing for fake GPUs; on real ones the driver's files
-/// and device nodes from the driver root, and the Toolkit's devices ([`DriverEdits::discover`]).
-fn driver_edits(config: &PluginConfig, inventory: &Inventory) -> Result<DriverEdits, PluginError> {
-    let BackendChoice::Nvml {
-        driver_root,
-        host_driver_root,
-    } = &config.backend
-    else {
-        return Ok(DriverEdits::default());
-    };
-    let root = DriverRoot::new(host_driver_root, driver_root)
-        .map_err(|e| PluginError::DriverFiles(e.to_string()))?;
-    DriverEdits::discover(&root, &inventory.driver_version, &config.cdi_root)
-        .map_err(|e| PluginError::DriverFiles(e.to_string()))
-}
-
-/// The claims' MPS control daemons, under `<plugin-dir>/mps` (the DaemonSet mounts the plugins
-/// directory at the host's own path, so the CDI mounts and the daemons' hostPath volumes name the same
-/// path), each run by a Pod of this plugin's image. Without an image (the plugin runs outside a Pod
-/// and none is configured) MPS claims fail at prepare with a clear error; nothing else is affected.
-async fn mps_daemons(
-    config: &PluginConfig,
-    plugin_dir: &std::path::Path,
-    client: &kube::Client,
-) -> claims::mps::MpsDaemons {
-    use claims::mps::{DaemonPodTemplate, DaemonPods, DaemonProgram, MpsDaemons};
-    let daemons = MpsDaemons::new(plugin_dir.join("mps"), config.mps.shm_size);
-    let (program, host_driver_root) = match &config.backend {
-        BackendChoice::Nvml {
-            driver_root,
-            host_driver_root,
-        } => (
-            claims::mps::mps_pod::program_for_root(driver_root),
-            host_driver_root.clone(),
-        ),
-        BackendChoice::Fake { .. } => (DaemonProgram::StandIn, PathBuf::from("/")),
-    };
-    if program == DaemonProgram::StandIn && !cfg!(feature = "doubles") {
-        warn!(
-            "{}: MPS claims will fail at prepare",
-            claims::mps::supervisor::NO_STAND_IN
-        );
-    }
-    let image = match (&config.mps.image, &config.mps.own_pod) {
-        (Some(image), _) => Some(image.clone()),
-        (None, Some(pod)) => own_image(client, &config.mps.namespace, pod).await,
-        (None, None) => None,
-    };
-    let Some(image) = image else {
-        warn!("no image for MPS daemon Pods (not running in a Pod, and no --mps-daemon-image): MPS claims will fail at prepare");
-        return daemons;
-    };
-    daemons.with_pods(DaemonPods::new(
-        client.clone(),
-        DaemonPodTemplate {
-            namespace: config.mps.namespace.clone(),
-            node: config.node_name.clone(),
-            driver: config.driver_name.clone(),
-            image,
-            host_driver_root,
-            program,
-        },
-    ))
-}
-
-/// The image of the plugin's own container: an upgrade of the DaemonSet then also upgrades the
-/// daemons it starts from then on (running ones keep theirs).
-async fn own_image(client: &kube::Client, namespace: &str, pod: &str) -> Option<String> {
-    use k8s_openapi::api::core::v1::Pod;
-    use kube::Api;
-    let own_pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
-    match own_pods.get(pod).await {
-        Ok(pod) => pod.spec.and_then(|spec| {
-            spec.containers
-                .into_iter()
-                .find(|c| c.name == "plugin")
-                .and_then(|c| c.image)
-        }),
-        Err(error) => {
-            warn!(%error, pod, namespace, "reading the plugin's own Pod for its image failed");
-            None
         }
     }
 }

@@ -1,5 +1,5 @@
 //! The admission policy on the Pods the plugin makes (`gpu-dra-mps-daemon-pods`): the plugin may create
-//! and delete the Pods of MPS control daemons bound to its own node, as `src/claims/mps_pod.rs` makes them,
+//! and delete the Pods of MPS control daemons bound to its own node, as `src/claims/mps/pod.rs` makes them,
 //! and no other Pod: not on another node, not another program, not without the daemon's labels.
 
 use std::path::Path;

@@ -36,7 +36,7 @@ impl std::fmt::Display for Grant {
 
 /// Source files that never run in the plugin: `gpu-dra demo` talks to its own in-process API server;
 /// `gpu-dra explain` runs with its user's credentials (the `gpu-dra-explain` ClusterRole).
-const NOT_THE_PLUGIN: &[&str] = &["src/demo.rs", EXPLAIN];
+const NOT_THE_PLUGIN: &[&str] = &["src/demo/", EXPLAIN];
 
 /// The source of `gpu-dra explain`, whose calls `gpu-dra-explain` must allow.
 const EXPLAIN: &str = "src/explain/";

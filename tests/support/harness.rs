@@ -56,7 +56,7 @@ impl Drop for Harness {
         for point in mounts.lines().filter_map(|line| line.split(' ').nth(1)) {
             let point = std::path::Path::new(point);
             if point.starts_with(root) {
-                let _ = crate::claims::mps::mps_shm::unmount(point);
+                let _ = crate::claims::mps::shm::unmount(point);
             }
         }
     }

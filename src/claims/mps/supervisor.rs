@@ -1,4 +1,4 @@
-//! `gpu-dra mps-daemon`: PID 1 of a claim's MPS daemon Pod (`mps_pod.rs`). It checks that the claim's
+//! `gpu-dra mps-daemon`: PID 1 of a claim's MPS daemon Pod (`pod.rs`). It checks that the claim's
 //! shared memory is a tmpfs, enters the driver root (chroot) where the Pod says so, runs the control
 //! daemon in the foreground (`nvidia-cuda-mps-control -f`, or the fake backend's stand-in), applies the
 //! claim's limits once it answers and writes the ready file that the Pod's readiness probe reads.
@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 use thiserror::Error;
 use tokio::process::{Child, Command};
 
-use super::mps_pod::READY_FILE;
-use super::mps_shm::is_tmpfs;
+use super::pod::READY_FILE;
+use super::shm::is_tmpfs;
 use super::{reports_error, CONTROL_SOCKET, PID_FILE, SHM_MARKER};
 
 const READY_TIMEOUT: Duration = Duration::from_secs(30);

@@ -224,7 +224,7 @@ fn foreground() -> Result<i32, StandInError> {
     let shm = std::env::var_os(super::supervisor::STAND_IN_SHM_ENV)
         .filter(|v| !v.is_empty())
         .map_or_else(|| PathBuf::from("/dev/shm"), PathBuf::from);
-    if !super::mps_shm::is_tmpfs(&shm) {
+    if !super::shm::is_tmpfs(&shm) {
         log.line(&format!(
             "{} is not a tmpfs; MPS servers and clients cannot share memory",
             shm.display()

@@ -215,5 +215,5 @@ pub fn program_for_root(container_root: &Path) -> DaemonProgram {
 }
 
 #[cfg(test)]
-#[path = "mps_pod_tests.rs"]
+#[path = "pod_tests.rs"]
 mod tests;

@@ -1,6 +1,6 @@
 //! MPS control daemons: one per prepared claim that shares its GPUs through MPS. A claim gets
 //! `<plugin-dir>/mps/<claimUID>/{pipe,log,shm}`, with a size-limited tmpfs mounted at `shm`
-//! (`mps_shm.rs`), and a Pod of its own that runs the daemon (`mps_pod.rs`, `mps_supervisor.rs`): the
+//! (`shm.rs`), and a Pod of its own that runs the daemon (`pod.rs`, `supervisor.rs`): the
 //! daemon outlives the plugin's container (crash, OOM kill, upgrade), and its memory is the Pod's. The
 //! claim's containers get `pipe`, `log` and `shm` through CDI ([`MpsDaemons::container_edits`]).
 //!
@@ -10,27 +10,23 @@
 use std::collections::BTreeSet;
 use std::fs;
 use std::io;
-use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 use tracing::{info, warn};
 
 use crate::cdi::{ContainerEdits, Mount};
-pub use mps_pod::{DaemonPodTemplate, DaemonProgram};
+pub use daemon_pods::DaemonPods;
+pub use pod::{DaemonPodTemplate, DaemonProgram};
 
-#[path = "mps_pod.rs"]
-pub mod mps_pod;
-#[path = "mps_shm.rs"]
-pub mod mps_shm;
+mod daemon_pods;
+mod dirs;
+pub mod pod;
+pub mod shm;
 #[cfg(feature = "doubles")]
-#[path = "mps_stand_in.rs"]
 pub mod stand_in;
-#[path = "mps_supervisor.rs"]
 pub mod supervisor;
 
 /// The file, in the pipe directory, where the daemon keeps its pid (the real daemon's name).
@@ -165,30 +161,6 @@ pub enum MpsError {
     },
 }
 
-/// Runs the daemons' Pods: the API and what every Pod of this plugin shares.
-#[derive(Clone)]
-pub struct DaemonPods {
-    api: Api<Pod>,
-    template: DaemonPodTemplate,
-}
-
-impl std::fmt::Debug for DaemonPods {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DaemonPods")
-            .field("template", &self.template)
-            .finish()
-    }
-}
-
-impl DaemonPods {
-    pub fn new(client: kube::Client, template: DaemonPodTemplate) -> Self {
-        Self {
-            api: Api::namespaced(client, &template.namespace),
-            template,
-        }
-    }
-}
-
 /// The per-claim MPS daemons under one directory.
 #[derive(Debug, Clone)]
 pub struct MpsDaemons {
@@ -196,27 +168,6 @@ pub struct MpsDaemons {
     host_root: PathBuf,
     shm_size: u64,
     pods: Option<DaemonPods>,
-}
-
-/// A claim's directories, as this process sees them.
-struct ClaimDirs {
-    claim: String,
-    dir: PathBuf,
-    pipe: PathBuf,
-    shm: PathBuf,
-    log: PathBuf,
-}
-
-impl ClaimDirs {
-    fn io(&self, action: &'static str, path: &Path) -> impl FnOnce(io::Error) -> MpsError {
-        let (claim, path) = (self.claim.clone(), path.to_path_buf());
-        move |source| MpsError::Io {
-            claim,
-            action,
-            path,
-            source,
-        }
-    }
 }
 
 impl MpsDaemons {
@@ -277,91 +228,6 @@ impl MpsDaemons {
         started
     }
 
-    async fn launch(
-        &self,
-        pods: &DaemonPods,
-        dirs: &ClaimDirs,
-        spec: &MpsDaemonSpec,
-    ) -> Result<MpsDaemonRecord, MpsError> {
-        self.prepare_dirs(dirs)?;
-        mps_shm::mount_tmpfs(&dirs.shm, self.shm_size).map_err(|source| MpsError::Shm {
-            claim: dirs.claim.clone(),
-            path: dirs.shm.clone(),
-            source,
-        })?;
-        let pod = pods.template.pod(spec, &self.host_root.join(&dirs.claim))?;
-        let name = DaemonPodTemplate::pod_name(&dirs.claim);
-        // A Pod of an earlier attempt (or an earlier boot) may hold other devices or a dead mount.
-        self.delete_pod(pods, &dirs.claim, Some(GONE_TIMEOUT))
-            .await?;
-        let created = pods
-            .api
-            .create(&PostParams::default(), &pod)
-            .await
-            .map_err(|e| self.api_error(&dirs.claim, &name, "creating", e))?;
-        let uid = created.metadata.uid.clone().unwrap_or_default();
-        self.wait_ready(pods, dirs, &name, &uid).await?;
-        Ok(MpsDaemonRecord {
-            pod: name,
-            pod_uid: uid,
-            dir: dirs.dir.clone(),
-            devices: spec.devices.clone(),
-            active_thread_percentage: spec.active_thread_percentage,
-        })
-    }
-
-    /// Waits until the Pod (this UID) is Ready and its daemon wrote the marker into the claim's tmpfs.
-    async fn wait_ready(
-        &self,
-        pods: &DaemonPods,
-        dirs: &ClaimDirs,
-        name: &str,
-        uid: &str,
-    ) -> Result<(), MpsError> {
-        let deadline = Instant::now() + READY_TIMEOUT;
-        loop {
-            let detail = match pods.api.get_opt(name).await {
-                Ok(Some(pod)) if pod.metadata.uid.as_deref() != Some(uid) => {
-                    "replaced by another Pod of the same name".to_string()
-                }
-                Ok(Some(pod)) if is_ready(&pod) => {
-                    if dirs.shm.join(SHM_MARKER).is_file() {
-                        return Ok(());
-                    }
-                    format!(
-                        "Ready, but the daemon's /dev/shm is not the claim's tmpfs {} (no {SHM_MARKER} there)",
-                        dirs.shm.display()
-                    )
-                }
-                Ok(Some(pod)) => not_ready_reason(&pod),
-                Ok(None) => "the Pod is gone".to_string(),
-                Err(e) => format!("reading the Pod: {e}"),
-            };
-            if Instant::now() >= deadline {
-                return Err(MpsError::NotReady {
-                    claim: dirs.claim.clone(),
-                    namespace: pods.template.namespace.clone(),
-                    pod: name.to_string(),
-                    waited: READY_TIMEOUT,
-                    detail: format!(
-                        "{detail}; `kubectl logs -n {} {name}` says why",
-                        pods.template.namespace
-                    ),
-                });
-            }
-            tokio::time::sleep(POLL).await;
-        }
-    }
-
-    /// Whether the recorded daemon's Pod still runs and is Ready.
-    pub async fn is_running(&self, record: &MpsDaemonRecord) -> bool {
-        let Some(pods) = &self.pods else {
-            return false;
-        };
-        matches!(pods.api.get_opt(&record.pod).await,
-            Ok(Some(pod)) if pod.metadata.uid.as_deref() == Some(record.pod_uid.as_str()) && is_ready(&pod))
-    }
-
     /// At plugin start, for a claim that is still prepared: keeps a Ready daemon Pod that serves
     /// `spec`'s devices, or starts a new one in the same directories (kept, so that containers that
     /// mounted them see it). `spec` comes from the claim's devices as they are now, so a MIG device
@@ -374,7 +240,7 @@ impl MpsDaemons {
         let dirs = self.dirs_for_record(record)?;
         let same_devices = record.devices == spec.devices
             && record.active_thread_percentage == spec.active_thread_percentage;
-        let mounted = mps_shm::is_mount_point(&dirs.shm) && mps_shm::is_tmpfs(&dirs.shm);
+        let mounted = shm::is_mount_point(&dirs.shm) && shm::is_tmpfs(&dirs.shm);
         if same_devices && mounted && self.is_running(record).await {
             info!(claim = %dirs.claim, pod = %record.pod, "MPS control daemon taken over");
             return Ok(TakeOver::TakenOver);
@@ -462,58 +328,6 @@ impl MpsDaemons {
         cleaned
     }
 
-    /// Deletes this node's daemon Pods whose claims are not in `keep` and have no directory (a plugin
-    /// that died between removing the two, or ran with another plugin directory). A Pod whose claim has
-    /// a directory is left alone: that claim is kept or is being prepared.
-    pub async fn sweep_pods(&self, keep: &BTreeSet<String>) -> Vec<String> {
-        let Some(pods) = &self.pods else {
-            return Vec::new();
-        };
-        let template = &pods.template;
-        let params = ListParams::default()
-            .labels(&format!(
-                "{}={},{}={}",
-                mps_pod::COMPONENT_LABEL,
-                mps_pod::COMPONENT,
-                mps_pod::DRIVER_LABEL,
-                template.driver
-            ))
-            .fields(&format!("spec.nodeName={}", template.node));
-        let list = match pods.api.list(&params).await {
-            Ok(list) => list,
-            Err(e) => {
-                warn!(error = %e, "listing this node's MPS daemon Pods failed; none deleted");
-                return Vec::new();
-            }
-        };
-        let mut cleaned = Vec::new();
-        for pod in list.items {
-            let Some(uid) = pod
-                .metadata
-                .labels
-                .as_ref()
-                .and_then(|l| l.get(mps_pod::CLAIM_LABEL))
-                .cloned()
-            else {
-                continue;
-            };
-            // A directory means the claim is kept, or being prepared now (this runs beside prepares).
-            if keep.contains(&uid) || !is_plain_name(&uid) || self.root.join(&uid).exists() {
-                continue;
-            }
-            match self.delete_pod(pods, &uid, None).await {
-                Ok(()) => {
-                    info!(claim = %uid, "MPS daemon Pod of a claim no longer prepared deleted");
-                    cleaned.push(uid);
-                }
-                Err(e) => {
-                    warn!(claim = %uid, error = %e, "MPS daemon Pod of a claim no longer prepared left in place")
-                }
-            }
-        }
-        cleaned
-    }
-
     /// What a container of the claim needs to reach the daemon: the pipe and log directories and
     /// the shared-memory tmpfs, at the host's paths.
     pub fn container_edits(&self, record: &MpsDaemonRecord) -> Result<ContainerEdits, MpsError> {
@@ -546,164 +360,6 @@ impl MpsDaemons {
             ..Default::default()
         })
     }
-
-    /// Deletes the claim's daemon Pod; with `wait`, until it is gone (the kubelet ended it).
-    async fn delete_pod(
-        &self,
-        pods: &DaemonPods,
-        claim: &str,
-        wait: Option<Duration>,
-    ) -> Result<(), MpsError> {
-        let name = DaemonPodTemplate::pod_name(claim);
-        match pods.api.delete(&name, &DeleteParams::default()).await {
-            Ok(_) => {}
-            Err(kube::Error::Api(status)) if status.code == 404 => return Ok(()),
-            Err(e) => return Err(self.api_error(claim, &name, "deleting", e)),
-        }
-        let Some(waited) = wait else {
-            return Ok(());
-        };
-        let deadline = Instant::now() + waited;
-        loop {
-            match pods.api.get_opt(&name).await {
-                Ok(None) => return Ok(()),
-                Ok(Some(_)) | Err(_) if Instant::now() < deadline => tokio::time::sleep(POLL).await,
-                Ok(Some(_)) | Err(_) => {
-                    return Err(MpsError::StillRunning {
-                        claim: claim.to_string(),
-                        namespace: pods.template.namespace.clone(),
-                        pod: name,
-                        waited,
-                    })
-                }
-            }
-        }
-    }
-
-    fn api_error(&self, claim: &str, pod: &str, action: &'static str, e: kube::Error) -> MpsError {
-        MpsError::Api {
-            claim: claim.to_string(),
-            namespace: self
-                .pods
-                .as_ref()
-                .map(|p| p.template.namespace.clone())
-                .unwrap_or_default(),
-            pod: pod.to_string(),
-            action,
-            source: Box::new(e),
-        }
-    }
-
-    fn dirs_for_uid(&self, claim_uid: &str) -> Result<ClaimDirs, MpsError> {
-        if !is_plain_name(claim_uid) {
-            return Err(MpsError::InvalidClaimUid {
-                claim: claim_uid.to_string(),
-            });
-        }
-        let dir = self.root.join(claim_uid);
-        Ok(ClaimDirs {
-            claim: claim_uid.to_string(),
-            pipe: dir.join("pipe"),
-            shm: dir.join("shm"),
-            log: dir.join("log"),
-            dir,
-        })
-    }
-
-    /// A record's directory must be a claim directory under this root: `stop` removes it.
-    fn dirs_for_record(&self, record: &MpsDaemonRecord) -> Result<ClaimDirs, MpsError> {
-        let foreign = || MpsError::ForeignDir {
-            dir: record.dir.clone(),
-            root: self.root.clone(),
-        };
-        let uid = record.claim_uid().ok_or_else(foreign)?;
-        if record.dir.parent() != Some(self.root.as_path()) {
-            return Err(foreign());
-        }
-        self.dirs_for_uid(uid).map_err(|_| foreign())
-    }
-
-    /// Makes the directories (keeping existing ones: containers may have them mounted) and clears
-    /// a stale ready file. Modes: MPS servers run as the client's user, so they must reach and write
-    /// `pipe` and `log`; those are sticky and world-writable like `/tmp`, their parents only
-    /// traversable. The tmpfs on `shm` gets the same mode when mounted.
-    fn prepare_dirs(&self, dirs: &ClaimDirs) -> Result<(), MpsError> {
-        let socket = dirs.pipe.join(LONGEST_SOCKET);
-        if socket.as_os_str().len() > MAX_SOCKET_PATH {
-            return Err(MpsError::PathTooLong {
-                claim: dirs.claim.clone(),
-                path: socket,
-            });
-        }
-        for (dir, mode) in [
-            (&self.root, 0o711),
-            (&dirs.dir, 0o711),
-            (&dirs.pipe, 0o1777),
-            (&dirs.log, 0o1777),
-            (&dirs.shm, 0o1777),
-        ] {
-            fs::create_dir_all(dir).map_err(dirs.io("creating", dir))?;
-            if !mps_shm::is_mount_point(dir) {
-                fs::set_permissions(dir, fs::Permissions::from_mode(mode))
-                    .map_err(dirs.io("setting the mode of", dir))?;
-            }
-        }
-        let ready = dirs.log.join(mps_pod::READY_FILE);
-        match fs::remove_file(&ready) {
-            Err(e) if e.kind() != io::ErrorKind::NotFound => Err(dirs.io("removing", &ready)(e)),
-            _ => Ok(()),
-        }
-    }
-
-    /// Unmounts the tmpfs and removes the claim's directory; failures are logged.
-    fn remove_dirs(&self, dirs: &ClaimDirs) {
-        if let Err(e) = mps_shm::unmount(&dirs.shm) {
-            warn!(claim = %dirs.claim, path = %dirs.shm.display(), error = %e, "unmounting the MPS shared memory failed");
-            return;
-        }
-        if let Err(e) = remove_dir_all(&dirs.dir) {
-            warn!(claim = %dirs.claim, path = %dirs.dir.display(), error = %e, "removing the MPS daemon directory failed");
-        }
-    }
-}
-
-fn is_ready(pod: &Pod) -> bool {
-    pod.metadata.deletion_timestamp.is_none()
-        && pod
-            .status
-            .as_ref()
-            .and_then(|s| s.conditions.as_ref())
-            .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
-}
-
-/// Why a Pod is not Ready, in the kubelet's words where it gave some.
-fn not_ready_reason(pod: &Pod) -> String {
-    let status = pod.status.as_ref();
-    let container = status
-        .and_then(|s| s.container_statuses.as_ref())
-        .and_then(|c| c.first());
-    let state = container.and_then(|c| c.state.as_ref());
-    if let Some(waiting) = state.and_then(|s| s.waiting.as_ref()) {
-        return format!(
-            "container waiting: {} {}",
-            waiting.reason.as_deref().unwrap_or_default(),
-            waiting.message.as_deref().unwrap_or_default()
-        )
-        .trim()
-        .to_string();
-    }
-    if let Some(terminated) = container
-        .and_then(|c| c.last_state.as_ref())
-        .and_then(|s| s.terminated.as_ref())
-    {
-        return format!(
-            "container exited with {} ({})",
-            terminated.exit_code,
-            terminated.reason.as_deref().unwrap_or("no reason")
-        );
-    }
-    let phase = status.and_then(|s| s.phase.as_deref()).unwrap_or("Pending");
-    format!("phase {phase}, not Ready yet")
 }
 
 /// The commands that apply a spec's limits, checked before anything starts.
@@ -775,13 +431,5 @@ fn reports_error(answer: &str) -> bool {
     })
 }
 
-fn remove_dir_all(dir: &Path) -> io::Result<()> {
-    match fs::remove_dir_all(dir) {
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
-        other => other,
-    }
-}
-
 #[cfg(test)]
-#[path = "mps_tests.rs"]
 mod tests;

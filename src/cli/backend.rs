@@ -1,0 +1,196 @@
+//! The GPU backend on the command line: the flags that choose it (shared by `plugin`, `devices` and
+//! `selectors check`) and the commands that show what it sees: `devices`, `fake` and `nvml probe`.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use clap::{Args, Subcommand, ValueEnum};
+
+use super::{emit, Output};
+use crate::devices::MigMode;
+use crate::plugin::BackendChoice;
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Backend {
+    Nvml,
+    Fake,
+}
+
+#[derive(Args)]
+pub struct BackendArgs {
+    /// GPU backend.
+    #[arg(
+        long = "backend",
+        env = "GPU_BACKEND",
+        value_enum,
+        default_value = "nvml"
+    )]
+    backend: Backend,
+    /// Built-in fake profile name or YAML profile path (with --backend fake).
+    #[arg(long, env = "FAKE_GPU_PROFILE", default_value = "dgx-h100")]
+    fake_profile: String,
+    /// File where the fake GPUs keep MIG devices created at run time, so they outlive plugin restarts
+    /// as real GPU state does (with --backend fake); in memory when absent.
+    #[arg(long, env = "FAKE_GPU_STATE")]
+    fake_state: Option<PathBuf>,
+    /// The NVIDIA driver's root on the host (with --backend nvml): `/` for a driver installed on the
+    /// host, `/run/nvidia/driver` under the GPU Operator's driver container. Host paths in claim CDI
+    /// specs (libraries, hooks, device nodes) are under it.
+    #[arg(long, env = "NVIDIA_DRIVER_ROOT", default_value = "/")]
+    pub(super) driver_root: PathBuf,
+    /// Where this process sees the driver root, e.g. a hostPath mount of it in the plugin's pod
+    /// (with --backend nvml); the driver root itself when absent.
+    #[arg(long, env = "CONTAINER_DRIVER_ROOT")]
+    pub(super) container_driver_root: Option<PathBuf>,
+    /// How MIG-capable GPUs are published: none (whole GPUs), static (the MIG devices an admin made),
+    /// dynamic (every profile and placement, created on demand).
+    #[arg(long, env = "MIG_MODE", value_enum, default_value_t = MigMode::Static)]
+    pub(super) mig_mode: MigMode,
+}
+
+impl BackendArgs {
+    pub(super) fn choice(&self) -> BackendChoice {
+        match self.backend {
+            Backend::Nvml => BackendChoice::Nvml {
+                driver_root: self
+                    .container_driver_root
+                    .clone()
+                    .unwrap_or_else(|| self.driver_root.clone()),
+                host_driver_root: self.driver_root.clone(),
+            },
+            Backend::Fake => BackendChoice::Fake {
+                profile: self.fake_profile.clone(),
+                state_file: self.fake_state.clone(),
+            },
+        }
+    }
+}
+
+#[derive(Args)]
+pub struct DevicesArgs {
+    #[arg(long, env = "DRIVER_NAME", default_value = "gpu.dra.dev")]
+    driver_name: String,
+    #[arg(long, env = "NODE_NAME", default_value = "local-node")]
+    node_name: String,
+    #[command(flatten)]
+    backend: BackendArgs,
+    #[arg(short = 'o', long, value_enum, default_value = "table")]
+    output: Output,
+    /// The Kubernetes minor version whose slice layout to print (34: counter sets beside devices;
+    /// 35 and later: counter sets in slices of their own).
+    #[arg(long, default_value_t = 35)]
+    kubernetes_minor: u32,
+}
+
+#[derive(Subcommand)]
+pub enum FakeCommand {
+    /// List the built-in fake GPU profiles.
+    Profiles,
+    /// Print a built-in profile as YAML: a starting point for a custom `--fake-profile` file.
+    Show {
+        /// A built-in profile name (see `gpu-dra fake profiles`).
+        name: String,
+    },
+    /// Stand-in for NVIDIA's nvidia-cuda-mps-control (MPS sharing with the fake backend): -d starts
+    /// the daemon, -f runs it in the foreground, neither sends stdin's commands to it.
+    #[cfg(feature = "doubles")]
+    #[command(hide = true)]
+    MpsControlDaemon {
+        /// Start the daemon in the background; return once it runs.
+        #[arg(short = 'd', conflicts_with = "foreground")]
+        daemon: bool,
+        /// Run the daemon in the foreground.
+        #[arg(short = 'f')]
+        foreground: bool,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum NvmlCommand {
+    /// Print what NVML reports about the node's GPUs (read-only: changes nothing on them).
+    Probe {
+        /// The NVIDIA driver's root on the host (`/`, or `/run/nvidia/driver`).
+        #[arg(long, env = "NVIDIA_DRIVER_ROOT", default_value = "/")]
+        driver_root: PathBuf,
+        /// Where this process sees the driver root; the driver root itself when absent.
+        #[arg(long, env = "CONTAINER_DRIVER_ROOT")]
+        container_driver_root: Option<PathBuf>,
+        /// An explicit libnvidia-ml.so.1 to load.
+        #[arg(long)]
+        library: Option<PathBuf>,
+    },
+}
+
+/// `gpu-dra devices`.
+pub fn print_devices(args: DevicesArgs) -> Result<()> {
+    let backend = crate::plugin::open_backend(&args.backend.choice(), &args.node_name)?;
+    let inventory = backend.inventory()?;
+    let node = crate::devices::node_devices(&inventory, args.backend.mig_mode);
+    let version = crate::slices::ServerVersion {
+        minor: args.kubernetes_minor,
+    };
+    let slices =
+        crate::slices::desired_slices(&args.driver_name, &args.node_name, "", &node, version);
+    let devices: Vec<_> = node.devices().cloned().collect();
+    let text = match args.output {
+        Output::Json => serde_json::to_string_pretty(&slices)? + "\n",
+        Output::Yaml => slices
+            .iter()
+            .map(serde_yaml::to_string)
+            .collect::<Result<Vec<_>, _>>()?
+            .iter()
+            .map(|doc| format!("---\n{doc}"))
+            .collect(),
+        Output::Table => crate::devices::table(&devices),
+    };
+    emit(&text);
+    Ok(())
+}
+
+/// `gpu-dra fake ...`.
+pub fn fake(command: FakeCommand) -> Result<()> {
+    match command {
+        FakeCommand::Profiles => {
+            emit(&crate::gpu::describe_builtin_profiles());
+            Ok(())
+        }
+        FakeCommand::Show { name } => {
+            let profile = crate::gpu::builtin_profile(&name).with_context(|| {
+                format!(
+                    "unknown fake GPU profile {name:?} (built-in profiles: {})",
+                    crate::gpu::builtin_profile_names().join(", ")
+                )
+            })?;
+            emit(&serde_yaml::to_string(&profile)?);
+            Ok(())
+        }
+        #[cfg(feature = "doubles")]
+        FakeCommand::MpsControlDaemon { daemon, foreground } => {
+            use crate::claims::mps::stand_in::{run, Mode};
+            let mode = match (daemon, foreground) {
+                (true, _) => Mode::Background,
+                (_, true) => Mode::Foreground,
+                _ => Mode::Client,
+            };
+            std::process::exit(run(mode)?)
+        }
+    }
+}
+
+/// `gpu-dra nvml ...`.
+pub fn nvml(command: NvmlCommand) -> Result<()> {
+    match command {
+        NvmlCommand::Probe {
+            driver_root,
+            container_driver_root,
+            library,
+        } => {
+            let report = crate::gpu::nvml::probe(crate::gpu::NvmlOptions {
+                library_path: library,
+                driver_root: container_driver_root.unwrap_or(driver_root),
+            })?;
+            emit(&report.to_string());
+            Ok(())
+        }
+    }
+}

@@ -8,7 +8,7 @@
 # The base is built in a git worktree under ${TMPDIR:-/tmp} with this checkout's target directory, so only
 # the gpu-dra crate is compiled twice (a base with another .cargo/config.toml compiles everything again).
 # BASE_PLUGIN=<binary> runs that binary as the base's plugin instead of building one (with CLIENT=head; the
-# base commit then only names it). Needs a base whose kubelet double this checkout's plugin accepts
+# base commit then only names it); HEAD_PLUGIN=<binary> does the same for this checkout's plugin. Needs a base whose kubelet double this checkout's plugin accepts
 # (every commit does: the plugin accepts any :authority). Where the checkout has the `doubles` feature,
 # its plugin is the node binary of `cargo build --release`, not the benchmark's own build (which has the doubles).
 set -euo pipefail
@@ -27,6 +27,11 @@ build() { # dir, name: builds the prepare benchmark there and keeps its plugin b
     sed -n 's/.*Executable benches\/prepare.rs (\(.*\))/\1/p')
   [ -n "$exe" ] || { echo "compare-plugins.sh: building the benchmark in $1 failed" >&2; exit 1; }
   case $exe in /*) ;; *) exe=$1/$exe ;; esac
+  if [ "$2" = head ] && [ -n "${HEAD_PLUGIN:-}" ]; then
+    cp "$exe" "$WORK/client-$2"
+    cp "$HEAD_PLUGIN" "$WORK/gpu-dra-$2"
+    return
+  fi
   if grep -q '^doubles = ' "$1/Cargo.toml"; then
     (cd "$1" && CARGO_TARGET_DIR=$TARGET cargo build --release --bin gpu-dra 2>/dev/null)
   fi

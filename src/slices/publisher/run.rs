@@ -7,6 +7,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use backon::{BackoffBuilder, ExponentialBuilder};
 use futures::StreamExt;
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use kube::api::Api;
@@ -19,6 +20,8 @@ use crate::apiclient::NOT_SERVED_RETRY_MAX;
 use crate::devices::NodeDevices;
 use crate::observability::Readiness;
 
+/// The first wait after a failed sync; it doubles with each further failure.
+const FIRST_BACKOFF: Duration = Duration::from_millis(500);
 /// Longest wait between retries of a failed sync.
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
 /// Device changes within this long after a write wait for its end and go out together: a burst of
@@ -153,32 +156,44 @@ async fn watch_slices(api: Api<ResourceSlice>, config: watcher::Config, changed:
     }
 }
 
-/// Exponential backoff from 0.5 s up to [`MAX_BACKOFF`], with jitter so that many nodes retrying
-/// after an API server outage do not all come back at once.
+/// Exponential backoff from [`FIRST_BACKOFF`] up to [`MAX_BACKOFF`], with jitter so that many nodes
+/// retrying after an API server outage do not all come back at once.
+///
+/// One backon sequence serves both caps, so that every failure counts towards the next delay whichever
+/// cap applies to it: the sequence grows to the largest cap a caller asks for ([`NOT_SERVED_RETRY_MAX`])
+/// and each delay is cut to the caller's cap. backon's jitter adds a random part of up to the delay
+/// itself (a delay `d` becomes one in `[d, 2d)`), and the cut comes after it, so a cap stays the longest
+/// wait there is. At the cap every node then waits the cap exactly; the jitter of the growing delays
+/// before it has already spread the nodes apart, and equal waits keep them so.
 struct Backoff {
-    attempt: u32,
+    delays: <ExponentialBuilder as BackoffBuilder>::Backoff,
 }
 
 impl Backoff {
     fn new() -> Self {
-        Backoff { attempt: 0 }
+        let delays = ExponentialBuilder::new()
+            .with_min_delay(FIRST_BACKOFF)
+            .with_factor(2.0)
+            .with_max_delay(NOT_SERVED_RETRY_MAX)
+            .without_max_times()
+            .with_jitter()
+            .build();
+        Backoff { delays }
     }
 
     fn reset(&mut self) {
-        self.attempt = 0;
+        *self = Backoff::new();
     }
 
     fn next_delay(&mut self) -> Duration {
         self.next_delay_up_to(MAX_BACKOFF)
     }
 
-    /// The next delay, capped at `max` instead of [`MAX_BACKOFF`] (minutes for an API not served).
+    /// The next delay, capped at `max` instead of [`MAX_BACKOFF`] (minutes for an API not served); a
+    /// `max` above [`NOT_SERVED_RETRY_MAX`] is never reached.
     fn next_delay_up_to(&mut self, max: Duration) -> Duration {
-        let base = Duration::from_millis(500).saturating_mul(1 << self.attempt.min(10));
-        self.attempt += 1;
-        let capped = base.min(max);
-        let jitter = fastrand::f64() * 0.2 + 0.9;
-        capped.mul_f64(jitter)
+        // Without a maximum number of attempts the sequence never ends; `max` would stand in if it did.
+        self.delays.next().unwrap_or(max).min(max)
     }
 }
 
@@ -190,12 +205,17 @@ mod tests {
     fn backoff_grows_and_caps() {
         let mut backoff = Backoff::new();
         let first = backoff.next_delay();
-        assert!(first >= Duration::from_millis(450) && first <= Duration::from_millis(550));
+        // backon's jitter adds up to the delay itself: the first wait is 0.5 s to 1 s.
+        assert!(first >= Duration::from_millis(500) && first < Duration::from_millis(1000));
+        let mut last = first;
         for _ in 0..20 {
-            assert!(backoff.next_delay() <= MAX_BACKOFF.mul_f64(1.1));
+            last = backoff.next_delay();
+            // The cut to the cap comes after the jitter: the cap holds exactly.
+            assert!(last <= MAX_BACKOFF);
         }
+        assert_eq!(last, MAX_BACKOFF, "grown to the cap");
         backoff.reset();
-        assert!(backoff.next_delay() <= Duration::from_millis(550));
+        assert!(backoff.next_delay() < Duration::from_millis(1000));
     }
 
     #[test]
@@ -206,6 +226,7 @@ mod tests {
             .max()
             .unwrap();
         assert!(longest > MAX_BACKOFF.mul_f64(1.1), "{longest:?}");
-        assert!(longest <= NOT_SERVED_RETRY_MAX.mul_f64(1.1));
+        // Cut to the cap after the jitter, as above.
+        assert!(longest <= NOT_SERVED_RETRY_MAX, "{longest:?}");
     }
 }

@@ -1,11 +1,10 @@
 //! The fake GPU backend: a node described by a built-in profile or a YAML file. The file is read again
 //! on every inventory call, so editing it changes what the plugin publishes without a restart. MIG
 //! devices created at run time and the GPUs' sharing modes live in the fake "hardware" state, kept in a
-//! file when one is given so that it outlives plugin restarts as real GPU state does. MIG operations
-//! (`fake_mig`), sharing (`fake_sharing`), fault events (`fake_faults`) and the profile checks
-//! (`fake_check`) live beside this file.
+//! file when one is given so that it outlives plugin restarts as real GPU state does. The GPUs read from
+//! the profile and that state (`fake_gpus`), MIG operations (`fake_mig`), sharing (`fake_sharing`),
+//! fault events (`fake_faults`) and the profile checks (`fake_check`) live beside this file.
 
-use std::cell::OnceCell;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::Mutex;
@@ -19,14 +18,9 @@ use super::device_files::{control_device_files, DeviceNumber};
 use super::fake_check::check_profile;
 use super::fake_faults::FaultWatch;
 use super::fake_proc::FakeProc;
-use super::mig::{
-    builtin_profiles_for, ComputeShare, MigDestroyed, MigInfo, MigInstance, MigPlacement,
-    MigProfile, MigRequest, NO_COMPUTE_INSTANCE,
-};
+use super::mig::{MigDestroyed, MigInstance, MigRequest};
 use super::profiles::{builtin_profile, builtin_profile_names, FakeGpuSpec, FakeProfile};
-use super::{
-    nvlink, Gpu, GpuBackend, GpuError, GpuEvent, GpuLocks, GpuSharingMode, Inventory, UnreadableGpu,
-};
+use super::{GpuBackend, GpuError, GpuEvent, GpuLocks, GpuSharingMode, Inventory};
 
 /// The namespace of the name-based UUIDs the fake backend derives, so they are stable per node.
 const FAKE_UUID_NAMESPACE: uuid::Uuid =
@@ -78,7 +72,7 @@ pub struct FakeBackend {
     /// Where the hardware state is kept across restarts; `None` keeps it in memory.
     state_file: Option<PathBuf>,
     /// The driver's `/proc` files of the fake node (device majors, MIG capability minors).
-    proc: FakeProc,
+    pub(super) proc: FakeProc,
     /// The numbers every fake device file gets: `/dev/null`'s, so containers open them harmlessly.
     stand_in: DeviceNumber,
     pub(super) faults: Mutex<FaultWatch>,
@@ -156,7 +150,7 @@ impl FakeBackend {
         }
     }
 
-    fn derived_uuid(&self, what: &str) -> uuid::Uuid {
+    pub(super) fn derived_uuid(&self, what: &str) -> uuid::Uuid {
         uuid::Uuid::new_v5(
             &FAKE_UUID_NAMESPACE,
             format!("{}/{what}", self.node_name).as_bytes(),
@@ -224,195 +218,6 @@ impl FakeBackend {
         })
     }
 
-    /// The readable GPUs of the profile with the hardware state applied (MIG devices, MIG mode), and
-    /// the ones marked unreadable.
-    pub(super) fn gpus(
-        &self,
-        profile: &FakeProfile,
-        hardware: &FakeHardware,
-    ) -> (Vec<Gpu>, Vec<UnreadableGpu>) {
-        let groups = nvlink_groups(profile);
-        // Read once, and only for a GPU with MIG devices of its profile.
-        let minors = OnceCell::new();
-        let bus_ids: Vec<String> = profile.gpus.iter().map(|g| g.pci_bus_id.clone()).collect();
-        let mut gpus = Vec::new();
-        let mut unreadable = Vec::new();
-        for (index, spec) in profile.gpus.iter().enumerate() {
-            let minor = spec.minor.unwrap_or(index as u32);
-            let uuid = self.gpu_uuid(spec, minor);
-            if let Some(reason) = &spec.unreadable {
-                // What NVML still tells of a GPU it cannot read: its handle's index, and often the
-                // minor number, UUID and PCI address.
-                unreadable.push(UnreadableGpu {
-                    index: index as u32,
-                    minor: Some(minor),
-                    uuid: Some(uuid),
-                    pci_bus_id: Some(spec.pci_bus_id.clone()),
-                    reason: reason.clone(),
-                });
-                continue;
-            }
-            let nvlink_peers = match &groups[index] {
-                // Links to the node's NVSwitches: NVML names no switch, only the "invalid PCI"
-                // sentinel, which all switched GPUs share.
-                Some(_) if spec.nvlink_group.is_none() => vec![NVSWITCH_PEER.to_string()],
-                // Direct links (bridges): the peer GPUs' bus ids.
-                Some(group) => (0..profile.gpus.len())
-                    .filter(|&j| j != index && groups[j].as_ref() == Some(group))
-                    .map(|j| bus_ids[j].clone())
-                    .collect(),
-                None => Vec::new(),
-            };
-            let mig = spec
-                .mig_capable
-                .then(|| builtin_profiles_for(&spec.product_name))
-                .flatten()
-                .map(|profiles| self.mig_info(spec, minor, &uuid, profiles, hardware, &minors))
-                .transpose();
-            // As on the NVML backend: a GPU whose MIG devices' files cannot be found is not read.
-            let mig = match mig {
-                Ok(mig) => mig,
-                Err(reason) => {
-                    unreadable.push(UnreadableGpu {
-                        index: index as u32,
-                        minor: Some(minor),
-                        uuid: Some(uuid),
-                        pci_bus_id: Some(spec.pci_bus_id.clone()),
-                        reason,
-                    });
-                    continue;
-                }
-            };
-            gpus.push(Gpu {
-                minor,
-                uuid,
-                product_name: spec.product_name.clone(),
-                brand: spec.brand.clone(),
-                architecture: spec.architecture.clone(),
-                cuda_compute_capability: spec.cuda_compute_capability.clone(),
-                memory_bytes: spec.memory_bytes,
-                pci_bus_id: spec.pci_bus_id.clone(),
-                pcie_root: spec.pcie_root.clone(),
-                numa_node: spec.numa_node,
-                nvlink_domain: None,
-                fabric: spec.fabric.as_ref().map(|f| nvlink::FabricInfo {
-                    cluster_uuid: f.cluster_uuid.clone(),
-                    clique_id: f.clique_id,
-                }),
-                nvlink_peers,
-                mig,
-            });
-        }
-        nvlink::assign_domains(&mut gpus);
-        (gpus, unreadable)
-    }
-
-    fn mig_info(
-        &self,
-        spec: &FakeGpuSpec,
-        minor: u32,
-        uuid: &str,
-        profiles: Vec<MigProfile>,
-        hardware: &FakeHardware,
-        minors: &OnceCell<Result<MigMinors, CapsError>>,
-    ) -> Result<MigInfo, String> {
-        let mut instances: Vec<MigInstance> = Vec::new();
-        for wanted in &spec.mig_instances {
-            let Some(profile) = profiles.iter().find(|p| p.name == wanted.profile) else {
-                continue;
-            };
-            let Some(placement) = profile.placements.iter().find(|p| p.start == wanted.start)
-            else {
-                continue;
-            };
-            let gpu_instance_id = gpu_instance_id(*placement);
-            if hardware
-                .destroyed
-                .contains(&(uuid.to_string(), gpu_instance_id))
-            {
-                continue;
-            }
-            instances.extend(self.profile_instances(
-                minor,
-                profile,
-                *placement,
-                wanted.compute_instances.as_deref(),
-                minors,
-            )?);
-        }
-        instances.extend(hardware.created.get(uuid).cloned().unwrap_or_default());
-        instances.sort_by_key(|i| (i.placement, i.compute_instance_id));
-        Ok(MigInfo {
-            enabled: spec.mig_enabled || hardware.mig_enabled.contains(uuid),
-            toggles_without_reset: toggles_without_reset(&spec.architecture),
-            memory_slices: 8,
-            compute_slices: 7,
-            profiles,
-            instances,
-            disable_failed: hardware.disable_failed.get(uuid).cloned(),
-        })
-    }
-
-    /// The MIG devices of one GPU instance an admin made: one per compute instance, or one without
-    /// compute instance (`[]`). A single compute instance spanning the GPU instance keeps the UUID
-    /// derivation of earlier versions, so UUIDs stay the same across upgrades.
-    fn profile_instances(
-        &self,
-        minor: u32,
-        profile: &MigProfile,
-        placement: MigPlacement,
-        compute_instances: Option<&[u32]>,
-        minors: &OnceCell<Result<MigMinors, CapsError>>,
-    ) -> Result<Vec<MigInstance>, String> {
-        let gpu_instance_id = gpu_instance_id(placement);
-        let base = |uuid: String, ci: u32, files: Vec<String>, compute| MigInstance {
-            uuid,
-            profile_id: profile.id,
-            placement,
-            gpu_instance_id,
-            compute_instance_id: ci,
-            device_files: files,
-            compute,
-        };
-        let files = |ci| {
-            let table = minors.get_or_init(|| self.proc.mig_minors());
-            device_files(table, minor, gpu_instance_id, ci)
-        };
-        let whole = format!("mig/{minor}/{}", placement.start);
-        Ok(match compute_instances {
-            None => vec![base(
-                format!("MIG-{}", self.derived_uuid(&whole)),
-                0,
-                files(0)?,
-                None,
-            )],
-            Some([]) => vec![base(String::new(), NO_COMPUTE_INSTANCE, Vec::new(), None)],
-            Some([only]) if *only == profile.compute_slices => vec![base(
-                format!("MIG-{}", self.derived_uuid(&whole)),
-                0,
-                files(0)?,
-                None,
-            )],
-            Some(list) => list
-                .iter()
-                .enumerate()
-                .map(|(ci, &slices)| {
-                    let ci = ci as u32;
-                    Ok(base(
-                        format!("MIG-{}", self.derived_uuid(&format!("{whole}/ci{ci}"))),
-                        ci,
-                        files(ci)?,
-                        Some(ComputeShare {
-                            slices,
-                            multiprocessors: profile.multiprocessors * slices
-                                / profile.compute_slices.max(1),
-                        }),
-                    ))
-                })
-                .collect::<Result<_, String>>()?,
-        })
-    }
-
     /// The driver's MIG capability table of the fake node.
     pub(super) fn mig_minors(&self) -> Result<MigMinors, CapsError> {
         self.proc.mig_minors()
@@ -472,48 +277,6 @@ impl GpuBackend for FakeBackend {
     fn wait_event(&self, timeout: std::time::Duration) -> Result<Option<GpuEvent>, GpuError> {
         self.next_fault_event(timeout)
     }
-}
-
-/// GPU instance ids as the fake hands them out: one per start slice, so they are unique on a GPU.
-pub(super) fn gpu_instance_id(placement: MigPlacement) -> u32 {
-    placement.start + 1
-}
-
-/// The capability files of a fake MIG device, from the fake node's MIG table as NVML's backend takes
-/// them from the real one's.
-pub(super) fn device_files(
-    minors: &Result<MigMinors, CapsError>,
-    gpu_minor: u32,
-    gpu_instance: u32,
-    compute_instance: u32,
-) -> Result<Vec<String>, String> {
-    let table = minors.as_ref().map_err(|e| e.to_string())?;
-    table
-        .device_files(gpu_minor, gpu_instance, compute_instance)
-        .map_err(|e| e.to_string())
-}
-
-fn toggles_without_reset(architecture: &str) -> bool {
-    !matches!(architecture, "Ampere")
-}
-
-/// What NVML reports as the remote end of a link to an NVSwitch: the switch is not PCI-enumerable from
-/// the GPU, so `nvmlDeviceGetNvLinkRemotePciInfo` fills every field with ones (`FFFFFFFF:FF:FF.0`), as
-/// NVIDIA's mock NVML models HGX and GB200 baseboards; in sysfs form, as the inventory keeps peers.
-const NVSWITCH_PEER: &str = "ffffffff:ff:ff.0";
-
-/// Each GPU's NVLink group: its own group name, `all` for `nvlink: true` (the NVSwitches), none
-/// otherwise.
-fn nvlink_groups(profile: &FakeProfile) -> Vec<Option<String>> {
-    profile
-        .gpus
-        .iter()
-        .map(|g| {
-            g.nvlink_group
-                .clone()
-                .or_else(|| g.nvlink.then(|| "all".to_string()))
-        })
-        .collect()
 }
 
 fn looks_like_path(profile: &str) -> bool {

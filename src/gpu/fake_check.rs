@@ -2,7 +2,7 @@
 //! minors, MIG devices that fit the GPU's geometry, compute instances that fit their GPU instance,
 //! faults that name what they need.
 
-use super::fake::gpu_instance_id;
+use super::fake_gpus::gpu_instance_id;
 use super::fake_mig::physically_fits;
 use super::fake_proc::TABLE_GPUS;
 use super::mig::{builtin_profiles_for, MigInfo, MigInstance, MigProfile};

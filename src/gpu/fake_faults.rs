@@ -2,7 +2,8 @@
 //! (`wait_event`) when they appear, and `Recovered` when they are removed, as the NVML backend reports
 //! XIDs, ECC errors, memory health and lost GPUs.
 
-use super::fake::{gpu_instance_id, lock, FakeBackend, ProfileSource};
+use super::fake::{lock, FakeBackend, ProfileSource};
+use super::fake_gpus::gpu_instance_id;
 use super::mig::MigPlacement;
 use super::profiles::{FakeFault, FakeFaultKind, FakeProfile};
 use super::{GpuError, GpuEvent, GpuEventKind};

@@ -6,7 +6,8 @@
 
 use std::time::Duration;
 
-use super::fake::{device_files, gpu_instance_id, lock, FakeBackend};
+use super::fake::{lock, FakeBackend};
+use super::fake_gpus::{device_files, gpu_instance_id};
 use super::mig::{
     mig_enable_failed, MigDestroyed, MigInfo, MigInstance, MigPlacement, MigProfile, MigRequest,
 };

@@ -8,6 +8,7 @@ pub mod driver_exec;
 pub mod fake;
 mod fake_check;
 mod fake_faults;
+mod fake_gpus;
 mod fake_mig;
 mod fake_proc;
 mod fake_sharing;

@@ -4,39 +4,29 @@
 //! It also learns which gated fields the server keeps (a dry-run write at start and on a version change,
 //! and every write's answer) and publishes that on a watch channel for whoever computes the devices.
 //!
-//! At rest it sends nothing but its watches: it syncs (reads the version, lists the node's slices) only
-//! when the devices change, a slice of the node changes, the Node is re-created (a new UID) or a sync
-//! failed. At 5,000 nodes a periodic re-list would be thousands of requests a minute for nothing, and
-//! the watches already re-list after every interruption the server cannot resume.
+//! This file holds one sync; when syncs run (watches, coalescing, retries) is in `run`, and the slices
+//! the node should have (pure) in `desired`.
 
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
-use futures::StreamExt;
 use k8s_openapi::api::core::v1::Node;
-use k8s_openapi::api::resource::v1::{ResourcePool, ResourceSlice, ResourceSliceSpec};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use k8s_openapi::api::resource::v1::ResourceSlice;
 use kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
 use kube::runtime::watcher;
 use thiserror::Error;
-use tokio::sync::{watch, Notify};
-use tracing::{debug, info, info_span, warn, Instrument};
+use tokio::sync::watch;
+use tracing::{debug, info, warn};
 
 use super::kept_fields::{self, GatedField, KeptFields};
-use super::planner::{plan, ServerVersion};
+use super::planner::ServerVersion;
 use super::reconcile::reconcile;
 use crate::devices::NodeDevices;
-use crate::observability::{Metrics, Readiness};
+use crate::observability::Metrics;
 
-/// Longest wait between retries of a failed sync.
-const MAX_BACKOFF: Duration = Duration::from_secs(30);
-/// Device changes within this long after a write wait for its end and go out together: a burst of
-/// faults is written at once and then at most once more per window (at most two writes a second).
-const COALESCE_WINDOW: Duration = Duration::from_secs(1);
-/// `MaxGeneratedNameLength` of the API server: longer generateName prefixes are cut by the server.
-const MAX_GENERATE_NAME_PREFIX: usize = 58;
-/// How long a sync deferred for devices recomputed to what the server keeps waits before it looks again.
-const RECOMPUTE_WAIT: Duration = Duration::from_secs(1);
+mod desired;
+mod run;
+
+pub use desired::desired_slices;
 
 #[derive(Debug, Error)]
 pub enum PublishError {
@@ -335,183 +325,6 @@ impl Publisher {
             source,
         }
     }
-
-    /// Keeps the slices published until `shutdown` turns true: syncs when the devices change, when a
-    /// watch event says the stored slices changed or the Node was re-created; retries failures with
-    /// exponential backoff. Nothing else wakes it: an idle node sends no request but its watches.
-    pub async fn run(
-        self: Arc<Self>,
-        mut devices: watch::Receiver<Arc<NodeDevices>>,
-        readiness: Arc<Readiness>,
-        mut shutdown: watch::Receiver<bool>,
-    ) {
-        let changed = Arc::new(Notify::new());
-        let watch_task = tokio::spawn(watch_slices(
-            self.slices.clone(),
-            self.watch.clone().fields(&self.field_selector()),
-            changed.clone(),
-        ));
-        let node_task = tokio::spawn(self.clone().watch_node(changed.clone()));
-        let mut backoff = Backoff::new();
-        let mut said_not_served = false;
-        let mut last_write: Option<tokio::time::Instant> = None;
-        loop {
-            // Whatever woke us (a device change, a watch event, the resync), no sync starts within
-            // the window after a write: the changes of a burst go out together.
-            if let Some(window_end) = last_write.map(|at| at + COALESCE_WINDOW) {
-                tokio::select! {
-                    _ = tokio::time::sleep_until(window_end) => {}
-                    _ = shutdown.changed() => break,
-                }
-            }
-            let snapshot = devices.borrow_and_update().clone();
-            let span = info_span!("slice_sync", driver = %self.driver, node = %self.node_name, devices = snapshot.device_count());
-            match self.sync(&snapshot).instrument(span).await {
-                Ok(stats) if stats.deferred => {
-                    // The monitor recomputes the devices for what the server keeps; sync those.
-                    tokio::select! {
-                        result = devices.changed() => if result.is_err() { break },
-                        _ = tokio::time::sleep(RECOMPUTE_WAIT) => {}
-                        _ = shutdown.changed() => break,
-                    }
-                    continue;
-                }
-                Ok(stats) => {
-                    if stats.writes() > 0 {
-                        last_write = Some(tokio::time::Instant::now());
-                    }
-                    backoff.reset();
-                    readiness.set_slices_published();
-                }
-                Err(error) => {
-                    let not_served = error.api_not_served();
-                    let delay = if not_served {
-                        backoff.next_delay_up_to(crate::apiclient::NOT_SERVED_RETRY_MAX)
-                    } else {
-                        backoff.next_delay()
-                    };
-                    if !not_served {
-                        warn!(%error, retry_in_ms = delay.as_millis() as u64, "publishing ResourceSlices failed");
-                    } else if !said_not_served {
-                        warn!(%error, retry_max_s = crate::apiclient::NOT_SERVED_RETRY_MAX.as_secs(), "the API server does not serve resource.k8s.io/v1 ResourceSlices (Kubernetes 1.34 or later with DRA is needed); looking again with backoff up to 5 minutes, without saying so again");
-                    }
-                    said_not_served = not_served;
-                    tokio::select! {
-                        _ = tokio::time::sleep(delay) => {}
-                        _ = shutdown.changed() => break,
-                    }
-                    continue;
-                }
-            }
-            tokio::select! {
-                result = devices.changed() => if result.is_err() { break },
-                _ = changed.notified() => {
-                    // Let a burst of watch events (our own writes echoing back) settle into one sync.
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-                _ = shutdown.changed() => break,
-            }
-            if *shutdown.borrow() {
-                break;
-            }
-        }
-        watch_task.abort();
-        node_task.abort();
-    }
-
-    /// Follows this node's Node object for its UID; notifies `changed` when a re-created Node brings a
-    /// new one. Status updates (the kubelet's heartbeats) change nothing here and wake nobody.
-    async fn watch_node(self: Arc<Self>, changed: Arc<Notify>) {
-        let config = self
-            .watch
-            .clone()
-            .fields(&format!("metadata.name={}", self.node_name));
-        let mut events = crate::apiclient::retried(watcher(self.nodes.clone(), config)).boxed();
-        while let Some(event) = events.next().await {
-            let uid = match event {
-                Ok(watcher::Event::Apply(node)) | Ok(watcher::Event::InitApply(node)) => {
-                    node.metadata.uid
-                }
-                Ok(watcher::Event::Delete(_)) => None,
-                Ok(_) => continue,
-                Err(error) => {
-                    debug!(%error, "Node watch interrupted");
-                    continue;
-                }
-            };
-            if self.saw_node_uid(uid.clone()) && uid.is_some() {
-                info!(node = %self.node_name, "the Node was re-created; its slices follow its new UID");
-                changed.notify_one();
-            }
-        }
-    }
-}
-
-/// Notifies `changed` on every change to the watched slices.
-async fn watch_slices(api: Api<ResourceSlice>, config: watcher::Config, changed: Arc<Notify>) {
-    let mut events = crate::apiclient::retried(watcher(api, config)).boxed();
-    while let Some(event) = events.next().await {
-        match event {
-            Ok(watcher::Event::Delete(_))
-            | Ok(watcher::Event::Apply(_))
-            | Ok(watcher::Event::InitDone) => changed.notify_one(),
-            Ok(_) => {}
-            Err(error) => debug!(%error, "ResourceSlice watch interrupted"),
-        }
-    }
-}
-
-/// The slices this node should have, without pool generation (the publisher sets it).
-pub fn desired_slices(
-    driver: &str,
-    node_name: &str,
-    node_uid: &str,
-    node: &NodeDevices,
-    version: ServerVersion,
-) -> Vec<ResourceSlice> {
-    let planned = plan(node, version);
-    let count = planned.len() as i64;
-    planned
-        .into_iter()
-        .map(|slice| ResourceSlice {
-            metadata: ObjectMeta {
-                generate_name: Some(generate_name_prefix(node_name, driver)),
-                owner_references: Some(vec![OwnerReference {
-                    api_version: "v1".to_string(),
-                    kind: "Node".to_string(),
-                    name: node_name.to_string(),
-                    uid: node_uid.to_string(),
-                    controller: Some(true),
-                    ..Default::default()
-                }]),
-                ..Default::default()
-            },
-            spec: ResourceSliceSpec {
-                driver: driver.to_string(),
-                node_name: Some(node_name.to_string()),
-                pool: ResourcePool {
-                    name: node_name.to_string(),
-                    generation: 0,
-                    resource_slice_count: count,
-                },
-                // Counter-only slices leave `devices` out: from 1.35 a slice holds one or the other.
-                devices: (!slice.devices.is_empty() || slice.shared_counters.is_empty())
-                    .then_some(slice.devices),
-                shared_counters: (!slice.shared_counters.is_empty())
-                    .then_some(slice.shared_counters),
-                ..Default::default()
-            },
-        })
-        .collect()
-}
-
-/// `<node>-<driver>-`, cut so the server does not have to, and never ending in a character that would
-/// make the generated name invalid.
-fn generate_name_prefix(node_name: &str, driver: &str) -> String {
-    let mut prefix = format!("{node_name}-{driver}");
-    prefix.truncate(MAX_GENERATE_NAME_PREFIX - 1);
-    let trimmed = prefix.trim_end_matches(['-', '.']);
-    format!("{trimmed}-")
 }
 
 /// Locks a mutex, ignoring poisoning: the data behind it (a version) is always consistent.
@@ -521,86 +334,9 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
         .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-/// Exponential backoff from 0.5 s up to [`MAX_BACKOFF`], with jitter so that many nodes retrying
-/// after an API server outage do not all come back at once.
-struct Backoff {
-    attempt: u32,
-}
-
-impl Backoff {
-    fn new() -> Self {
-        Backoff { attempt: 0 }
-    }
-
-    fn reset(&mut self) {
-        self.attempt = 0;
-    }
-
-    fn next_delay(&mut self) -> Duration {
-        self.next_delay_up_to(MAX_BACKOFF)
-    }
-
-    /// The next delay, capped at `max` instead of [`MAX_BACKOFF`] (minutes for an API not served).
-    fn next_delay_up_to(&mut self, max: Duration) -> Duration {
-        let base = Duration::from_millis(500).saturating_mul(1 << self.attempt.min(10));
-        self.attempt += 1;
-        let capped = base.min(max);
-        let jitter = fastrand::f64() * 0.2 + 0.9;
-        capped.mul_f64(jitter)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::devices::{self, MigMode};
-    use crate::gpu::{FakeBackend, GpuBackend};
-
-    const V1_35: ServerVersion = ServerVersion { minor: 35 };
-
-    fn node(profile: &str, mig_mode: MigMode) -> NodeDevices {
-        devices::node_devices(
-            &FakeBackend::new("node-a", profile)
-                .unwrap()
-                .inventory()
-                .unwrap(),
-            mig_mode,
-        )
-    }
-
-    fn h100_devices() -> NodeDevices {
-        node("dgx-h100", MigMode::Static)
-    }
-
-    #[test]
-    fn owner_is_the_node_and_prefix_fits_generate_name() {
-        let desired = desired_slices("gpu.dra.dev", "node-a", "uid-1", &h100_devices(), V1_35);
-        let owner = &desired[0].metadata.owner_references.as_ref().unwrap()[0];
-        assert_eq!(
-            (owner.kind.as_str(), owner.uid.as_str(), owner.controller),
-            ("Node", "uid-1", Some(true))
-        );
-        assert_eq!(desired[0].spec.node_name.as_deref(), Some("node-a"));
-        assert_eq!(desired[0].spec.pool.resource_slice_count, 1);
-        let long = generate_name_prefix(&"n".repeat(200), "gpu.dra.dev");
-        assert!(long.len() <= MAX_GENERATE_NAME_PREFIX && long.ends_with('-'));
-        assert_eq!(
-            generate_name_prefix("node-a", "gpu.dra.dev"),
-            "node-a-gpu.dra.dev-"
-        );
-    }
-
-    #[test]
-    fn backoff_grows_and_caps() {
-        let mut backoff = Backoff::new();
-        let first = backoff.next_delay();
-        assert!(first >= Duration::from_millis(450) && first <= Duration::from_millis(550));
-        for _ in 0..20 {
-            assert!(backoff.next_delay() <= MAX_BACKOFF.mul_f64(1.1));
-        }
-        backoff.reset();
-        assert!(backoff.next_delay() <= Duration::from_millis(550));
-    }
 
     #[test]
     fn only_a_404_on_the_slice_list_means_the_api_is_not_served() {
@@ -632,16 +368,5 @@ mod tests {
             !node.api_not_served(),
             "a missing Node is not a missing API"
         );
-    }
-
-    #[test]
-    fn an_api_not_served_is_retried_up_to_minutes() {
-        let mut backoff = Backoff::new();
-        let longest = (0..20)
-            .map(|_| backoff.next_delay_up_to(crate::apiclient::NOT_SERVED_RETRY_MAX))
-            .max()
-            .unwrap();
-        assert!(longest > MAX_BACKOFF.mul_f64(1.1), "{longest:?}");
-        assert!(longest <= crate::apiclient::NOT_SERVED_RETRY_MAX.mul_f64(1.1));
     }
 }

@@ -254,14 +254,14 @@ fn allocate_errors_exit_2_naming_claim_selector_and_device() {
 fn the_table_lists_a_few_devices_and_counts_the_rest() {
     let names: Vec<String> = (0..20).map(|i| format!("gpu-{i}")).collect();
     let names: Vec<&str> = names.iter().map(String::as_str).collect();
-    let text = super::shorten(&names);
+    let text = super::report::shorten(&names);
     assert!(text.starts_with("gpu-0, gpu-1,"), "{text}");
     assert!(
         text.contains("gpu-7 ... and 12 more (-o json lists them all)"),
         "{text}"
     );
     assert!(!text.contains("gpu-8"), "{text}");
-    assert_eq!(super::shorten(&names[..3]), "gpu-0, gpu-1, gpu-2");
+    assert_eq!(super::report::shorten(&names[..3]), "gpu-0, gpu-1, gpu-2");
 }
 
 #[test]

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use backon::{BackoffBuilder, ExponentialBuilder};
 use futures::StreamExt;
+use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use kube::api::Api;
 use kube::runtime::watcher;
@@ -121,7 +122,9 @@ impl Publisher {
             .watch
             .clone()
             .fields(&format!("metadata.name={}", self.node_name));
-        let mut events = crate::apiclient::retried(watcher(self.nodes.clone(), config)).boxed();
+        // Typed here, so that tests/manifests/rbac.rs sees which kind this watch needs a grant for.
+        let nodes: Api<Node> = self.nodes.clone();
+        let mut events = crate::apiclient::retried(watcher(nodes, config)).boxed();
         while let Some(event) = events.next().await {
             let uid = match event {
                 Ok(watcher::Event::Apply(node)) | Ok(watcher::Event::InitApply(node)) => {

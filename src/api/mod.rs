@@ -23,6 +23,14 @@ pub use policy::{
 };
 pub use watcher::{EffectivePolicy, PolicyWatcher};
 
+/// This driver's own name, the default of `--driver-name`.
+pub const DRIVER_NAME: &str = "gpu.dra.dev";
+/// The name of NVIDIA's DRA driver. A plugin started with it runs in NVIDIA compatibility mode: it
+/// takes NVIDIA's opaque configs (`resource.nvidia.com/v1beta1`) with NVIDIA's precedence rules, so
+/// claims, classes and tools written for NVIDIA's driver work unchanged (README, "NVIDIA
+/// compatibility").
+pub const NVIDIA_DRIVER_NAME: &str = "gpu.nvidia.com";
+
 /// Where the generated CRD manifest lives, relative to the crate root.
 pub const CRD_PATH: &str = "crd/gpu.dra.dev_gpunodepolicies.yaml";
 

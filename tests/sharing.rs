@@ -276,7 +276,10 @@ async fn mps_daemons_are_taken_over_restarted_or_cleaned_up_across_restarts() {
 
     // The claim is gone from the checkpoint (its unprepare was the last thing the old plugin did
     // before the daemon could be stopped): the daemon and its directory are cleaned up.
-    let file = CheckpointFile::new(checkpoint_path(&node.config.plugin_dir()));
+    let file = CheckpointFile::new(checkpoint_path(
+        &node.config.plugin_dir(),
+        &node.config.driver_name,
+    ));
     let mut data = file.load().unwrap().unwrap();
     data.claims.remove(&claim.uid);
     file.store(&data).unwrap();

@@ -245,9 +245,12 @@ async fn a_crash_after_the_interval_is_set_leaves_no_gpu_time_sliced_after_resta
     );
     assert!(plugin.preparer.prepared_claims().is_empty());
     plugin.shutdown().await;
-    let stored = CheckpointFile::new(checkpoint_path(&node.config.plugin_dir()))
-        .load()
-        .unwrap()
-        .unwrap();
+    let stored = CheckpointFile::new(checkpoint_path(
+        &node.config.plugin_dir(),
+        &node.config.driver_name,
+    ))
+    .load()
+    .unwrap()
+    .unwrap();
     assert!(stored.gpu_modes.is_empty(), "{:?}", stored.gpu_modes);
 }

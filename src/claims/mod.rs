@@ -21,6 +21,7 @@ mod mig;
 mod mig_records;
 pub mod mps;
 pub mod names;
+pub mod nvidia_checkpoint;
 mod reboot;
 mod rebuild;
 mod recovery;
@@ -455,7 +456,8 @@ fn internal(claim: &str, error: impl std::fmt::Display) -> ClaimError {
     }
 }
 
-/// The checkpoint's place: beside the DRA socket, in the plugin's own directory.
-pub fn checkpoint_path(plugin_dir: &Path) -> std::path::PathBuf {
-    plugin_dir.join("checkpoint.json")
+/// The checkpoint's place: beside the DRA socket, in the plugin's own directory; under NVIDIA's
+/// driver name not at NVIDIA's `checkpoint.json` ([`nvidia_checkpoint`]).
+pub fn checkpoint_path(plugin_dir: &Path, driver: &str) -> std::path::PathBuf {
+    plugin_dir.join(nvidia_checkpoint::checkpoint_file_name(driver))
 }

@@ -212,7 +212,7 @@ pub async fn start(
             driver_name: config.driver_name.clone(),
             pool: config.node_name.clone(),
             cdi: CdiRegistry::new(&config.cdi_root, &config.driver_name),
-            checkpoint_path: claims::checkpoint_path(&plugin_dir),
+            checkpoint_path: claims::checkpoint_path(&plugin_dir, &config.driver_name),
             mig_mode: mig_mode_rx,
             driver_edits: claims_setup::driver_edits(&config, &inventory)?,
             startup_api_timeout: config.startup_api_timeout,
@@ -227,6 +227,7 @@ pub async fn start(
     )
     .await?;
     startup::report_recovery(&node_events, &recovery);
+    startup::report_nvidia_claims(&node_events, &config.driver_name, &plugin_dir);
 
     // Made before the monitor, which computes the devices for what the publisher learns the server keeps.
     let publisher = Arc::new(

@@ -1,6 +1,7 @@
 //! What the plugin must know before recovery and its first publish: the MIG mode in force (the
 //! GpuNodePolicy, read once with a short timeout, else `--mig-mode`), the faults a previous run saw
-//! (`faults.json`), and the Event that tells the operator a checkpoint was set aside.
+//! (`faults.json`), the Event that tells the operator a checkpoint was set aside, and the one that names
+//! the claims NVIDIA's plugin left prepared when this plugin runs under NVIDIA's driver name.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -12,6 +13,7 @@ use super::node_events::NodeEvents;
 use super::PluginConfig;
 use crate::api::{EffectivePolicy, PolicyWatcher};
 use crate::claims::checkpoint::current_boot_id;
+use crate::claims::nvidia_checkpoint;
 use crate::claims::Recovery;
 use crate::gpu::Inventory;
 use crate::health::{Fault, FaultFile, FaultTarget, HealthState};
@@ -26,6 +28,8 @@ pub const REASON_CHECKPOINT_SET_ASIDE: &str = "CheckpointSetAside";
 
 /// The Event reason when there was no checkpoint although CDI specs of this driver were on disk.
 pub const REASON_CHECKPOINT_MISSING: &str = "CheckpointMissing";
+/// NVIDIA's plugin left claims prepared on this node (a plugin started as `gpu.nvidia.com`).
+pub const REASON_NVIDIA_CLAIMS: &str = "NvidiaPreparedClaims";
 
 /// The Event reason when dynamic MIG left MIG devices alone that the plugin did not make.
 pub const REASON_MIG_DEVICES_LEFT_ALONE: &str = "MigDevicesLeftAlone";
@@ -157,6 +161,33 @@ impl FaultStore {
 /// Tells the operator, as a Warning Event on the Node, that the checkpoint was set aside (or missing
 /// while CDI specs of this driver were on disk) and what the rebuild kept and left; in the
 /// background, so a slow API server does not hold up the start.
+/// Under NVIDIA's driver name, says which claims NVIDIA's plugin recorded as prepared here: their
+/// pods keep running, but this plugin did not prepare them (README, "NVIDIA compatibility"). NVIDIA's
+/// checkpoint is only read.
+pub(super) fn report_nvidia_claims(events: &Arc<NodeEvents>, driver: &str, plugin_dir: &Path) {
+    if driver != crate::api::NVIDIA_DRIVER_NAME {
+        return;
+    }
+    let path = nvidia_checkpoint::nvidia_checkpoint_path(plugin_dir);
+    let note = match nvidia_checkpoint::read(&path) {
+        Ok(None) => return,
+        Ok(Some(claims)) if claims.is_empty() => return,
+        Ok(Some(claims)) => format!(
+            "NVIDIA's DRA plugin recorded {} claim(s) as prepared on this node in {} (left as it is): {}. \
+             Their pods keep their devices, but gpu-dra did not prepare them and cannot undo what NVIDIA's \
+             plugin set up for them (CDI specs, MIG devices, sharing): drain those pods before the swap, or \
+             swap NVIDIA's plugin back until they are gone.",
+            claims.len(),
+            path.display(),
+            nvidia_checkpoint::describe(&claims)
+        ),
+        Err(error) => format!("NVIDIA's checkpoint could not be read (left as it is): {error}"),
+    };
+    warn!("{note}");
+    let events = events.clone();
+    tokio::spawn(async move { events.warn(REASON_NVIDIA_CLAIMS, "Start", &note).await });
+}
+
 pub(super) fn report_recovery(events: &Arc<NodeEvents>, recovery: &Recovery) {
     report_mig_devices_left_alone(events, recovery);
     let (reason, mut note) = match (&recovery.checkpoint_set_aside, &recovery.checkpoint_missing) {

@@ -329,6 +329,25 @@ fn the_extended_resource_renders_the_component() {
 }
 
 #[test]
+fn nvidia_compatibility_renders_the_component() {
+    let on = json!({"nvidiaCompatibility": {"enabled": true}});
+    assert_same(
+        "nvidiaCompatibility.enabled",
+        &helm(None, &on),
+        &kustomize(&format!(
+            "{NVML}components: [../../deploy/components/nvidia-compat]\n"
+        )),
+    );
+    assert_same(
+        "fake values, nvidiaCompatibility.enabled",
+        &helm(Some(FAKE_VALUES), &on),
+        &kustomize(&format!(
+            "{FAKE}components: [../../deploy/components/nvidia-compat]\n"
+        )),
+    );
+}
+
+#[test]
 fn a_node_selector_renders_the_node_by_node_component() {
     assert_same(
         "nodeSelector gpu-dra.dev/kubelet-plugin",

@@ -15,6 +15,7 @@ mod extended_resource;
 mod helm_chart;
 mod mps_pod_admission;
 mod node_admission;
+mod nvidia_compat;
 mod rbac;
 mod workloads;
 

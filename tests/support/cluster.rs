@@ -15,6 +15,16 @@ pub const DRIVER: &str = "gpu.dra.dev";
 /// The slices a node with `profile` publishes (Kubernetes 1.35 layout), named `<node>-gpu.dra.dev-<i>`
 /// as the API server would name them from their `generateName`.
 pub fn node_slices(node: &str, profile: &FakeProfile, mig: MigMode) -> Vec<ResourceSlice> {
+    node_slices_as(DRIVER, node, profile, mig)
+}
+
+/// [`node_slices`] of a plugin started with `--driver-name driver`.
+pub fn node_slices_as(
+    driver: &str,
+    node: &str,
+    profile: &FakeProfile,
+    mig: MigMode,
+) -> Vec<ResourceSlice> {
     // The fake backend reads a profile from a built-in name or a file; a custom one goes to a file.
     let dir = tempfile::tempdir().expect("temp dir");
     let path = dir.path().join("profile.yaml");
@@ -24,9 +34,9 @@ pub fn node_slices(node: &str, profile: &FakeProfile, mig: MigMode) -> Vec<Resou
         .expect("fake profile loads");
     let inventory = backend.inventory().expect("fake inventory");
     let devices = node_devices(&inventory, mig);
-    let mut slices = desired_slices(DRIVER, node, "", &devices, ServerVersion { minor: 35 });
+    let mut slices = desired_slices(driver, node, "", &devices, ServerVersion { minor: 35 });
     for (i, slice) in slices.iter_mut().enumerate() {
-        slice.metadata.name = Some(format!("{node}-{DRIVER}-{i}"));
+        slice.metadata.name = Some(format!("{node}-{driver}-{i}"));
         slice.metadata.generate_name = None;
     }
     slices

@@ -32,3 +32,10 @@ compare the chart's objects with kustomize's exactly.
   value: /driver-root
 {{- end }}
 {{- end }}
+
+{{/*
+The plugin's driver name: NVIDIA's with nvidiaCompatibility.enabled (deploy/components/nvidia-compat).
+*/}}
+{{- define "gpu-dra.driverName" -}}
+{{- if .Values.nvidiaCompatibility.enabled -}}gpu.nvidia.com{{- else -}}gpu.dra.dev{{- end -}}
+{{- end }}

@@ -7,6 +7,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "proto/dra/v1beta1/api.proto",
         "proto/dra-health/v1alpha1/api.proto",
         "proto/dra-health/v1/api.proto",
+        "proto/podresources/v1/api.proto",
     ];
     for file in files {
         println!("cargo:rerun-if-changed={file}");

@@ -23,6 +23,7 @@ fn main() -> Result<()> {
             command: SelectorsCommand::Allocate(args),
         } => exit_with(cli::cel::selectors_allocate(args)),
         Command::Explain(args) => exit_with(cli::explain::explain(args)),
+        Command::PodDevices(args) => cli::pod_devices::pod_devices(args),
         #[cfg(feature = "doubles")]
         Command::Demo => cli::demo(),
     }

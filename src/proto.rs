@@ -21,9 +21,20 @@ pub mod health_v1alpha1 {
     tonic::include_proto!("v1alpha1");
 }
 
-/// DRA resource health API v1 (`v1`, Kubernetes 1.37+); same messages as v1alpha1.
+/// DRA resource health API v1 (`v1`, Kubernetes 1.37+); same messages as v1alpha1. The kubelet's
+/// PodResources API has the same bare package name, so its types are generated here too; use them
+/// through [`podresources_v1`].
 pub mod health_v1 {
     tonic::include_proto!("v1");
+}
+
+/// The kubelet's PodResources API v1 (`v1.PodResourcesLister`), as monitoring agents read it.
+pub mod podresources_v1 {
+    pub use super::health_v1::{
+        pod_resources_lister_client, pod_resources_lister_server, CdiDevice, ClaimResource,
+        ContainerDevices, ContainerResources, DynamicResource, GetPodResourcesRequest,
+        GetPodResourcesResponse, ListPodResourcesRequest, ListPodResourcesResponse, PodResources,
+    };
 }
 
 /// The registration strings a DRA plugin advertises in `PluginInfo.supported_versions`.

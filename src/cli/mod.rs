@@ -6,6 +6,7 @@ pub mod backend;
 pub mod cel;
 pub mod explain;
 pub mod plugin;
+pub mod pod_devices;
 
 use anyhow::{Context, Result};
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
@@ -46,6 +47,9 @@ pub enum Command {
     /// Why a pod is Pending: the scheduler's DRA decision for its claims on every node, with the
     /// devices it would get or a reason per node. Exit 0 it fits on some node, 1 on none, 2 an error.
     Explain(ExplainArgs),
+    /// Which GPU each container on this node has: the kubelet's PodResources API and the node's
+    /// ResourceSlices, as dcgm-exporter maps them.
+    PodDevices(pod_devices::PodDevicesArgs),
     /// A local end-to-end walkthrough with the fake backend and in-process API server and kubelet
     /// (builds with `--features doubles` only).
     #[cfg(feature = "doubles")]

@@ -7,6 +7,7 @@ pub mod authority;
 pub mod dra;
 pub mod health;
 pub mod hpack;
+pub mod pod_resources;
 pub mod registration;
 pub mod socket;
 

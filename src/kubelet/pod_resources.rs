@@ -52,6 +52,7 @@ pub struct DeviceIdentity {
     #[serde(rename = "type")]
     pub kind: String,
     pub uuid: Option<String>,
+    #[serde(rename = "parentUUID")]
     pub parent_uuid: Option<String>,
     pub profile: Option<String>,
 }
@@ -293,5 +294,13 @@ mod tests {
         let resolved = resolve(devices, &slices());
         assert_eq!(resolved[2].identity, None);
         assert!(table(&resolved).contains("(no slice names this device)"));
+        // The JSON output names the attributes as the slices do.
+        let json =
+            serde_json::to_value(&resolve(dra_devices(&response(), None), &slices())).unwrap();
+        assert_eq!(json[1]["identity"]["parentUUID"], "GPU-1");
+        assert_eq!(
+            json[1]["cdiDevices"][0],
+            "k8s.gpu.nvidia.com/gpu=uid-gpu-1-mig-1g10gb-19-0"
+        );
     }
 }

@@ -103,7 +103,10 @@ impl NvmlBackend {
             .map(|b| support::brand_name(&b))
             .unwrap_or("Unknown");
         let fabric = fabric_raw(device).ok().flatten();
-        let addressing_mode = addressing_mode_raw(device)?
+        // A GPU whose addressing mode cannot be read is still usable: the attribute is left out.
+        let addressing_mode = addressing_mode_raw(device)
+            .ok()
+            .flatten()
             .and_then(support::addressing_mode_name)
             .map(str::to_string);
         Ok(Gpu {

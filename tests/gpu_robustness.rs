@@ -4,7 +4,8 @@
 //! adopted by the retry; parallel prepares and an unprepare on one GPU with slow MIG operations; a
 //! MIG device held by a process makes unprepare a per-claim error the kubelet retries; a GPU whose MIG
 //! mode cannot be switched off is no longer offered whole; one whose MIG mode cannot be switched on fails
-//! a dynamic MIG prepare with a per-claim error naming the GPU and the NVML call.
+//! a dynamic MIG prepare with a per-claim error naming the GPU and the NVML call; an A100 with MIG mode
+//! off under dynamic MIG is told, once, with the commands that enable it.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -28,8 +29,17 @@ struct Node {
 
 impl Node {
     async fn new(gpus: usize, mig_mode: MigMode, edit: impl FnOnce(&mut FakeProfile)) -> Node {
-        let mut harness = Harness::with_version("dgx-h100", ServerVersion::V1_35).await;
-        let mut profile = gpu_dra::gpu::builtin_profile("dgx-h100").unwrap();
+        Node::of("dgx-h100", gpus, mig_mode, edit).await
+    }
+
+    async fn of(
+        name: &str,
+        gpus: usize,
+        mig_mode: MigMode,
+        edit: impl FnOnce(&mut FakeProfile),
+    ) -> Node {
+        let mut harness = Harness::with_version(name, ServerVersion::V1_35).await;
+        let mut profile = gpu_dra::gpu::builtin_profile(name).unwrap();
         profile.gpus.truncate(gpus);
         edit(&mut profile);
         let path = harness.dir.path().join("node.yaml");
@@ -488,4 +498,79 @@ async fn a_gpu_whose_mig_mode_cannot_be_switched_on_fails_the_prepare_naming_the
     assert!(node.spec(&claim).is_none());
     let names = node.device_names_where(|n| !n.is_empty()).await;
     assert!(names.iter().any(|n| n == "gpu-0"), "{names:?}");
+}
+
+/// An A100 switches MIG mode only with a GPU reset, so under dynamic MIG with MIG mode off it offers
+/// only the whole GPU. The plugin says so once per GPU, on the Node, with the commands an admin runs;
+/// a republish (here, a profile edit) does not say it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_a100_with_mig_mode_off_under_dynamic_mig_is_reported_once_with_the_commands_to_enable_it(
+) {
+    let mut node = Node::of("dgx-a100", 2, MigMode::Dynamic, |_| {}).await;
+    let _plugin = node.harness.start_plugin().await;
+    let names = node.device_names_where(|n| n.len() == 2).await;
+    assert_eq!(names, vec!["gpu-0", "gpu-1"]);
+    let events = node
+        .events_where("MigModeOffNeedsGpuReset", |f| f.len() == 2)
+        .await;
+    let inventory = gpu_dra::gpu::FakeBackend::new(
+        gpu_dra::support::harness::NODE,
+        node.path.to_str().unwrap(),
+    )
+    .unwrap()
+    .inventory()
+    .unwrap();
+    let gpu = &inventory.gpus[1];
+    let (kind, note) = events
+        .iter()
+        .find(|(_, note)| note.contains(&gpu.uuid))
+        .expect("the Event of gpu-1");
+    assert_eq!(kind, "Warning");
+    assert_eq!(
+        note,
+        &format!(
+            "gpu-1 (index 1, {}, NVIDIA A100-SXM4-40GB) publishes no MIG device under --mig-mode \
+             dynamic: its MIG mode is off, and this GPU switches MIG mode only with a GPU reset, which \
+             the plugin does not do. It is offered as a whole GPU. To offer its MIG devices, run \
+             `nvidia-smi -i 1 -mig 1`, then reset the GPU with nothing using it \
+             (`nvidia-smi --gpu-reset -i 1`) or reboot the node.",
+            gpu.uuid
+        )
+    );
+    let stored: Vec<serde_json::Value> = node
+        .harness
+        .api
+        .list("events")
+        .into_iter()
+        .filter(|e| e["reason"] == "MigModeOffNeedsGpuReset")
+        .collect();
+    for event in &stored {
+        assert_eq!(event["regarding"]["kind"], "Node", "{event:#}");
+        assert_eq!(event["regarding"]["name"], gpu_dra::support::harness::NODE);
+        assert_eq!(event["action"], "ReadGpu");
+    }
+
+    // A republish (the profile changed: a third GPU) reports the new GPU only.
+    node.edit(|p| {
+        let mut third = p.gpus[1].clone();
+        third.pci_bus_id = "0000:c1:00.0".into();
+        p.gpus.push(third);
+    });
+    node.device_names_where(|n| n.len() == 3).await;
+    let events = node
+        .events_where("MigModeOffNeedsGpuReset", |f| f.len() == 3)
+        .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        node.events("MigModeOffNeedsGpuReset").len(),
+        3,
+        "{events:?}"
+    );
+    assert!(node
+        .harness
+        .api
+        .list("events")
+        .iter()
+        .filter(|e| e["reason"] == "MigModeOffNeedsGpuReset")
+        .all(|e| e["series"].is_null()));
 }

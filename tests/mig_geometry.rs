@@ -60,6 +60,7 @@ fn physically_placeable(mig: &MigInfo, chosen: &[&Device]) -> bool {
             compute_instance_id: 0,
             device_files: Vec::new(),
             compute: None,
+            index: None,
         });
     }
     true

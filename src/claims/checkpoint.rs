@@ -429,6 +429,7 @@ mod tests {
             compute_instance_id: 0,
             device_files: Vec::new(),
             compute: None,
+            index: None,
         };
         let mut made = MadeMig {
             claim_uid: "uid-1".into(),

@@ -12,7 +12,7 @@ use k8s_openapi::api::resource::v1::{
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
-use super::{common_attributes, string, DeviceName};
+use super::{common_attributes, int, string, DeviceName};
 use crate::gpu::{Gpu, Inventory, MigInfo, MigInstance, MigPlacement, MigProfile};
 
 /// The counter set of a GPU: `gpu-<minor>-counters`.
@@ -180,6 +180,12 @@ fn mig_device(
     let mut attributes = common_attributes(inventory, gpu);
     attributes.insert("type".into(), string("mig"));
     attributes.insert("parentUUID".into(), string(&gpu.uuid));
+    // NVIDIA (up to v25.3): `parentIndex` is the GPU's NVML index, `index` the MIG device's own.
+    attributes.insert("parentIndex".into(), int(i64::from(gpu.index)));
+    match instance.and_then(|i| i.index) {
+        Some(index) => attributes.insert("index".into(), int(i64::from(index))),
+        None => attributes.remove("index"),
+    };
     attributes.insert("profile".into(), string(&profile.name));
     match instance {
         Some(instance) => attributes.insert("uuid".into(), string(&instance.uuid)),
@@ -194,16 +200,19 @@ fn mig_device(
             string(&format!("{}c.{}", share.slices, profile.name)),
         );
     }
-    let multiprocessors = share.map_or(profile.multiprocessors, |s| s.multiprocessors);
-    let capacity = BTreeMap::from([
-        ("memory".to_string(), quantity(profile.memory_bytes())),
-        ("multiprocessors".into(), quantity(multiprocessors.into())),
-        ("copyEngines".into(), quantity(profile.copy_engines.into())),
-        ("decoders".into(), quantity(profile.decoders.into())),
-        ("encoders".into(), quantity(profile.encoders.into())),
-        ("jpegEngines".into(), quantity(profile.jpeg_engines.into())),
-        ("ofaEngines".into(), quantity(profile.ofa_engines.into())),
-    ]);
+    let mut capacity = profile_capacities(profile);
+    if let Some(share) = share {
+        capacity.insert(
+            "multiprocessors".into(),
+            quantity(share.multiprocessors.into()),
+        );
+    }
+    // An existing MIG device names the memory slices it holds, as NVIDIA's static MIG devices do.
+    if instance.is_some() {
+        for slice in placement.slices() {
+            capacity.insert(format!("memorySlice{slice}"), quantity(1));
+        }
+    }
     Device {
         name: DeviceName::Mig {
             minor: gpu.minor,
@@ -216,6 +225,40 @@ fn mig_device(
         capacity: Some(capacity),
         ..Default::default()
     }
+}
+
+/// A MIG profile's capacities, by NVIDIA's names; `memory` in bytes (NVML's MiB × 2^20).
+fn profile_amounts(profile: &MigProfile) -> [(&'static str, u64); 7] {
+    [
+        ("memory", profile.memory_bytes()),
+        ("multiprocessors", profile.multiprocessors.into()),
+        ("copyEngines", profile.copy_engines.into()),
+        ("decoders", profile.decoders.into()),
+        ("encoders", profile.encoders.into()),
+        ("jpegEngines", profile.jpeg_engines.into()),
+        ("ofaEngines", profile.ofa_engines.into()),
+    ]
+}
+
+fn profile_capacities(profile: &MigProfile) -> BTreeMap<String, DeviceCapacity> {
+    profile_amounts(profile)
+        .into_iter()
+        .map(|(name, value)| (name.to_string(), quantity(value)))
+        .collect()
+}
+
+/// Each MIG capacity's largest value over the GPU's profiles: what NVIDIA's driver publishes as the
+/// capacity of a partitionable whole GPU.
+pub fn largest_capacities(mig: &MigInfo) -> BTreeMap<String, DeviceCapacity> {
+    let mut largest: BTreeMap<String, u64> = BTreeMap::new();
+    for (name, value) in mig.profiles.iter().flat_map(profile_amounts) {
+        let entry = largest.entry(name.to_string()).or_insert(0);
+        *entry = (*entry).max(value);
+    }
+    largest
+        .into_iter()
+        .map(|(name, value)| (name, quantity(value)))
+        .collect()
 }
 
 fn counter(value: u64) -> Counter {

@@ -6,6 +6,8 @@
 pub mod mig;
 pub mod names;
 pub mod node_labels;
+#[cfg(test)]
+mod nvidia_table_tests;
 pub mod sharing;
 
 pub use names::DeviceName;
@@ -20,6 +22,17 @@ use crate::gpu::{Gpu, Inventory};
 
 /// The standard attribute domain of Kubernetes itself (`resource.kubernetes.io/pciBusID`, ...).
 const KUBERNETES_DOMAIN: &str = "resource.kubernetes.io";
+
+/// resource.k8s.io/v1 allows a device at most 32 attributes and capacities together.
+pub const MAX_ATTRIBUTES_AND_CAPACITIES: usize = 32;
+
+/// What a device that would pass [`MAX_ATTRIBUTES_AND_CAPACITIES`] gives up, first to last, in
+/// NVIDIA's own order of importance: `pcieBusID` (NVIDIA replaced it with the standard
+/// `resource.kubernetes.io/pciBusID`, which has the same value), `gpuModuleID` (NVIDIA publishes it
+/// only behind an alpha feature gate, off by default), then `index` and `parentIndex` (published up
+/// to v25.3 only). Only a static MIG device spanning all eight memory slices comes near the limit
+/// (its `memorySliceN` capacities); `docs-nvidia-attributes.md` says which devices lose what.
+pub const GIVEN_UP_OVER_THE_LIMIT: [&str; 4] = ["pcieBusID", "gpuModuleID", "index", "parentIndex"];
 
 /// How MIG-capable GPUs are published.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
@@ -100,6 +113,13 @@ fn gpu_devices(inventory: &Inventory, gpu: &Gpu, mig_mode: MigMode) -> GpuDevice
                 if let Some(set) = &out.counter_set {
                     whole.consumes_counters = Some(vec![mig::whole_gpu_consumption(set)]);
                 }
+                // As NVIDIA's partitionable whole GPU: the largest of each MIG capacity. `memory`
+                // stays the GPU's own, which is more than NVIDIA's (its largest MIG profile's).
+                if let Some(capacity) = whole.capacity.as_mut() {
+                    for (name, value) in mig::largest_capacities(mig) {
+                        capacity.entry(name).or_insert(value);
+                    }
+                }
                 out.devices.push(whole);
             }
             out.devices
@@ -111,7 +131,27 @@ fn gpu_devices(inventory: &Inventory, gpu: &Gpu, mig_mode: MigMode) -> GpuDevice
         _ if mig_on => {} // MIG mode on but not managed by this mode: the whole GPU is unusable.
         _ => out.devices.push(whole_gpu(inventory, gpu)),
     }
+    for device in &mut out.devices {
+        fit_the_limit(device);
+    }
     out
+}
+
+/// Gives up attributes in the order of [`GIVEN_UP_OVER_THE_LIMIT`] until the device is within
+/// [`MAX_ATTRIBUTES_AND_CAPACITIES`], so that the API server accepts its ResourceSlice.
+fn fit_the_limit(device: &mut Device) {
+    let count = |d: &Device| {
+        d.attributes.as_ref().map_or(0, BTreeMap::len)
+            + d.capacity.as_ref().map_or(0, BTreeMap::len)
+    };
+    for name in GIVEN_UP_OVER_THE_LIMIT {
+        if count(device) <= MAX_ATTRIBUTES_AND_CAPACITIES {
+            return;
+        }
+        if let Some(attributes) = device.attributes.as_mut() {
+            attributes.remove(name);
+        }
+    }
 }
 
 /// The parent-GPU attributes whole GPUs and MIG devices share.
@@ -122,6 +162,16 @@ fn common_attributes(inventory: &Inventory, gpu: &Gpu) -> BTreeMap<String, Devic
     attributes.insert("brand".to_string(), string(&gpu.brand));
     attributes.insert("architecture".to_string(), string(&gpu.architecture));
     attributes.insert("minor".to_string(), int(i64::from(gpu.minor)));
+    // NVIDIA's names up to v25.3 (`index`, `pcieBusID`) and since v25.12 (`addressingMode`; and
+    // `gpuModuleID` behind its FabricManagerPartitioning gate), so that their selectors port.
+    attributes.insert("index".to_string(), int(i64::from(gpu.index)));
+    attributes.insert("pcieBusID".to_string(), string(&gpu.pci_bus_id));
+    if let Some(mode) = &gpu.addressing_mode {
+        attributes.insert("addressingMode".to_string(), string(mode));
+    }
+    if let Some(module) = gpu.module_id {
+        attributes.insert("gpuModuleID".to_string(), int(i64::from(module)));
+    }
     insert_version(
         &mut attributes,
         "cudaComputeCapability",
@@ -175,7 +225,7 @@ pub(crate) fn string(value: &str) -> DeviceAttribute {
     }
 }
 
-fn int(value: i64) -> DeviceAttribute {
+pub(crate) fn int(value: i64) -> DeviceAttribute {
     DeviceAttribute {
         int: Some(value),
         ..Default::default()

@@ -140,6 +140,7 @@ fn check_mig(index: usize, gpu: &FakeGpuSpec) -> Result<(), String> {
             compute_instance_id: 0,
             device_files: Vec::new(),
             compute: None,
+            index: None,
         });
     }
     Ok(())

@@ -25,6 +25,7 @@ impl FakeBackend {
         // Read once, and only for a GPU with MIG devices of its profile.
         let minors = OnceCell::new();
         let bus_ids: Vec<String> = profile.gpus.iter().map(|g| g.pci_bus_id.clone()).collect();
+        let indices = nvml_indices(profile);
         let mut gpus = Vec::new();
         let mut unreadable = Vec::new();
         for (index, spec) in profile.gpus.iter().enumerate() {
@@ -34,7 +35,7 @@ impl FakeBackend {
                 // What NVML still tells of a GPU it cannot read: its handle's index, and often the
                 // minor number, UUID and PCI address.
                 unreadable.push(UnreadableGpu {
-                    index: index as u32,
+                    index: indices[index],
                     minor: Some(minor),
                     uuid: Some(uuid),
                     pci_bus_id: Some(spec.pci_bus_id.clone()),
@@ -64,7 +65,7 @@ impl FakeBackend {
                 Ok(mig) => mig,
                 Err(reason) => {
                     unreadable.push(UnreadableGpu {
-                        index: index as u32,
+                        index: indices[index],
                         minor: Some(minor),
                         uuid: Some(uuid),
                         pci_bus_id: Some(spec.pci_bus_id.clone()),
@@ -75,6 +76,7 @@ impl FakeBackend {
             };
             gpus.push(Gpu {
                 minor,
+                index: indices[index],
                 uuid,
                 product_name: spec.product_name.clone(),
                 brand: spec.brand.clone(),
@@ -91,6 +93,8 @@ impl FakeBackend {
                 }),
                 nvlink_peers,
                 mig,
+                addressing_mode: spec.addressing_mode.clone(),
+                module_id: spec.module_id,
             });
         }
         nvlink::assign_domains(&mut gpus);
@@ -132,6 +136,7 @@ impl FakeBackend {
         }
         instances.extend(hardware.created.get(uuid).cloned().unwrap_or_default());
         instances.sort_by_key(|i| (i.placement, i.compute_instance_id));
+        number_mig_devices(&mut instances);
         Ok(MigInfo {
             enabled: spec.mig_enabled || hardware.mig_enabled.contains(uuid),
             toggles_without_reset: toggles_without_reset(&spec.architecture),
@@ -163,6 +168,7 @@ impl FakeBackend {
             compute_instance_id: ci,
             device_files: files,
             compute,
+            index: None,
         };
         let files = |ci| {
             let table = minors.get_or_init(|| self.proc.mig_minors());
@@ -244,4 +250,33 @@ fn nvlink_groups(profile: &FakeProfile) -> Vec<Option<String>> {
                 .or_else(|| g.nvlink.then(|| "all".to_string()))
         })
         .collect()
+}
+
+/// NVML's index of each of the profile's GPUs: the one the profile sets, else the GPU's rank in PCI
+/// bus id order (domain, bus, device, function), which is how NVML numbers GPUs.
+fn nvml_indices(profile: &FakeProfile) -> Vec<u32> {
+    let mut by_bus: Vec<usize> = (0..profile.gpus.len()).collect();
+    by_bus.sort_by_key(|&i| profile.gpus[i].pci_bus_id.to_ascii_lowercase());
+    let mut indices = vec![0; profile.gpus.len()];
+    for (rank, i) in by_bus.into_iter().enumerate() {
+        indices[i] = profile.gpus[i].index.unwrap_or(rank as u32);
+    }
+    indices
+}
+
+/// NVML's MIG device indices as the fake hands them out: the MIG devices (compute instances) of a GPU
+/// in GPU instance id, then compute instance id order.
+fn number_mig_devices(instances: &mut [MigInstance]) {
+    let mut order: Vec<usize> = (0..instances.len())
+        .filter(|&i| instances[i].has_compute_instance())
+        .collect();
+    order.sort_by_key(|&i| {
+        (
+            instances[i].gpu_instance_id,
+            instances[i].compute_instance_id,
+        )
+    });
+    for (index, i) in order.into_iter().enumerate() {
+        instances[i].index = Some(index as u32);
+    }
 }

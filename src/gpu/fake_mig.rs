@@ -130,6 +130,7 @@ impl FakeBackend {
             device_files: device_files(&self.mig_minors(), gpu.minor, gpu_instance_id, 0)
                 .map_err(refuse)?,
             compute: None,
+            index: None,
         };
         let mut hardware = lock(&self.hardware);
         let mut next = hardware.clone();

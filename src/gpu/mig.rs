@@ -68,7 +68,7 @@ pub const NO_COMPUTE_INSTANCE: u32 = u32::MAX;
 /// A MIG device that exists on a GPU: one compute instance of a GPU instance. A GPU instance with
 /// several compute instances (an admin's `nvidia-smi mig -cci 1c.3g.40gb,...`) appears once per
 /// compute instance; one without any appears once, with [`NO_COMPUTE_INSTANCE`].
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct MigInstance {
     /// `MIG-xxxxxxxx-...`, what CUDA and NVML name the device by.
@@ -84,6 +84,25 @@ pub struct MigInstance {
     /// compute instances share the GPU instance's memory); `None` when it spans the whole GPU instance.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub compute: Option<ComputeShare>,
+    /// NVML's index of the MIG device on its GPU (`nvmlDeviceGetMigDeviceHandleByIndex`), as read
+    /// with the inventory; `None` for a GPU instance without compute instance, and where it is not
+    /// known (a device just made, before the next inventory). Informational only: never compared.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub index: Option<u32>,
+}
+
+/// Equal when the same MIG device: NVML's `index` is left out, as a device keeps its identity when
+/// NVML renumbers its handles.
+impl PartialEq for MigInstance {
+    fn eq(&self, other: &Self) -> bool {
+        self.uuid == other.uuid
+            && self.profile_id == other.profile_id
+            && self.placement == other.placement
+            && self.gpu_instance_id == other.gpu_instance_id
+            && self.compute_instance_id == other.compute_instance_id
+            && self.device_files == other.device_files
+            && self.compute == other.compute
+    }
 }
 
 impl MigInstance {

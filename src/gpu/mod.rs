@@ -48,6 +48,9 @@ use thiserror::Error;
 pub struct Gpu {
     /// The minor number of `/dev/nvidia<minor>`; names the DRA device (`gpu-<minor>`).
     pub minor: u32,
+    /// NVML's index of the GPU (`nvmlDeviceGetIndex`; `nvidia-smi -i`), which follows PCI bus id
+    /// order. NVIDIA's driver published it as the `index` attribute up to v25.3.
+    pub index: u32,
     /// `GPU-xxxxxxxx-...`, as NVML reports it.
     pub uuid: String,
     pub product_name: String,
@@ -70,6 +73,13 @@ pub struct Gpu {
     pub nvlink_peers: Vec<String>,
     /// The MIG side of a MIG-capable GPU; `None` for GPUs without MIG.
     pub mig: Option<MigInfo>,
+    /// The memory addressing mode on coherent-memory systems (Grace Hopper/Blackwell): `HMM`, `ATS`
+    /// or `None` (supported but inactive), as NVIDIA's driver names them; `None` where the platform
+    /// does not support it (`nvmlDeviceGetAddressingMode` answers NOT_SUPPORTED).
+    pub addressing_mode: Option<String>,
+    /// The GPU's module id on its baseboard (`nvmlDeviceGetModuleId`, 1-based); `None` where NVML
+    /// does not report one (0 or NOT_SUPPORTED).
+    pub module_id: Option<u32>,
 }
 
 impl Gpu {

@@ -104,6 +104,7 @@ mod tests {
     fn gpu(bus: &str, peers: &[&str]) -> Gpu {
         Gpu {
             minor: 0,
+            index: 0,
             uuid: format!("GPU-{bus}"),
             product_name: "x".into(),
             brand: "Nvidia".into(),
@@ -117,6 +118,8 @@ mod tests {
             fabric: None,
             nvlink_peers: peers.iter().map(|p| p.to_string()).collect(),
             mig: None,
+            addressing_mode: None,
+            module_id: None,
         }
     }
 

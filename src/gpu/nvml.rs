@@ -14,9 +14,10 @@ use nvml_wrapper::error::{nvml_sym, nvml_try, nvml_try_count, NvmlError};
 use nvml_wrapper::{Device, EventSet, Nvml};
 use nvml_wrapper_sys::bindings::{
     nvmlComputeInstanceInfo_t, nvmlComputeInstanceProfileInfo_t, nvmlComputeInstance_t,
-    nvmlEventData_t, nvmlGpuFabricInfoV_t, nvmlGpuFabricInfo_v2_t, nvmlGpuFabricInfo_v3_t,
-    nvmlGpuInstanceInfo_t, nvmlGpuInstancePlacement_t, nvmlGpuInstanceProfileInfo_v2_t,
-    nvmlGpuInstance_t, nvmlReturn_enum_NVML_ERROR_ARGUMENT_VERSION_MISMATCH, nvmlReturn_t,
+    nvmlDeviceAddressingMode_t, nvmlEventData_t, nvmlGpuFabricInfoV_t, nvmlGpuFabricInfo_v2_t,
+    nvmlGpuFabricInfo_v3_t, nvmlGpuInstanceInfo_t, nvmlGpuInstancePlacement_t,
+    nvmlGpuInstanceProfileInfo_v2_t, nvmlGpuInstance_t,
+    nvmlReturn_enum_NVML_ERROR_ARGUMENT_VERSION_MISMATCH, nvmlReturn_t,
     NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED,
 };
 
@@ -268,6 +269,36 @@ pub(super) fn fabric_raw(device: &Device) -> Result<Option<nvmlGpuFabricInfoV_t>
             error: e,
         }),
     }
+}
+
+/// The raw memory addressing mode (`NVML_DEVICE_ADDRESSING_MODE_*`); `None` where the driver lacks
+/// the call or the platform does not support it (no coherent CPU-GPU memory).
+pub(super) fn addressing_mode_raw(device: &Device) -> Result<Option<u32>, Failed> {
+    let Ok(f) = nvml_sym(device.nvml().lib().nvmlDeviceGetAddressingMode.as_ref()) else {
+        return Ok(None);
+    };
+    let mut mode = nvmlDeviceAddressingMode_t {
+        version: support::struct_version(std::mem::size_of::<nvmlDeviceAddressingMode_t>(), 1),
+        value: 0,
+    };
+    // SAFETY: live device handle; `mode` is writable and carries its struct version.
+    match nvml_try(unsafe { f(device.handle(), &mut mode) }) {
+        Ok(()) => Ok(Some(mode.value)),
+        Err(NvmlError::NotSupported) => Ok(None),
+        Err(e) => Err(Failed {
+            call: "nvmlDeviceGetAddressingMode",
+            error: e,
+        }),
+    }
+}
+
+/// The GPU's module id on its baseboard; `None` where the driver lacks the call or the GPU has none.
+pub(super) fn module_id_raw(device: &Device) -> Option<u32> {
+    let f = nvml_sym(device.nvml().lib().nvmlDeviceGetModuleId.as_ref()).ok()?;
+    let mut id: c_uint = 0;
+    // SAFETY: live device handle; `id` is a valid out-pointer for the call.
+    nvml_try(unsafe { f(device.handle(), &mut id) }).ok()?;
+    (id != 0).then_some(id)
 }
 
 pub(super) fn profile_info_v2(

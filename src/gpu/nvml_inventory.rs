@@ -11,7 +11,9 @@ use nvml_wrapper::Device;
 use nvml_wrapper_sys::bindings::NVML_NVLINK_MAX_LINKS;
 
 use super::device_files::control_device_files;
-use super::nvml::{fabric_raw, Named, NvmlBackend, SYSFS_PCI_DEVICES};
+use super::nvml::{
+    addressing_mode_raw, fabric_raw, module_id_raw, Named, NvmlBackend, SYSFS_PCI_DEVICES,
+};
 use super::nvml_support as support;
 use super::{nvlink, DriverProc, Gpu, GpuError, Inventory, UnreadableGpu};
 
@@ -84,6 +86,7 @@ impl NvmlBackend {
     fn read_device(&self, device: &Device<'static>) -> Result<Gpu, GpuError> {
         let uuid = device.uuid().named("nvmlDeviceGetUUID")?;
         let minor = device.minor_number().named("nvmlDeviceGetMinorNumber")?;
+        let index = device.index().named("nvmlDeviceGetIndex")?;
         let product_name = device.name().named("nvmlDeviceGetName")?;
         let memory_bytes = device
             .memory_info()
@@ -100,7 +103,16 @@ impl NvmlBackend {
             .map(|b| support::brand_name(&b))
             .unwrap_or("Unknown");
         let fabric = fabric_raw(device).ok().flatten();
+        // A GPU whose addressing mode cannot be read is still usable: the attribute is left out.
+        let addressing_mode = addressing_mode_raw(device)
+            .ok()
+            .flatten()
+            .and_then(support::addressing_mode_name)
+            .map(str::to_string);
         Ok(Gpu {
+            index,
+            addressing_mode,
+            module_id: module_id_raw(device),
             mig: self.read_mig(device, minor, &product_name, memory_bytes, arch)?,
             minor,
             uuid,

@@ -118,11 +118,12 @@ impl NvmlBackend {
                         gpu: gpu.clone(),
                         reason,
                     };
-                    let uuid = uuids.get(&(info.id, ci)).cloned().ok_or_else(|| {
+                    let (uuid, index) = uuids.get(&(info.id, ci)).cloned().ok_or_else(|| {
                         mig_err("NVML lists the compute instance but no MIG device for it".into())
                     })?;
                     let files = self.device_files(minor, info.id, ci).map_err(mig_err)?;
                     let mut instance = mig_instance(&info, ci, uuid, files);
+                    instance.index = Some(index);
                     // A compute instance smaller than its GPU instance shares it with others.
                     if ci_profile.sliceCount < profile.info.slice_count {
                         instance.compute = Some(ComputeShare {
@@ -180,14 +181,16 @@ impl NvmlBackend {
         let ci = create_ci(self.nvml, gi, ci_profile.id)?;
         let ci_id = ci_info(self.nvml, ci)?.id;
         // The compute instance's own `device` field is the parent GPU, so find the MIG handle.
-        let uuid = mig_uuids(device).remove(&(info.id, ci_id)).ok_or_else(|| {
+        let (uuid, index) = mig_uuids(device).remove(&(info.id, ci_id)).ok_or_else(|| {
             mig_err(format!(
                 "NVML shows no MIG device for GPU instance {} / CI {ci_id}",
                 info.id
             ))
         })?;
         let files = self.device_files(minor, info.id, ci_id).map_err(mig_err)?;
-        Ok(mig_instance(&info, ci_id, uuid, files))
+        let mut instance = mig_instance(&info, ci_id, uuid, files);
+        instance.index = Some(index);
+        Ok(instance)
     }
 
     /// Creates the MIG device; with `adopt`, one of the requested profile that already exists at the
@@ -312,7 +315,7 @@ impl NvmlBackend {
                     .finish_mig(device, gi, minor, profile, request)
                     .map(Some),
                 [(_, ci, ci_profile)] if ci_profile.sliceCount == profile.slice_count => {
-                    let uuid = mig_uuids(device).remove(&(info.id, *ci)).ok_or_else(|| {
+                    let (uuid, _) = mig_uuids(device).remove(&(info.id, *ci)).ok_or_else(|| {
                         GpuError::Mig {
                             gpu: request.parent_uuid.clone(),
                             reason: format!(
@@ -369,7 +372,7 @@ impl NvmlBackend {
             .map(|(_, ci, _)| {
                 uuids
                     .get(&(gpu_instance_id, *ci))
-                    .cloned()
+                    .map(|(uuid, _)| uuid.clone())
                     .unwrap_or_default()
             })
             .collect();
@@ -451,6 +454,7 @@ fn mig_instance(
         compute_instance_id: ci,
         device_files: files,
         compute: None,
+        index: None,
     }
 }
 
@@ -487,8 +491,9 @@ pub(super) fn read_profiles(device: &Device) -> Result<Vec<RawProfile>, Failed> 
     Ok(profiles)
 }
 
-/// (GPU instance id, compute instance id) → MIG device UUID, from the GPU's MIG device handles.
-fn mig_uuids(device: &Device) -> HashMap<(u32, u32), String> {
+/// (GPU instance id, compute instance id) → MIG device UUID and NVML's index of its handle, from the
+/// GPU's MIG device handles.
+fn mig_uuids(device: &Device) -> HashMap<(u32, u32), (String, u32)> {
     let mut uuids = HashMap::new();
     for index in 0..device.mig_device_count().unwrap_or(0) {
         // NVML answers NOT_FOUND for empty slots.
@@ -496,7 +501,7 @@ fn mig_uuids(device: &Device) -> HashMap<(u32, u32), String> {
             continue;
         };
         if let (Ok(ids), Ok(uuid)) = (mig_ids(&mig), mig.uuid()) {
-            uuids.insert(ids, uuid);
+            uuids.insert(ids, (uuid, index));
         }
     }
     uuids

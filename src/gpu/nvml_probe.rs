@@ -105,6 +105,7 @@ fn line<T: Display>(out: &mut String, indent: usize, label: &str, value: Result<
 fn probe_gpu(backend: &NvmlBackend, device: &Device, out: &mut String) {
     line(out, 1, "uuid", device.uuid());
     line(out, 1, "minor", device.minor_number());
+    line(out, 1, "index", device.index());
     line(out, 1, "name", device.name());
     line(
         out,

@@ -17,6 +17,17 @@ pub const FABRIC_STATE_COMPLETED: u8 = 3;
 /// What NVML puts in an event's GPU / compute instance id when the event concerns the whole GPU.
 pub const NO_INSTANCE: u32 = 0xFFFF_FFFF;
 /// NVML's versioned-struct tag: the struct size in the low bits, the version in the top byte.
+/// NVIDIA's name for a memory addressing mode (`NVML_DEVICE_ADDRESSING_MODE_*`), as its DRA driver
+/// publishes it; `None` for a value this table does not know.
+pub fn addressing_mode_name(raw: u32) -> Option<&'static str> {
+    match raw {
+        0 => Some("None"),
+        1 => Some("HMM"),
+        2 => Some("ATS"),
+        _ => None,
+    }
+}
+
 pub const fn struct_version(size: usize, version: u32) -> u32 {
     size as u32 | (version << 24)
 }

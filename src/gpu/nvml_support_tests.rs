@@ -277,3 +277,11 @@ fn errors_read_plainly() {
     );
     assert_eq!(struct_version(40, 3), 0x0300_0028);
 }
+
+#[test]
+fn addressing_modes_take_nvidias_names() {
+    assert_eq!(addressing_mode_name(0), Some("None"));
+    assert_eq!(addressing_mode_name(1), Some("HMM"));
+    assert_eq!(addressing_mode_name(2), Some("ATS"));
+    assert_eq!(addressing_mode_name(3), None);
+}

@@ -40,6 +40,17 @@ pub struct FakeGpuSpec {
     pub minor: Option<u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub uuid: Option<String>,
+    /// NVML's index of the GPU; by default its rank in PCI bus id order among the profile's GPUs,
+    /// as NVML numbers them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub index: Option<u32>,
+    /// The memory addressing mode NVML reports on coherent-memory systems (`HMM`, `ATS`, `None`);
+    /// unset where the platform does not support it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub addressing_mode: Option<String>,
+    /// The GPU's module id on its baseboard, as `nvmlDeviceGetModuleId` reports it (HGX boards).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub module_id: Option<u32>,
     /// GPUs that set this share one NVLink domain with every other GPU that sets it (an NVSwitch node).
     #[serde(default)]
     pub nvlink: bool,
@@ -221,6 +232,9 @@ fn uniform(
             numa_node: Some(if i < half { 0 } else { 1 }),
             minor: None,
             uuid: None,
+            index: None,
+            addressing_mode: None,
+            module_id: None,
             nvlink: model.nvlink,
             nvlink_group: None,
             fabric: None,

@@ -1,5 +1,6 @@
 //! What the operator hears about GPUs the plugin leaves out: a GPU the backend cannot read, a static
-//! GPU instance without compute instance, a GPU whose MIG mode could not be switched off; and about
+//! GPU instance without compute instance, a GPU whose MIG mode could not be switched off, a GPU that
+//! offers no dynamic MIG device until an admin enables MIG mode and resets it (A100); and about
 //! device files containers cannot get right: the `nvidia-uvm` module not loaded, MIG capabilities
 //! without a registered major. Each is a
 //! Warning Event on the Node and a log line when it appears (once per GPU and reason), a log line and a
@@ -25,6 +26,9 @@ pub const GPU_UNREADABLE: &str = "GpuUnreadable";
 pub const MIG_WITHOUT_COMPUTE: &str = "MigInstanceWithoutComputeInstance";
 /// The Event reason for a GPU left in MIG mode because switching it off failed.
 pub const MIG_MODE_STUCK: &str = "MigModeNotSwitchedOff";
+/// The Event reason for a GPU that offers no MIG device under `--mig-mode dynamic`: its MIG mode is
+/// off and switching it on takes a GPU reset (A100), which the plugin does not do.
+pub const MIG_MODE_NEEDS_RESET: &str = "MigModeOffNeedsGpuReset";
 
 /// The Event reason for a node whose `nvidia-uvm` module is not loaded (CUDA cannot initialise).
 pub const UVM_NOT_LOADED: &str = "NvidiaUvmNotLoaded";
@@ -49,6 +53,20 @@ pub fn problems(inventory: &Inventory, mig_mode: MigMode) -> Problems {
     }
     for gpu in &inventory.gpus {
         let Some(mig) = &gpu.mig else { continue };
+        if mig_mode == MigMode::Dynamic && !mig.enabled && !mig.toggles_without_reset {
+            let index = gpu.index;
+            found.insert(
+                (MIG_MODE_NEEDS_RESET, gpu.uuid.clone()),
+                format!(
+                    "gpu-{} (index {index}, {}, {}) publishes no MIG device under --mig-mode dynamic: \
+                     its MIG mode is off, and this GPU switches MIG mode only with a GPU reset, which \
+                     the plugin does not do. It is offered as a whole GPU. To offer its MIG devices, \
+                     run `nvidia-smi -i {index} -mig 1`, then reset the GPU with nothing using it \
+                     (`nvidia-smi --gpu-reset -i {index}`) or reboot the node.",
+                    gpu.minor, gpu.uuid, gpu.product_name
+                ),
+            );
+        }
         if mig_mode == MigMode::Static && mig.enabled {
             for instance in mig.instances.iter().filter(|i| !i.has_compute_instance()) {
                 let profile = mig
@@ -215,6 +233,40 @@ mod tests {
         assert!(notes
             .iter()
             .any(|n| n.contains("GPU index 3 cannot be read")));
+    }
+
+    #[test]
+    fn an_ampere_gpu_with_mig_mode_off_under_dynamic_mig_says_how_to_enable_it() {
+        let mut inventory = FakeBackend::new("n", "dgx-a100")
+            .unwrap()
+            .inventory()
+            .unwrap();
+        assert!(problems(&inventory, MigMode::Static).is_empty());
+        let found = problems(&inventory, MigMode::Dynamic);
+        assert_eq!(found.len(), inventory.gpus.len(), "one per GPU: {found:?}");
+        let gpu = &inventory.gpus[3];
+        let note = &found[&(MIG_MODE_NEEDS_RESET, gpu.uuid.clone())];
+        for part in [
+            format!(
+                "gpu-3 (index {}, {}, {})",
+                gpu.index, gpu.uuid, gpu.product_name
+            ),
+            format!("`nvidia-smi -i {} -mig 1`", gpu.index),
+            format!("`nvidia-smi --gpu-reset -i {}`", gpu.index),
+            "reboot the node".to_string(),
+        ] {
+            assert!(note.contains(&part), "{note:?} lacks {part:?}");
+        }
+        for gpu in inventory.gpus.iter_mut() {
+            gpu.mig.as_mut().unwrap().enabled = true;
+        }
+        assert!(problems(&inventory, MigMode::Dynamic).is_empty());
+        // Hopper switches MIG mode on by itself when a MIG device is prepared.
+        let h100 = FakeBackend::new("n", "dgx-h100")
+            .unwrap()
+            .inventory()
+            .unwrap();
+        assert!(problems(&h100, MigMode::Dynamic).is_empty());
     }
 
     #[test]

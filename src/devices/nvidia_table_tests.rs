@@ -1,4 +1,4 @@
-//! Keeps `docs-nvidia-attributes.md` true: every attribute and capacity the table says gpu-dra
+//! Keeps the README's table of NVIDIA's and gpu-dra's attributes ("Attributes and capacities, side by side") true: every attribute and capacity the table says gpu-dra
 //! publishes is published, with that type, on that kind of device, and every one gpu-dra publishes
 //! on the fake DGX A100 and H100 nodes has its row. Also checks the API's limit of 32 attributes and
 //! capacities per device on the fullest devices those nodes can have.
@@ -10,7 +10,17 @@ use k8s_openapi::api::resource::v1::Device;
 use super::{node_devices, MigMode, MAX_ATTRIBUTES_AND_CAPACITIES};
 use crate::gpu::{builtin_profile, FakeBackend, GpuBackend};
 
-const TABLE: &str = include_str!("../../docs-nvidia-attributes.md");
+/// The README's table, between its markers.
+fn table() -> &'static str {
+    const README: &str = include_str!("../../README.md");
+    let start = README
+        .find("<!-- nvidia-attributes -->")
+        .expect("the README marks the start of the table");
+    let end = README
+        .find("<!-- /nvidia-attributes -->")
+        .expect("the README marks the end of the table");
+    &README[start..end]
+}
 
 /// (device kind, name, type) as the table writes them.
 type Row = (String, String, String);
@@ -18,7 +28,7 @@ type Row = (String, String, String);
 /// The table's rows: kind, name, type and whether gpu-dra publishes it (its column starts `yes`).
 fn table_rows() -> BTreeMap<Row, bool> {
     let mut rows = BTreeMap::new();
-    for line in TABLE.lines() {
+    for line in table().lines() {
         let cells: Vec<&str> = line.split('|').map(str::trim).collect();
         // | kind | name | type | NVIDIA releases | gpu-dra | example |
         if cells.len() != 8 || !["GPU", "MIG (static)", "MIG (dynamic)"].contains(&cells[1]) {

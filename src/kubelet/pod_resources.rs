@@ -296,7 +296,7 @@ mod tests {
         assert!(table(&resolved).contains("(no slice names this device)"));
         // The JSON output names the attributes as the slices do.
         let json =
-            serde_json::to_value(&resolve(dra_devices(&response(), None), &slices())).unwrap();
+            serde_json::to_value(resolve(dra_devices(&response(), None), &slices())).unwrap();
         assert_eq!(json[1]["identity"]["parentUUID"], "GPU-1");
         assert_eq!(
             json[1]["cdiDevices"][0],

@@ -367,7 +367,7 @@ fn specs_are_checked_for_every_malformed_config() {
         problems,
         [
             "config[1] (GpuConfig): sharing.strategy: must be one of Exclusive, TimeSlicing, MPS",
-            "config[3]: apiVersion: must be gpu.dra.dev/v1alpha1",
+            "config[3]: apiVersion: must be gpu.dra.dev/v1alpha1 or resource.nvidia.com/v1beta1",
         ]
     );
 

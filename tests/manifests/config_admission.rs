@@ -21,7 +21,7 @@ const OTHER_DRIVER: &str = "other.example.com";
 /// already parsed) and the root's `must be an object` (the API server refuses parameters that are not an
 /// object before admission). Each must be the expected error of some case.
 const MESSAGES: &[&str] = &[
-    "apiVersion: must be gpu.dra.dev/v1alpha1",
+    "apiVersion: must be gpu.dra.dev/v1alpha1 or resource.nvidia.com/v1beta1",
     "kind: must be GpuConfig or MigConfig",
     "shareing: unknown field",
     "sharing.mps: unknown field",

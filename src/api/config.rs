@@ -1,7 +1,9 @@
 //! The opaque device configurations of this driver (`gpu.dra.dev/v1alpha1`), written in DeviceClass
 //! `spec.config[].opaque.parameters` and ResourceClaim `spec.devices.config[].opaque.parameters`:
 //! `GpuConfig` for whole GPUs and `MigConfig` for MIG devices, each with an optional `sharing`.
-//! Field names follow NVIDIA's driver, so a config ports by changing its apiVersion.
+//! Field names follow NVIDIA's driver, so a config ports by changing its apiVersion. NVIDIA's own
+//! configs (`resource.nvidia.com/v1beta1` `GpuConfig` and `MigDeviceConfig`) are accepted too, with
+//! NVIDIA's rules, whatever the driver name; [`nvidia`] says how they map onto ours.
 //!
 //! Decoding is strict ([`decode_config`]): an unknown field, a repeated key, a wrong type or an
 //! out-of-range value is an error `<path>: <reason>`, the same text the admission policy gives, so a

@@ -8,6 +8,12 @@
 //! - else the last config for all requests whose kind fits the device (a class may carry both kinds);
 //! - else the device is Exclusive.
 //!
+//! Under NVIDIA's driver name (`gpu.nvidia.com`, the compatibility mode) NVIDIA's precedence applies
+//! instead, to NVIDIA's configs and ours alike: class configs then claim configs, walked from the last;
+//! the first that names the request exactly, or names none and fits the device, wins
+//! ([`resolve_with_uuids`]). NVIDIA's per-device MPS limits (keyed by UUID or index) are resolved here
+//! too, against the devices each config applies to.
+//!
 //! [`check_device_class`] and [`check_claim_spec`] find malformed configs before any allocation,
 //! for `gpu-dra selectors check`.
 

@@ -593,3 +593,25 @@ fn nvidia_per_device_limits_resolve_against_the_configs_devices() {
         "{error}"
     );
 }
+
+#[test]
+fn specs_with_nvidias_configs_are_checked_with_nvidias_rules() {
+    let class: DeviceClass = serde_json::from_value(json!({
+        "metadata": {"name": "mig.nvidia.com"},
+        "spec": {"config": [
+            {"opaque": {"driver": NVIDIA_DRIVER_NAME, "parameters": nvidia_mps("MigDeviceConfig", 0)}},
+            {"opaque": {"driver": NVIDIA_DRIVER_NAME, "parameters": nvidia_params("MigDeviceConfig",
+                json!({"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}}))}},
+            {"opaque": {"driver": NVIDIA_DRIVER_NAME, "parameters": nvidia_time_slicing("Long")}}
+        ]}
+    }))
+    .expect("class");
+    let problems: Vec<String> = check_device_class(NVIDIA_DRIVER_NAME, &class)
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    assert_eq!(
+        problems,
+        ["config[1] (MigDeviceConfig): sharing.timeSlicingConfig: unknown field"]
+    );
+}

@@ -485,7 +485,7 @@ fn check_reports_malformed_configs_naming_object_entry_and_field() {
     for line in [
         "  config error: DeviceClass shared.gpu.dra.dev: config[1] (GpuConfig): sharing.mpsConfig.defaultActiveThreadPercentage: must be between 1 and 100",
         "  config error: claim ml/mps: config[0] (GpuConfig): sharing.mpsConfig.defaultPinnedDeviceMemoryLimit: must be a positive quantity of bytes such as 10Gi",
-        "  config error: claim ml/sliced: config[0]: apiVersion: must be gpu.dra.dev/v1alpha1",
+        "  config error: claim ml/sliced: config[0]: apiVersion: must be gpu.dra.dev/v1alpha1 or resource.nvidia.com/v1beta1",
         "  config error: claim ml/sliced: config[1] (MigConfig): sharing.timeSlicingConfig: not allowed in MigConfig (MIG devices have no time-slice interval)",
         "CONFIG errors: claims that carry these configs (theirs or their class's) fail to prepare",
     ] {

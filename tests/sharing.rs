@@ -172,6 +172,57 @@ async fn time_slicing_sets_the_interval_until_the_claim_goes() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nvidias_gpu_config_time_slicing_long_is_prepared_with_its_interval() {
+    // A claim written for NVIDIA's driver, with only the driver name changed (the harness runs the
+    // plugin under our name; NVIDIA's precedence under gpu.nvidia.com is covered by the unit tests
+    // of claims::configs).
+    let node = Harness::new("dgx-h100").await;
+    let _plugin = node.start_plugin().await;
+    let kubelet = node.kubelet().await;
+    node.wait_for_slices().await;
+    let sliced = json!({"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig",
+        "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}}});
+    let claim = node
+        .allocated_claim_with("nvidia-sliced", one_gpu_with(sliced))
+        .await
+        .unwrap();
+
+    let devices = prepare(&kubelet, &claim).await.expect("prepared");
+    let uuid = gpu_uuid(&node, &devices[0]);
+    let (env, _) = container_view(&node, &claim.uid);
+    assert!(
+        env.contains(&"GPU_DRA_SHARING=TimeSlicing/Long".to_string()),
+        "{env:?}"
+    );
+    assert_eq!(
+        modes(&node),
+        BTreeMap::from([(uuid, GpuSharingMode::TimeSlice(TimeSliceInterval::Long))])
+    );
+
+    // NVIDIA's MPS config with a percentage of 0, which our own API refuses: the daemon is started
+    // without a percentage (it keeps its default), with NVIDIA's whole-MiB limit.
+    let mps_config = json!({"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig",
+        "sharing": {"strategy": "MPS", "mpsConfig": {"defaultActiveThreadPercentage": 0,
+            "defaultPinnedDeviceMemoryLimit": "1.5Gi"}}});
+    let mps_claim = node
+        .allocated_claim_with("nvidia-mps", one_gpu_with(mps_config))
+        .await
+        .unwrap();
+    prepare(&kubelet, &mps_claim).await.expect("prepared");
+    let log = read(&mps_dir(&node, &mps_claim.uid).join("log/control.log"));
+    assert!(
+        !log.contains("set_default_active_thread_percentage"),
+        "{log}"
+    );
+    assert!(
+        log.contains("set_default_device_pinned_mem_limit 0 1536M"),
+        "{log}"
+    );
+    unprepare(&kubelet, &mps_claim).await;
+    unprepare(&kubelet, &claim).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_mps_claim_gets_its_own_daemon_with_its_limits_and_mounts() {
     let node = Harness::new("dgx-h100").await;
     let plugin = node.start_plugin().await;

@@ -1,7 +1,9 @@
 //! The opaque device configurations of this driver (`gpu.dra.dev/v1alpha1`), written in DeviceClass
 //! `spec.config[].opaque.parameters` and ResourceClaim `spec.devices.config[].opaque.parameters`:
 //! `GpuConfig` for whole GPUs and `MigConfig` for MIG devices, each with an optional `sharing`.
-//! Field names follow NVIDIA's driver, so a config ports by changing its apiVersion.
+//! Field names follow NVIDIA's driver, so a config ports by changing its apiVersion. NVIDIA's own
+//! configs (`resource.nvidia.com/v1beta1` `GpuConfig` and `MigDeviceConfig`) are accepted too, with
+//! NVIDIA's rules, whatever the driver name; [`nvidia`] says how they map onto ours.
 //!
 //! Decoding is strict ([`decode_config`]): an unknown field, a repeated key, a wrong type or an
 //! out-of-range value is an error `<path>: <reason>`, the same text the admission policy gives, so a
@@ -23,6 +25,7 @@
 //! ```
 
 mod decode;
+pub mod nvidia;
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
@@ -35,6 +38,7 @@ use serde_json::Value;
 use crate::quantity::Quantity;
 
 pub use decode::{declared_kind, decode_config, decode_config_value};
+pub use nvidia::{NvidiaConfig, NVIDIA_CONFIG_API_VERSION};
 
 /// The apiVersion of every config of this driver.
 pub const CONFIG_API_VERSION: &str = "gpu.dra.dev/v1alpha1";
@@ -52,6 +56,8 @@ pub const MIG_CONFIG_SCHEMA_PATH: &str = "schemas/gpu.dra.dev_v1alpha1_migconfig
 pub enum DeviceConfig {
     Gpu(GpuConfig),
     Mig(MigConfig),
+    /// NVIDIA's `resource.nvidia.com/v1beta1` `GpuConfig` or `MigDeviceConfig` ([`nvidia`]).
+    Nvidia(NvidiaConfig),
 }
 
 /// Settings for whole GPUs (`kind: GpuConfig`).
@@ -262,24 +268,35 @@ impl DeviceConfig {
         match self {
             DeviceConfig::Gpu(_) => GPU_CONFIG_KIND,
             DeviceConfig::Mig(_) => MIG_CONFIG_KIND,
+            DeviceConfig::Nvidia(config) => config.kind(),
         }
     }
 
     /// Whether this kind applies to a MIG device (true) or a whole GPU (false).
     pub fn is_mig(&self) -> bool {
-        matches!(self, DeviceConfig::Mig(_))
+        match self {
+            DeviceConfig::Gpu(_) => false,
+            DeviceConfig::Mig(_) => true,
+            DeviceConfig::Nvidia(config) => config.is_mig,
+        }
     }
 
+    /// The `sharing` of one of our kinds (`None` for NVIDIA's, see [`DeviceConfig::Nvidia`]).
     pub fn sharing(&self) -> Option<&Sharing> {
         match self {
             DeviceConfig::Gpu(config) => config.sharing.as_ref(),
             DeviceConfig::Mig(config) => config.sharing.as_ref(),
+            DeviceConfig::Nvidia(_) => None,
         }
     }
 
     /// What a device configured this way gets: Exclusive without `sharing`, TimeSlicing with the
     /// interval (Default when not given; always Default on MIG devices), MPS with limits in bytes.
+    /// NVIDIA's configs map as [`NvidiaConfig::effective`] says.
     pub fn effective(&self) -> SharingSettings {
+        if let DeviceConfig::Nvidia(config) = self {
+            return config.effective();
+        }
         let Some(sharing) = self.sharing() else {
             return SharingSettings::Exclusive;
         };
@@ -316,6 +333,7 @@ impl DeviceConfig {
         let body = match self {
             DeviceConfig::Gpu(config) => serde_json::to_value(config),
             DeviceConfig::Mig(config) => serde_json::to_value(config),
+            DeviceConfig::Nvidia(config) => return config.to_value(),
         };
         let mut object = match body {
             Ok(Value::Object(object)) => object,

@@ -23,18 +23,18 @@ fn decoded(text: &str) -> DeviceConfig {
 }
 
 #[test]
-fn api_version_must_be_ours() {
-    for api_version in [r#""resource.nvidia.com/v1beta1""#, r#""""#, "null"] {
+fn api_version_must_be_ours_or_nvidias() {
+    for api_version in [r#""resource.nvidia.com/v1""#, r#""""#, "null"] {
         let text = format!(r#"{{"apiVersion": {api_version}, "kind": "GpuConfig"}}"#);
         assert_eq!(
             error(&text),
-            "apiVersion: must be gpu.dra.dev/v1alpha1",
+            "apiVersion: must be gpu.dra.dev/v1alpha1 or resource.nvidia.com/v1beta1",
             "{text}"
         );
     }
     assert_eq!(
         error(r#"{"kind": "GpuConfig"}"#),
-        "apiVersion: must be gpu.dra.dev/v1alpha1"
+        "apiVersion: must be gpu.dra.dev/v1alpha1 or resource.nvidia.com/v1beta1"
     );
 }
 
@@ -115,7 +115,7 @@ fn duplicate_keys_are_refused_with_their_path() {
 fn wrong_types_say_what_is_expected() {
     assert_eq!(
         error(r#"{"apiVersion": 1, "kind": "GpuConfig"}"#),
-        "apiVersion: must be gpu.dra.dev/v1alpha1"
+        "apiVersion: must be gpu.dra.dev/v1alpha1 or resource.nvidia.com/v1beta1"
     );
     assert_eq!(
         error(r#"{"apiVersion": "gpu.dra.dev/v1alpha1", "kind": ["GpuConfig"]}"#),

@@ -8,6 +8,12 @@
 //! - else the last config for all requests whose kind fits the device (a class may carry both kinds);
 //! - else the device is Exclusive.
 //!
+//! Under NVIDIA's driver name (`gpu.nvidia.com`, the compatibility mode) NVIDIA's precedence applies
+//! instead, to NVIDIA's configs and ours alike: class configs then claim configs, walked from the last;
+//! the first that names the request exactly, or names none and fits the device, wins
+//! ([`resolve_with_uuids`]). NVIDIA's per-device MPS limits (keyed by UUID or index) are resolved here
+//! too, against the devices each config applies to.
+//!
 //! [`check_device_class`] and [`check_claim_spec`] find malformed configs before any allocation,
 //! for `gpu-dra selectors check`.
 
@@ -23,6 +29,7 @@ use serde_json::Value;
 use crate::api::config::{
     declared_kind, decode_config, decode_config_value, ConfigError, DeviceConfig, SharingSettings,
 };
+use crate::api::NVIDIA_DRIVER_NAME;
 
 /// The `source` of a config the scheduler copied from the DeviceClass.
 pub const SOURCE_FROM_CLASS: &str = "FromClass";
@@ -76,11 +83,34 @@ impl fmt::Display for ConfigEntryError {
 }
 
 /// The sharing of each device in `devices`, given as `(request, device name, is a MIG device)`, in
-/// that order. Entries of other drivers are ignored, even malformed ones.
+/// that order. Entries of other drivers are ignored, even malformed ones. Under NVIDIA's driver name
+/// ([`NVIDIA_DRIVER_NAME`]) NVIDIA's precedence applies (see [`resolve_with_uuids`]).
 pub fn resolve(
     driver: &str,
     entries: &[ConfigEntry<'_>],
     devices: &[(&str, &str, bool)],
+) -> Result<Vec<ResolvedSharing>, ConfigEntryError> {
+    resolve_with_uuids(driver, entries, devices, &[])
+}
+
+/// [`resolve`], with the UUID of each device where known (`uuids[i]` for `devices[i]`): NVIDIA's
+/// per-device MPS limits name devices by UUID, or by index into the sorted UUIDs of the devices one
+/// config applies to, so they are resolved here, once the devices of each config are known.
+///
+/// Precedence under our driver name, highest first: claim configs before class configs; within one
+/// source a config that names the request (`main` names `main/sub` too) before one for all
+/// requests; then the later entry before the earlier.
+///
+/// Under [`NVIDIA_DRIVER_NAME`], NVIDIA's (its kubelet plugin's `getConfigResultsMap`): the class
+/// configs then the claim configs, in order, are walked from the last; a device takes the first
+/// that names its request exactly (a wrong kind for the device is then an error) or that names no
+/// request and whose kind fits the device. So a claim's config for all requests placed after one
+/// naming the request wins, where ours would take the named one.
+pub fn resolve_with_uuids(
+    driver: &str,
+    entries: &[ConfigEntry<'_>],
+    devices: &[(&str, &str, bool)],
+    uuids: &[Option<&str>],
 ) -> Result<Vec<ResolvedSharing>, ConfigEntryError> {
     let mut ours = Vec::new();
     for entry in entries.iter().filter(|e| e.driver == driver) {
@@ -92,46 +122,142 @@ pub fn resolve(
         })?;
         ours.push((entry, config));
     }
-    // Precedence, highest first: claim configs before class configs; within one source a config
-    // that names the request before one for all requests; then the later entry before the earlier.
-    // (Upstream's scheduler copies class configs naming the requests that use the class, so a
-    // claim's config for all requests still overrides its class.)
-    devices
+    let nvidia = driver == NVIDIA_DRIVER_NAME;
+    if nvidia {
+        // Class configs first, then claim configs; the order within each is kept.
+        ours.sort_by_key(|(entry, _)| !entry.from_class);
+    }
+    let chosen: Vec<Option<usize>> = devices
         .iter()
         .map(|&(request, device, is_mig)| {
-            let mut chosen = None;
-            for from_class in [false, true] {
-                let source = || {
-                    ours.iter()
-                        .rev()
-                        .filter(|(e, _)| e.from_class == from_class)
-                };
-                if let Some((entry, config)) = source().find(|(e, _)| names_request(e, request)) {
-                    if config.is_mig() != is_mig {
-                        return Err(kind_mismatch(entry, config, device, is_mig));
-                    }
-                    chosen = Some((entry, config));
-                    break;
-                }
-                if let Some((entry, config)) =
-                    source().find(|(e, config)| e.requests.is_empty() && config.is_mig() == is_mig)
-                {
-                    chosen = Some((entry, config));
-                    break;
-                }
+            if nvidia {
+                choose_nvidia(&ours, request, device, is_mig)
+            } else {
+                choose_ours(&ours, request, device, is_mig)
             }
-            Ok(match chosen {
-                Some((entry, config)) => ResolvedSharing {
-                    settings: config.effective(),
-                    source: Some(entry.index),
-                },
-                None => ResolvedSharing {
+        })
+        .collect::<Result<_, _>>()?;
+    chosen
+        .iter()
+        .enumerate()
+        .map(|(i, choice)| {
+            let Some(at) = *choice else {
+                return Ok(ResolvedSharing {
                     settings: SharingSettings::Exclusive,
                     source: None,
-                },
+                });
+            };
+            let (entry, config) = &ours[at];
+            let mut settings = config.effective();
+            if let (DeviceConfig::Nvidia(nvidia), SharingSettings::Mps(mps)) = (config, &mut settings)
+            {
+                if let Some(limits) = nvidia
+                    .mps()
+                    .filter(|m| !m.per_device_pinned_memory_limit_mib.is_empty())
+                {
+                    // The devices this config applies to, as NVIDIA groups them.
+                    let mut group = Vec::new();
+                    for (j, _) in chosen.iter().enumerate().filter(|(_, c)| **c == Some(at)) {
+                        let device = devices[j].1;
+                        let uuid = uuids.get(j).copied().flatten().ok_or_else(|| {
+                            entry_error(entry, config, PER_DEVICE_PATH.into(), format!(
+                                "the UUID of device {device} is not known here, and per-device limits name devices by UUID or index"
+                            ))
+                        })?;
+                        group.push((device, uuid));
+                    }
+                    let by_device = limits.per_device_limits(&group).map_err(|(key, reason)| {
+                        entry_error(entry, config, format!("{PER_DEVICE_PATH}[{key}]"), reason)
+                    })?;
+                    mps.per_device_pinned_memory_limit_bytes = by_device
+                        .into_iter()
+                        .filter(|(device, _)| device == devices[i].1)
+                        .collect();
+                }
+            }
+            Ok(ResolvedSharing {
+                settings,
+                source: Some(entry.index),
             })
         })
         .collect()
+}
+
+const PER_DEVICE_PATH: &str = "sharing.mpsConfig.defaultPerDevicePinnedMemoryLimit";
+
+type Decoded<'e, 'a> = (&'e ConfigEntry<'a>, DeviceConfig);
+
+/// Our precedence: the position in `ours` of the config the device takes.
+fn choose_ours(
+    ours: &[Decoded<'_, '_>],
+    request: &str,
+    device: &str,
+    is_mig: bool,
+) -> Result<Option<usize>, ConfigEntryError> {
+    for from_class in [false, true] {
+        let source = || {
+            ours.iter()
+                .enumerate()
+                .rev()
+                .filter(|(_, (e, _))| e.from_class == from_class)
+        };
+        if let Some((at, (entry, config))) = source().find(|(_, (e, _))| names_request(e, request))
+        {
+            if config.is_mig() != is_mig {
+                return Err(kind_mismatch(entry, config, device, is_mig));
+            }
+            return Ok(Some(at));
+        }
+        if let Some((at, _)) =
+            source().find(|(_, (e, config))| e.requests.is_empty() && config.is_mig() == is_mig)
+        {
+            return Ok(Some(at));
+        }
+    }
+    Ok(None)
+}
+
+/// NVIDIA's precedence over `ours` sorted class configs first: the position of the config the
+/// device takes. The request must be named exactly: NVIDIA's driver does not apply a config naming
+/// `main` to a device of subrequest `main/sub`, and doing so here would give a claim written for
+/// NVIDIA's driver a sharing it never had there.
+fn choose_nvidia(
+    ours: &[Decoded<'_, '_>],
+    request: &str,
+    device: &str,
+    is_mig: bool,
+) -> Result<Option<usize>, ConfigEntryError> {
+    for (at, (entry, config)) in ours.iter().enumerate().rev() {
+        if entry.requests.iter().any(|named| named == request) {
+            if config.is_mig() != is_mig {
+                let reason = format!(
+                    "cannot apply {} to device {device:?} of type {:?} (request: {request})",
+                    config.kind(),
+                    if is_mig { "mig" } else { "gpu" }
+                );
+                return Err(entry_error(entry, config, "kind".into(), reason));
+            }
+            return Ok(Some(at));
+        }
+        if entry.requests.is_empty() && config.is_mig() == is_mig {
+            return Ok(Some(at));
+        }
+    }
+    Ok(None)
+}
+
+fn entry_error(
+    entry: &ConfigEntry<'_>,
+    config: &DeviceConfig,
+    path: String,
+    reason: String,
+) -> ConfigEntryError {
+    ConfigEntryError {
+        index: entry.index,
+        kind: Some(config.kind()),
+        from_class: entry.from_class,
+        error: ConfigError { path, reason },
+    }
 }
 
 /// Whether the entry names the request: `main/sub` is named by `main/sub` and by `main`.

@@ -367,7 +367,7 @@ fn specs_are_checked_for_every_malformed_config() {
         problems,
         [
             "config[1] (GpuConfig): sharing.strategy: must be one of Exclusive, TimeSlicing, MPS",
-            "config[3]: apiVersion: must be gpu.dra.dev/v1alpha1",
+            "config[3]: apiVersion: must be gpu.dra.dev/v1alpha1 or resource.nvidia.com/v1beta1",
         ]
     );
 
@@ -390,4 +390,228 @@ fn specs_are_checked_for_every_malformed_config() {
         assert_eq!(problems, expected);
     }
     assert!(check_claim(DRIVER, &ResourceClaim::default()).is_empty());
+}
+
+// NVIDIA's precedence under NVIDIA's driver name.
+
+fn nvidia_entry<'a>(
+    index: usize,
+    from_class: bool,
+    requests: &[&str],
+    value: &'a Value,
+) -> ConfigEntry<'a> {
+    ConfigEntry {
+        driver: NVIDIA_DRIVER_NAME.into(),
+        ..entry(index, from_class, requests, value)
+    }
+}
+
+fn nvidia_params(kind: &str, sharing: Value) -> Value {
+    json!({"apiVersion": "resource.nvidia.com/v1beta1", "kind": kind, "sharing": sharing})
+}
+
+fn nvidia_time_slicing(interval: &str) -> Value {
+    nvidia_params(
+        "GpuConfig",
+        json!({"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": interval}}),
+    )
+}
+
+fn nvidia_mps(kind: &str, percentage: u8) -> Value {
+    nvidia_params(
+        kind,
+        json!({"strategy": "MPS", "mpsConfig": {"defaultActiveThreadPercentage": percentage}}),
+    )
+}
+
+fn resolved_as(
+    driver: &str,
+    entries: &[ConfigEntry<'_>],
+    devices: &[(&str, &str, bool)],
+) -> Vec<(SharingSettings, Option<usize>)> {
+    resolve(driver, entries, devices)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .into_iter()
+        .map(|r| (r.settings, r.source))
+        .collect()
+}
+
+#[test]
+fn a_later_config_for_all_requests_wins_under_nvidias_rule_only() {
+    // Claim configs [{requests: [gpu], TimeSlicing}, {requests: [], MPS}].
+    let sliced_config = nvidia_time_slicing("Long");
+    let mps_config = nvidia_mps("GpuConfig", 50);
+    for driver in [NVIDIA_DRIVER_NAME, DRIVER] {
+        let entries = [
+            ConfigEntry {
+                driver: driver.into(),
+                ..entry(0, false, &["gpu"], &sliced_config)
+            },
+            ConfigEntry {
+                driver: driver.into(),
+                ..entry(1, false, &[], &mps_config)
+            },
+        ];
+        let expected = if driver == NVIDIA_DRIVER_NAME {
+            (mps_settings(50), Some(1))
+        } else {
+            (sliced(TimeSliceInterval::Long), Some(0))
+        };
+        assert_eq!(
+            resolved_as(driver, &entries, &[GPU]),
+            [expected],
+            "{driver}"
+        );
+    }
+}
+
+#[test]
+fn nvidia_walks_class_configs_before_claim_configs() {
+    // A class config listed after a claim config still loses to it: class configs come first.
+    let class = nvidia_time_slicing("Short");
+    let claim = nvidia_time_slicing("Medium");
+    let entries = [
+        nvidia_entry(0, false, &[], &claim),
+        nvidia_entry(1, true, &["gpu"], &class),
+    ];
+    assert_eq!(
+        resolved_as(NVIDIA_DRIVER_NAME, &entries, &[GPU]),
+        [(sliced(TimeSliceInterval::Medium), Some(0))]
+    );
+}
+
+#[test]
+fn nvidia_names_requests_exactly() {
+    // NVIDIA does not apply a config naming `main` to subrequest `main/sub`; ours does.
+    let named = nvidia_time_slicing("Long");
+    let entries = [nvidia_entry(0, false, &["main"], &named)];
+    let device = ("main/sub", "gpu-0", false);
+    assert_eq!(
+        resolved_as(NVIDIA_DRIVER_NAME, &entries, &[device]),
+        [(SharingSettings::Exclusive, None)]
+    );
+    let ours = [ConfigEntry {
+        driver: DRIVER.into(),
+        ..entry(0, false, &["main"], &named)
+    }];
+    assert_eq!(
+        resolved_as(DRIVER, &ours, &[device]),
+        [(sliced(TimeSliceInterval::Long), Some(0))]
+    );
+}
+
+#[test]
+fn nvidia_refuses_a_named_config_of_the_wrong_kind_in_its_words() {
+    let config = nvidia_mps("MigDeviceConfig", 50);
+    let entries = [nvidia_entry(0, false, &["gpu"], &config)];
+    let error = resolve(NVIDIA_DRIVER_NAME, &entries, &[GPU]).expect_err("wrong kind");
+    assert_eq!(
+        error.to_string(),
+        "config[0] (MigDeviceConfig from the claim): kind: cannot apply MigDeviceConfig to device \"gpu-0\" of type \"gpu\" (request: gpu)"
+    );
+    // For all requests, a config of the wrong kind is passed over.
+    let short = nvidia_time_slicing("Short");
+    let entries = [
+        nvidia_entry(0, false, &[], &short),
+        nvidia_entry(1, false, &[], &config),
+    ];
+    assert_eq!(
+        resolved_as(NVIDIA_DRIVER_NAME, &entries, &[GPU]),
+        [(sliced(TimeSliceInterval::Short), Some(0))]
+    );
+}
+
+#[test]
+fn our_api_under_nvidias_driver_name_follows_nvidias_rule() {
+    let sliced_config = time_slicing("Long");
+    let mps_config = nvidia_mps("GpuConfig", 30);
+    let entries = [
+        nvidia_entry(0, false, &["gpu"], &sliced_config),
+        nvidia_entry(1, false, &[], &mps_config),
+    ];
+    assert_eq!(
+        resolved_as(NVIDIA_DRIVER_NAME, &entries, &[GPU]),
+        [(mps_settings(30), Some(1))]
+    );
+}
+
+#[test]
+fn nvidia_per_device_limits_resolve_against_the_configs_devices() {
+    let config = nvidia_params(
+        "GpuConfig",
+        json!({"strategy": "MPS", "mpsConfig": {"defaultPinnedDeviceMemoryLimit": "4Gi",
+            "defaultPerDevicePinnedMemoryLimit": {"0": "1Gi", "GPU-b": "2Gi"}}}),
+    );
+    let other = nvidia_time_slicing("Long");
+    let entries = [
+        nvidia_entry(0, false, &["a"], &config),
+        nvidia_entry(1, false, &["c"], &other),
+    ];
+    // Devices of the config: gpu-0 (GPU-z) and gpu-1 (GPU-b); sorted UUIDs: GPU-b, GPU-z, so index
+    // 0 is gpu-1, and GPU-b is gpu-1 too (the later key, "GPU-b", sorts after "0" and wins).
+    // gpu-2 (GPU-a) takes another config, so it is not in the index.
+    let devices = [
+        ("a", "gpu-0", false),
+        ("a", "gpu-1", false),
+        ("c", "gpu-2", false),
+    ];
+    let uuids = [Some("GPU-z"), Some("GPU-b"), Some("GPU-a")];
+    let resolved = resolve_with_uuids(NVIDIA_DRIVER_NAME, &entries, &devices, &uuids)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let limits = |i: usize| match &resolved[i].settings {
+        SharingSettings::Mps(mps) => (
+            mps.pinned_memory_limit_bytes,
+            mps.per_device_pinned_memory_limit_bytes.clone(),
+        ),
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(limits(0), (Some(4 << 30), Default::default()));
+    assert_eq!(
+        limits(1),
+        (Some(4 << 30), [("gpu-1".to_string(), 2 << 30)].into())
+    );
+    assert_eq!(resolved[2].settings, sliced(TimeSliceInterval::Long));
+
+    // An index past the config's devices, in NVIDIA's words, at the key's path.
+    let config = nvidia_params(
+        "GpuConfig",
+        json!({"strategy": "MPS", "mpsConfig": {"defaultPerDevicePinnedMemoryLimit": {"1": "1Gi"}}}),
+    );
+    let entries = [nvidia_entry(0, false, &[], &config)];
+    let error = resolve_with_uuids(NVIDIA_DRIVER_NAME, &entries, &[GPU], &[Some("GPU-z")])
+        .expect_err("no device 1");
+    assert_eq!(
+        error.to_string(),
+        "config[0] (GpuConfig from the claim): sharing.mpsConfig.defaultPerDevicePinnedMemoryLimit[1]: invalid device: invalid device index: 1"
+    );
+    // Without the UUIDs, the keys cannot be resolved: an error, never a silently dropped limit.
+    let error = resolve(NVIDIA_DRIVER_NAME, &entries, &[GPU]).expect_err("no UUIDs");
+    assert!(
+        error
+            .to_string()
+            .contains("UUID of device gpu-0 is not known"),
+        "{error}"
+    );
+}
+
+#[test]
+fn specs_with_nvidias_configs_are_checked_with_nvidias_rules() {
+    let class: DeviceClass = serde_json::from_value(json!({
+        "metadata": {"name": "mig.nvidia.com"},
+        "spec": {"config": [
+            {"opaque": {"driver": NVIDIA_DRIVER_NAME, "parameters": nvidia_mps("MigDeviceConfig", 0)}},
+            {"opaque": {"driver": NVIDIA_DRIVER_NAME, "parameters": nvidia_params("MigDeviceConfig",
+                json!({"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}}))}},
+            {"opaque": {"driver": NVIDIA_DRIVER_NAME, "parameters": nvidia_time_slicing("Long")}}
+        ]}
+    }))
+    .expect("class");
+    let problems: Vec<String> = check_device_class(NVIDIA_DRIVER_NAME, &class)
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    assert_eq!(
+        problems,
+        ["config[1] (MigDeviceConfig): sharing.timeSlicingConfig: unknown field"]
+    );
 }

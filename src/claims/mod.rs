@@ -262,7 +262,7 @@ impl Preparer {
         let fetched = self.fetch_within_budget(claim).await?;
         let inventory = self.inventory.borrow().clone();
         let mut devices = self.allocated_devices(claim, &fetched.claim, &inventory)?;
-        self.resolve_sharing(claim, &fetched, &mut devices)?;
+        self.resolve_sharing(claim, &fetched, &inventory, &mut devices)?;
 
         self.reserve(claim, &inventory, &devices)?;
         // No `started` record on disk: whatever reaches the node before the `completed` record is

@@ -28,6 +28,7 @@ impl Preparer {
         &self,
         claim: &ClaimRef,
         fetched: &FetchedClaim,
+        inventory: &Inventory,
         devices: &mut [PreparedDevice],
     ) -> Result<(), ClaimError> {
         let results: Vec<_> = super::allocation_results(&fetched.claim)
@@ -42,13 +43,25 @@ impl Preparer {
             })
             .collect();
         let entries = configs::allocation_config_entries(&fetched.claim, &fetched.raw_configs);
-        let resolved =
-            configs::resolve(&self.driver, &entries, &to_configure).map_err(|error| {
-                ClaimError::Config {
-                    claim: claim.to_string(),
-                    reason: error.to_string(),
+        // NVIDIA's per-device MPS limits name devices by UUID: a whole GPU's from the inventory, a
+        // MIG device's once it is known (a MIG device still to be created has none yet).
+        let uuids: Vec<Option<&str>> = results
+            .iter()
+            .map(|r| match devices.iter().find(|d| d.device == r.device) {
+                Some(PreparedDevice { mig: Some(mig), .. }) if !mig.uuid.is_empty() => {
+                    Some(mig.uuid.as_str())
                 }
-            })?;
+                _ if whole_gpu_minor(&r.device).is_some() => {
+                    super::edits::find_gpu(inventory, &r.device).map(|gpu| gpu.uuid.as_str())
+                }
+                _ => None,
+            })
+            .collect();
+        let resolved = configs::resolve_with_uuids(&self.driver, &entries, &to_configure, &uuids)
+            .map_err(|error| ClaimError::Config {
+            claim: claim.to_string(),
+            reason: error.to_string(),
+        })?;
         let mut chosen: BTreeMap<&str, (SharingSettings, &str)> = BTreeMap::new();
         for (result, resolved) in results.iter().zip(resolved) {
             let shared = result.share_id.is_some();

@@ -21,7 +21,7 @@ const OTHER_DRIVER: &str = "other.example.com";
 /// already parsed) and the root's `must be an object` (the API server refuses parameters that are not an
 /// object before admission). Each must be the expected error of some case.
 const MESSAGES: &[&str] = &[
-    "apiVersion: must be gpu.dra.dev/v1alpha1",
+    "apiVersion: must be gpu.dra.dev/v1alpha1 or resource.nvidia.com/v1beta1",
     "kind: must be GpuConfig or MigConfig",
     "shareing: unknown field",
     "sharing.mps: unknown field",
@@ -196,6 +196,45 @@ fn the_cases_cover_every_message_cel_can_check() {
         assert!(
             cases().iter().any(|c| c.what == valid && c.error.is_none()),
             "no valid case {valid:?}"
+        );
+    }
+}
+
+/// NVIDIA's configs are left to the plugin, which checks them at prepare with NVIDIA's rules: the
+/// policy must never refuse one NVIDIA's driver accepts, and it does not check NVIDIA's rules itself.
+#[test]
+fn nvidias_configs_pass_the_policy_and_are_checked_by_the_plugin() {
+    let (docs, _) = manifests();
+    let refused_by_the_plugin = json!({"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig",
+        "sharing": {"strategy": "Exclusive"}});
+    for Kind {
+        resource, object, ..
+    } in kinds()
+    {
+        let configs = vec![opaque(DRIVER, &refused_by_the_plugin)];
+        assert_eq!(
+            admit(&docs, &create(resource, object(configs))),
+            Ok(()),
+            "{resource}"
+        );
+    }
+    let error = gpu_dra::api::config::decode_config_value(&refused_by_the_plugin)
+        .expect_err("NVIDIA has no Exclusive strategy");
+    assert_eq!(
+        error.to_string(),
+        "sharing.strategy: unknown GPU sharing strategy: Exclusive, supported GPU sharing strategies: TimeSlicing, MPS"
+    );
+    // Our own kinds are still checked.
+    let ours_malformed =
+        json!({"apiVersion": "gpu.dra.dev/v1alpha1", "kind": "GpuConfig", "stray": 1});
+    for Kind {
+        resource, object, ..
+    } in kinds()
+    {
+        let configs = vec![opaque(DRIVER, &ours_malformed)];
+        assert!(
+            admit(&docs, &create(resource, object(configs))).is_err(),
+            "{resource}"
         );
     }
 }

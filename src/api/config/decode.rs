@@ -10,6 +10,7 @@ use serde::de::{DeserializeSeed, Error as _, MapAccess, SeqAccess, Visitor};
 use serde::Deserializer;
 use serde_json::{Map, Number, Value};
 
+use super::nvidia::{self, NVIDIA_CONFIG_API_VERSION};
 use super::{
     ByteQuantity, ConfigError, DeviceConfig, GpuConfig, MigConfig, MpsConfig, Sharing,
     SharingStrategy, TimeSlicingConfig, CONFIG_API_VERSION, GPU_CONFIG_KIND, MIG_CONFIG_KIND,
@@ -20,7 +21,7 @@ use crate::devices::names::DeviceName;
 pub(super) const ROOT: &str = "parameters";
 
 // The reasons; tests and the admission policy match these texts.
-pub(super) const API_VERSION: &str = "must be gpu.dra.dev/v1alpha1";
+pub(super) const API_VERSION: &str = "must be gpu.dra.dev/v1alpha1 or resource.nvidia.com/v1beta1";
 pub(super) const KIND: &str = "must be GpuConfig or MigConfig";
 pub(super) const UNKNOWN_FIELD: &str = "unknown field";
 pub(super) const DUPLICATE_KEY: &str = "duplicate key";
@@ -57,8 +58,12 @@ pub fn decode_config_value(value: &Value) -> Result<DeviceConfig, ConfigError> {
     let object = object(value, &root)?;
     // apiVersion and kind of another type are simply not ours: the same message as a wrong value.
     let api_version = root.field("apiVersion");
-    if object.get("apiVersion").and_then(Value::as_str) != Some(CONFIG_API_VERSION) {
-        return Err(api_version.error(API_VERSION));
+    match object.get("apiVersion").and_then(Value::as_str) {
+        Some(CONFIG_API_VERSION) => {}
+        Some(NVIDIA_CONFIG_API_VERSION) => {
+            return nvidia::decode(object, &root).map(DeviceConfig::Nvidia)
+        }
+        _ => return Err(api_version.error(API_VERSION)),
     }
     let kind = root.field("kind");
     let is_mig = match object.get("kind").and_then(Value::as_str) {
@@ -79,9 +84,11 @@ pub fn decode_config_value(value: &Value) -> Result<DeviceConfig, ConfigError> {
 
 /// The kind a config says it is, if it is one of ours: to name it in an error about the rest.
 pub fn declared_kind(value: &Value) -> Option<&'static str> {
+    let nvidia = value.get("apiVersion").and_then(Value::as_str) == Some(NVIDIA_CONFIG_API_VERSION);
     match value.get("kind")?.as_str()? {
         GPU_CONFIG_KIND => Some(GPU_CONFIG_KIND),
-        MIG_CONFIG_KIND => Some(MIG_CONFIG_KIND),
+        MIG_CONFIG_KIND if !nvidia => Some(MIG_CONFIG_KIND),
+        nvidia::NVIDIA_MIG_CONFIG_KIND if nvidia => Some(nvidia::NVIDIA_MIG_CONFIG_KIND),
         _ => None,
     }
 }
@@ -199,15 +206,21 @@ pub(super) fn byte_quantity(value: &Value) -> Option<ByteQuantity> {
 }
 
 /// An explicit `null` counts as absent, as in Kubernetes' own decoding.
-fn present(value: Option<&Value>) -> Option<&Value> {
+pub(super) fn present(value: Option<&Value>) -> Option<&Value> {
     value.filter(|v| !v.is_null())
 }
 
-fn object<'v>(value: &'v Value, path: &Path) -> Result<&'v Map<String, Value>, ConfigError> {
+pub(super) fn object<'v>(
+    value: &'v Value,
+    path: &Path,
+) -> Result<&'v Map<String, Value>, ConfigError> {
     value.as_object().ok_or_else(|| path.error(MUST_BE_OBJECT))
 }
 
-fn string<'v>(value: Option<&'v Value>, path: &Path) -> Result<Option<&'v str>, ConfigError> {
+pub(super) fn string<'v>(
+    value: Option<&'v Value>,
+    path: &Path,
+) -> Result<Option<&'v str>, ConfigError> {
     match present(value) {
         None => Ok(None),
         Some(Value::String(text)) => Ok(Some(text)),
@@ -216,7 +229,7 @@ fn string<'v>(value: Option<&'v Value>, path: &Path) -> Result<Option<&'v str>, 
 }
 
 /// The first field (in key order) that `allowed` does not name.
-fn unknown_fields(
+pub(super) fn unknown_fields(
     object: &Map<String, Value>,
     allowed: &[&str],
     path: &Path,
@@ -230,10 +243,10 @@ fn unknown_fields(
 /// A path in a config: `sharing.mpsConfig.defaultPerDevicePinnedMemoryLimit[gpu-0]`. Names from the
 /// input are escaped and cut short, so an error message stays one readable line.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-struct Path(String);
+pub(super) struct Path(String);
 
 impl Path {
-    fn field(&self, name: &str) -> Path {
+    pub(super) fn field(&self, name: &str) -> Path {
         if self.0.is_empty() {
             Path(shown(name))
         } else {
@@ -241,7 +254,7 @@ impl Path {
         }
     }
 
-    fn key(&self, key: &str) -> Path {
+    pub(super) fn key(&self, key: &str) -> Path {
         Path(format!("{self}[{}]", shown(key)))
     }
 
@@ -249,7 +262,7 @@ impl Path {
         Path(format!("{self}[{index}]"))
     }
 
-    fn error(&self, reason: &str) -> ConfigError {
+    pub(super) fn error(&self, reason: &str) -> ConfigError {
         ConfigError {
             path: self.to_string(),
             reason: reason.to_string(),

@@ -304,7 +304,7 @@ fn config_errors_name_the_object_and_do_not_block_allocation() {
                 "claim ml/bare".to_string(),
                 Some(1),
                 false,
-                "claim ml/bare: config[1] (GpuConfig): apiVersion: must be gpu.dra.dev/v1alpha1"
+                "claim ml/bare: config[1] (GpuConfig): apiVersion: must be gpu.dra.dev/v1alpha1 or resource.nvidia.com/v1beta1"
             ),
         ]
     );

@@ -173,9 +173,8 @@ async fn time_slicing_sets_the_interval_until_the_claim_goes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nvidias_gpu_config_time_slicing_long_is_prepared_with_its_interval() {
-    // A claim written for NVIDIA's driver, with only the driver name changed (the harness runs the
-    // plugin under our name; NVIDIA's precedence under gpu.nvidia.com is covered by the unit tests
-    // of claims::configs).
+    // A config written for NVIDIA's driver, under our driver name (tests/nvidia_compat.rs runs the
+    // plugin as gpu.nvidia.com, with NVIDIA's precedence).
     let node = Harness::new("dgx-h100").await;
     let _plugin = node.start_plugin().await;
     let kubelet = node.kubelet().await;

@@ -32,6 +32,10 @@ pub fn install_device_classes(api: &ApiServer) {
     }
 }
 
+/// NVIDIA's DeviceClasses as `deploy/components/nvidia-compat` ships them.
+const NVIDIA_DEVICE_CLASSES: &str =
+    include_str!("../../deploy/components/nvidia-compat/deviceclasses.yaml");
+
 /// `deploy/components/extended-resource`'s patch: the whole-GPU class answers to `nvidia.com/gpu`.
 const EXTENDED_RESOURCE_PATCH: &str =
     include_str!("../../deploy/components/extended-resource/deviceclass-patch.yaml");
@@ -106,6 +110,19 @@ impl Harness {
         }
     }
 
+    /// A node whose plugin runs as `gpu.nvidia.com` (NVIDIA compatibility mode), with NVIDIA's
+    /// DeviceClasses as `deploy/components/nvidia-compat` ships them (`gpu.nvidia.com`,
+    /// `mig.nvidia.com`) beside ours, which then match nothing.
+    pub async fn nvidia_compat(profile: &str) -> Harness {
+        let mut harness = Self::new(profile).await;
+        harness.config.driver_name = crate::api::NVIDIA_DRIVER_NAME.to_string();
+        for document in serde_yaml::Deserializer::from_str(NVIDIA_DEVICE_CLASSES) {
+            let class = serde_json::Value::deserialize(document).expect("DeviceClass YAML");
+            harness.api.insert("deviceclasses", class);
+        }
+        harness
+    }
+
     /// Applies `deploy/components/extended-resource` to the installed DeviceClasses (a merge patch, as
     /// `kubectl patch` would); returns the class as the API server stored it.
     pub async fn apply_extended_resource_component(&self) -> DeviceClass {
@@ -133,9 +150,13 @@ impl Harness {
     }
 
     pub async fn kubelet(&self) -> KubeletDouble {
-        KubeletDouble::register(&self.config.registry_dir, DRIVER, Duration::from_secs(10))
-            .await
-            .expect("kubelet registers the plugin")
+        KubeletDouble::register(
+            &self.config.registry_dir,
+            &self.config.driver_name,
+            Duration::from_secs(10),
+        )
+        .await
+        .expect("kubelet registers the plugin")
     }
 
     pub fn cdi_dir(&self) -> PathBuf {
@@ -167,8 +188,10 @@ impl Harness {
         done: impl Fn(&[ResourceSlice]) -> bool,
     ) -> Vec<ResourceSlice> {
         let api: Api<ResourceSlice> = Api::all(self.api.client());
-        let params =
-            ListParams::default().fields(&format!("spec.driver={DRIVER},spec.nodeName={NODE}"));
+        let params = ListParams::default().fields(&format!(
+            "spec.driver={},spec.nodeName={NODE}",
+            self.config.driver_name
+        ));
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
         loop {
             if let Ok(list) = api.list(&params).await {
@@ -306,10 +329,13 @@ impl Harness {
             .stdout(std::process::Stdio::null())
             .spawn()
             .expect("plugin binary starts");
-        let kubelet =
-            KubeletDouble::register(&self.config.registry_dir, DRIVER, Duration::from_secs(30))
-                .await
-                .expect("plugin registers");
+        let kubelet = KubeletDouble::register(
+            &self.config.registry_dir,
+            &self.config.driver_name,
+            Duration::from_secs(30),
+        )
+        .await
+        .expect("plugin registers");
         self.wait_for_slices().await;
         (plugin, kubelet)
     }

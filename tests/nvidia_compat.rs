@@ -59,9 +59,22 @@ async fn nvidias_claims_are_prepared_under_its_name_with_its_precedence() {
             device.cdi_device_ids
         );
     }
-    assert!(node
-        .cdi_files()
-        .contains(&format!("k8s.gpu.nvidia.com-gpu_{}.json", claim.uid)));
+    let spec_file = format!("k8s.gpu.nvidia.com-gpu_{}.json", claim.uid);
+    assert!(node.cdi_files().contains(&spec_file));
+    // As in NVIDIA's CDI specs: the NVIDIA container runtime's legacy mode, where it is the node's
+    // default, must not add GPUs of its own because a CUDA image says NVIDIA_VISIBLE_DEVICES=all.
+    let spec: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(node.cdi_dir().join(&spec_file)).expect("the claim's CDI spec"),
+    )
+    .unwrap();
+    let env = spec["containerEdits"]["env"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    assert!(
+        env.contains(&json!("NVIDIA_VISIBLE_DEVICES=void")),
+        "{env:?}"
+    );
 
     let inventory = node.fake_backend().inventory().unwrap();
     let uuid = |name: &str| {

@@ -122,6 +122,9 @@ impl DriverEdits {
     }
 }
 
+/// Keeps the NVIDIA container runtime's legacy mode from adding GPUs of its own to a claim's containers.
+pub const VISIBLE_DEVICES_VOID: &str = "NVIDIA_VISIBLE_DEVICES=void";
+
 pub(super) fn write_spec_with(
     cdi: &CdiRegistry,
     uid: &str,
@@ -157,6 +160,10 @@ pub(super) fn write_spec_with(
         Some(host) if !devices.iter().all(uses_toolkit) => host.clone(),
         _ => ContainerEdits::default(),
     };
+    // CUDA images set NVIDIA_VISIBLE_DEVICES=all; where the NVIDIA container runtime is the node's
+    // default in its legacy mode, it would then hand the container every GPU of the node. The CDI spec
+    // has the last word on the variable, as in NVIDIA's own CDI specs (the toolkit's common edits).
+    common.env.push(VISIBLE_DEVICES_VOID.to_string());
     // The claim's MPS daemon (its pipe and shm directories and the client environment) goes to every
     // container that gets any of the claim's devices.
     if let Some(mps) = mps {

@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 
 use gpu_dra::api::NVIDIA_DRIVER_NAME;
-use gpu_dra::gpu::{GpuBackend, GpuSharingMode, TimeSliceInterval};
+use gpu_dra::gpu::{GpuSharingMode, TimeSliceInterval};
 use gpu_dra::support::harness::Harness;
 use serde_json::json;
 
@@ -76,22 +76,11 @@ async fn nvidias_claims_are_prepared_under_its_name_with_its_precedence() {
         "{env:?}"
     );
 
-    let inventory = node.fake_backend().inventory().unwrap();
-    let uuid = |name: &str| {
-        let minor: u32 = name.trim_start_matches("gpu-").parse().unwrap();
-        inventory
-            .gpus
-            .iter()
-            .find(|g| g.minor == minor)
-            .unwrap()
-            .uuid
-            .clone()
-    };
     let want: BTreeMap<String, GpuSharingMode> = devices
         .iter()
         .map(|d| {
             (
-                uuid(&d.device_name),
+                node.gpu_uuid(&d.device_name),
                 GpuSharingMode::TimeSlice(TimeSliceInterval::Short),
             )
         })

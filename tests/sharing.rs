@@ -10,7 +10,7 @@ use std::time::Duration;
 use gpu_dra::cdi::CdiRegistry;
 use gpu_dra::claims::checkpoint::CheckpointFile;
 use gpu_dra::claims::checkpoint_path;
-use gpu_dra::gpu::{GpuBackend, GpuSharingMode, TimeSliceInterval};
+use gpu_dra::gpu::{GpuSharingMode, TimeSliceInterval};
 use gpu_dra::support::harness::{Harness, DRIVER, NODE};
 use gpu_dra::support::kubelet::{ClaimRef, KubeletDouble};
 use serde_json::{json, Value};
@@ -77,16 +77,30 @@ fn container_view(node: &Harness, uid: &str) -> (Vec<String>, Vec<(String, Strin
     (env, mounts)
 }
 
-fn gpu_uuid(node: &Harness, device: &str) -> String {
-    let minor: u32 = device.trim_start_matches("gpu-").parse().unwrap();
-    let inventory = node.fake_backend().inventory().unwrap();
-    inventory
-        .gpus
-        .iter()
-        .find(|g| g.minor == minor)
-        .unwrap()
-        .uuid
-        .clone()
+/// Allocates a claim `name` for one GPU with the config `parameters`, prepares it and checks that its
+/// container is told, and its GPU set to, time-slicing with the Long interval.
+async fn time_sliced_long(
+    node: &Harness,
+    kubelet: &KubeletDouble,
+    name: &str,
+    parameters: Value,
+) -> ClaimRef {
+    let claim = node
+        .allocated_claim_with(name, one_gpu_with(parameters))
+        .await
+        .unwrap();
+    let devices = prepare(kubelet, &claim).await.expect("prepared");
+    let uuid = node.gpu_uuid(&devices[0]);
+    let (env, _) = container_view(node, &claim.uid);
+    assert!(
+        env.contains(&"GPU_DRA_SHARING=TimeSlicing/Long".to_string()),
+        "{env:?}"
+    );
+    assert_eq!(
+        modes(node),
+        BTreeMap::from([(uuid, GpuSharingMode::TimeSlice(TimeSliceInterval::Long))])
+    );
+    claim
 }
 
 fn modes(node: &Harness) -> BTreeMap<String, GpuSharingMode> {
@@ -146,22 +160,7 @@ async fn time_slicing_sets_the_interval_until_the_claim_goes() {
     node.wait_for_slices().await;
     let sliced =
         gpu_config(json!({"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}}));
-    let claim = node
-        .allocated_claim_with("sliced", one_gpu_with(sliced))
-        .await
-        .unwrap();
-
-    let devices = prepare(&kubelet, &claim).await.expect("prepared");
-    let uuid = gpu_uuid(&node, &devices[0]);
-    let (env, _) = container_view(&node, &claim.uid);
-    assert!(
-        env.contains(&"GPU_DRA_SHARING=TimeSlicing/Long".to_string()),
-        "{env:?}"
-    );
-    assert_eq!(
-        modes(&node),
-        BTreeMap::from([(uuid, GpuSharingMode::TimeSlice(TimeSliceInterval::Long))])
-    );
+    let claim = time_sliced_long(&node, &kubelet, "sliced", sliced).await;
 
     unprepare(&kubelet, &claim).await;
     assert!(
@@ -181,22 +180,7 @@ async fn nvidias_gpu_config_time_slicing_long_is_prepared_with_its_interval() {
     node.wait_for_slices().await;
     let sliced = json!({"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig",
         "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}}});
-    let claim = node
-        .allocated_claim_with("nvidia-sliced", one_gpu_with(sliced))
-        .await
-        .unwrap();
-
-    let devices = prepare(&kubelet, &claim).await.expect("prepared");
-    let uuid = gpu_uuid(&node, &devices[0]);
-    let (env, _) = container_view(&node, &claim.uid);
-    assert!(
-        env.contains(&"GPU_DRA_SHARING=TimeSlicing/Long".to_string()),
-        "{env:?}"
-    );
-    assert_eq!(
-        modes(&node),
-        BTreeMap::from([(uuid, GpuSharingMode::TimeSlice(TimeSliceInterval::Long))])
-    );
+    let claim = time_sliced_long(&node, &kubelet, "nvidia-sliced", sliced).await;
 
     // NVIDIA's MPS config with a percentage of 0, which our own API refuses: the daemon is started
     // without a percentage (it keeps its default), with NVIDIA's whole-MiB limit.
@@ -248,7 +232,7 @@ async fn an_mps_claim_gets_its_own_daemon_with_its_limits_and_mounts() {
         "{log}"
     );
     assert!(
-        log.contains(&gpu_uuid(&node, &devices[0])),
+        log.contains(&node.gpu_uuid(&devices[0])),
         "the daemon serves the claim's GPU: {log}"
     );
 
@@ -265,7 +249,7 @@ async fn an_mps_claim_gets_its_own_daemon_with_its_limits_and_mounts() {
         "{mounts:?}"
     );
     assert!(mounts.iter().any(|(_, to)| to == "/dev/shm"), "{mounts:?}");
-    let uuid = gpu_uuid(&node, &devices[0]);
+    let uuid = node.gpu_uuid(&devices[0]);
     assert_eq!(
         modes(&node).get(&uuid),
         Some(&GpuSharingMode::ExclusiveProcess)
@@ -492,7 +476,7 @@ async fn shares_of_one_gpu_go_to_several_claims_with_one_interval_and_their_memo
         .expect_err("a share is never exclusive");
     assert!(error.contains("shared with other claims"), "{error}");
     // Shares keep the default compute mode, so every claim's daemon can run beside the others.
-    let uuid = gpu_uuid(&node, "gpu-0");
+    let uuid = node.gpu_uuid("gpu-0");
     assert_eq!(
         modes(&node).get(&uuid),
         Some(&GpuSharingMode::TimeSlice(TimeSliceInterval::Long))

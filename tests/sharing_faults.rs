@@ -62,17 +62,6 @@ async fn allocated_gpu(node: &Harness, claim: &ClaimRef) -> (String, u32) {
     (device, minor)
 }
 
-fn gpu_uuid(node: &Harness, minor: u32) -> String {
-    let inventory = node.fake_backend().inventory().unwrap();
-    inventory
-        .gpus
-        .iter()
-        .find(|g| g.minor == minor)
-        .unwrap()
-        .uuid
-        .clone()
-}
-
 async fn prepare(kubelet: &KubeletDouble, claim: &ClaimRef) -> Result<Vec<String>, String> {
     let answers = kubelet.prepare(std::slice::from_ref(claim)).await.unwrap();
     answers[&claim.uid]
@@ -122,7 +111,7 @@ async fn a_gpu_stuck_in_a_sharing_change_fails_its_claim_in_time_and_holds_up_no
     assert_eq!(prepared[0].device_name, other_gpu);
     let modes = node.fake_backend().sharing_modes();
     assert_eq!(
-        modes.get(&gpu_uuid(&node, other_minor)),
+        modes.get(&node.gpu_uuid(&format!("gpu-{other_minor}"))),
         Some(&GpuSharingMode::TimeSlice(TimeSliceInterval::Short))
     );
     let error = answers[&stuck.uid]
@@ -171,7 +160,7 @@ async fn a_gpu_stuck_in_a_sharing_change_fails_its_claim_in_time_and_holds_up_no
     assert_eq!(
         node.fake_backend()
             .sharing_modes()
-            .get(&gpu_uuid(&node, stuck_minor)),
+            .get(&node.gpu_uuid(&format!("gpu-{stuck_minor}"))),
         Some(&GpuSharingMode::TimeSlice(TimeSliceInterval::Long))
     );
     for claim in [&stuck, &other] {
@@ -213,7 +202,7 @@ async fn a_crash_after_the_interval_is_set_leaves_no_gpu_time_sliced_after_resta
         .await
         .unwrap();
     let (_, minor) = allocated_gpu(&node, &claim).await;
-    let uuid = gpu_uuid(&node, minor);
+    let uuid = node.gpu_uuid(&format!("gpu-{minor}"));
 
     // The interval takes effect and nvidia-smi does not return; the plugin dies right then, before
     // the claim is prepared.

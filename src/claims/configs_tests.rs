@@ -5,23 +5,41 @@ use crate::api::config::{MpsSettings, TimeSliceInterval};
 
 const DRIVER: &str = "gpu.dra.dev";
 
-/// The parameters of a config of `kind` with `sharing`.
-fn params(kind: &str, sharing: Value) -> Value {
-    json!({"apiVersion": "gpu.dra.dev/v1alpha1", "kind": kind, "sharing": sharing})
+const OURS: &str = "gpu.dra.dev/v1alpha1";
+const NVIDIAS: &str = "resource.nvidia.com/v1beta1";
+
+/// The parameters of a config of `api_version` and `kind` with `sharing`.
+fn params_in(api_version: &str, kind: &str, sharing: Value) -> Value {
+    json!({"apiVersion": api_version, "kind": kind, "sharing": sharing})
 }
 
-fn time_slicing(interval: &str) -> Value {
-    params(
+fn time_slicing_in(api_version: &str, interval: &str) -> Value {
+    params_in(
+        api_version,
         "GpuConfig",
         json!({"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": interval}}),
     )
 }
 
-fn mps(kind: &str, percentage: u8) -> Value {
-    params(
+fn mps_in(api_version: &str, kind: &str, percentage: u8) -> Value {
+    params_in(
+        api_version,
         kind,
         json!({"strategy": "MPS", "mpsConfig": {"defaultActiveThreadPercentage": percentage}}),
     )
+}
+
+/// The parameters of one of our configs of `kind` with `sharing`.
+fn params(kind: &str, sharing: Value) -> Value {
+    params_in(OURS, kind, sharing)
+}
+
+fn time_slicing(interval: &str) -> Value {
+    time_slicing_in(OURS, interval)
+}
+
+fn mps(kind: &str, percentage: u8) -> Value {
+    mps_in(OURS, kind, percentage)
 }
 
 fn entry<'a>(
@@ -407,21 +425,15 @@ fn nvidia_entry<'a>(
 }
 
 fn nvidia_params(kind: &str, sharing: Value) -> Value {
-    json!({"apiVersion": "resource.nvidia.com/v1beta1", "kind": kind, "sharing": sharing})
+    params_in(NVIDIAS, kind, sharing)
 }
 
 fn nvidia_time_slicing(interval: &str) -> Value {
-    nvidia_params(
-        "GpuConfig",
-        json!({"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": interval}}),
-    )
+    time_slicing_in(NVIDIAS, interval)
 }
 
 fn nvidia_mps(kind: &str, percentage: u8) -> Value {
-    nvidia_params(
-        kind,
-        json!({"strategy": "MPS", "mpsConfig": {"defaultActiveThreadPercentage": percentage}}),
-    )
+    mps_in(NVIDIAS, kind, percentage)
 }
 
 fn resolved_as(

@@ -22,8 +22,12 @@ pub const DEFAULT_SOCKET: &str = "/var/lib/kubelet/pod-resources/kubelet.sock";
 
 #[derive(Debug, thiserror::Error)]
 pub enum PodResourcesError {
-    #[error("cannot reach the kubelet's PodResources API at {path}: {reason}")]
-    Connect { path: PathBuf, reason: String },
+    #[error("cannot reach the kubelet's PodResources API at {path}")]
+    Connect {
+        path: PathBuf,
+        #[source]
+        source: tonic::transport::Error,
+    },
     #[error("the kubelet's PodResources List failed: {0}")]
     List(String),
 }
@@ -71,10 +75,6 @@ impl DeviceIdentity {
 /// Asks the kubelet for every container's resources.
 pub async fn list(socket: &Path) -> Result<ListPodResourcesResponse, PodResourcesError> {
     let path = socket.to_path_buf();
-    let connect_error = |reason: String| PodResourcesError::Connect {
-        path: socket.to_path_buf(),
-        reason,
-    };
     // The URI is a placeholder: the connector dials the socket, and the kubelet ignores :authority.
     let channel = tonic::transport::Endpoint::from_static("http://localhost")
         .connect_with_connector(tower::service_fn(move |_| {
@@ -82,7 +82,10 @@ pub async fn list(socket: &Path) -> Result<ListPodResourcesResponse, PodResource
             async move { UnixStream::connect(path).await.map(TokioIo::new) }
         }))
         .await
-        .map_err(|e| connect_error(error_chain(&e)))?;
+        .map_err(|source| PodResourcesError::Connect {
+            path: socket.to_path_buf(),
+            source,
+        })?;
     PodResourcesListerClient::new(channel)
         .list(ListPodResourcesRequest {})
         .await
@@ -208,16 +211,6 @@ pub fn table(devices: &[ResolvedDevice]) -> String {
         ));
     }
     out
-}
-
-fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        text.push_str(&format!(": {cause}"));
-        source = cause.source();
-    }
-    text
 }
 
 #[cfg(test)]

@@ -13,48 +13,31 @@ use gpu_dra::support::cluster::node_slices;
 use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::DeviceClaim;
-use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaimSpec};
+use k8s_openapi::api::resource::v1::ResourceClaimSpec;
 use serde_json::Value;
 
-use super::{kustomize_dir, one, read_docs, root, Doc};
+use super::{device_classes, kustomize_dir, one, read_docs, render_with, root, Doc};
 
 const COMPONENT: &str = "../../deploy/components/extended-resource";
 const NODE_BY_NODE: &str = "../../deploy/components/node-by-node";
 const HANDOVER_LABEL: &str = "gpu-dra.dev/kubelet-plugin";
 
-fn render(overlay: &str, components: &[&str]) -> Option<Vec<Doc>> {
-    let components: Vec<String> = components.iter().map(|c| format!("  - {c}\n")).collect();
-    let components = if components.is_empty() {
-        String::new()
-    } else {
-        format!("components:\n{}", components.concat())
-    };
-    kustomize_dir(&format!(
-        "resources:\n  - ../../deploy/overlays/{overlay}\n{components}"
-    ))
-}
-
-fn classes(docs: &[Doc]) -> Vec<DeviceClass> {
-    docs.iter()
-        .filter(|d| d.kind() == "DeviceClass")
-        .map(Doc::typed)
-        .collect()
-}
-
 #[test]
 fn the_component_maps_nvidia_gpu_to_whole_gpus_and_changes_nothing_else() {
     for overlay in ["fake", "nvml"] {
-        let (Some(plain), Some(with)) = (render(overlay, &[]), render(overlay, &[COMPONENT]))
-        else {
+        let (Some(plain), Some(with)) = (
+            render_with(overlay, &[]),
+            render_with(overlay, &[COMPONENT]),
+        ) else {
             return; // no kubectl
         };
-        let mapping = class_mapping(&classes(&with));
+        let mapping = class_mapping(&device_classes(&with));
         assert_eq!(
             mapping.get("nvidia.com/gpu").map(String::as_str),
             Some("gpu.dra.dev"),
             "{overlay}: nvidia.com/gpu must map to the whole-GPU class"
         );
-        let answering: Vec<_> = classes(&with)
+        let answering: Vec<_> = device_classes(&with)
             .into_iter()
             .filter(|c| {
                 c.spec
@@ -111,7 +94,7 @@ fn the_e2e_pod_asking_for_nvidia_gpu_gets_one_whole_gpu() {
         .find(|d| d.kind() == "Pod")
         .expect("the e2e pod")
         .typed();
-    let classes = classes(&deployed);
+    let classes = device_classes(&deployed);
     let need = node_requests(&pod, &class_mapping(&classes), &BTreeSet::new())
         .expect("nvidia.com/gpu is mapped");
     let NodeNeed::Devices(requests) = need else {
@@ -167,7 +150,10 @@ fn the_e2e_pod_asking_for_nvidia_gpu_gets_one_whole_gpu() {
 
 #[test]
 fn node_by_node_runs_the_plugin_only_on_nodes_handed_over() {
-    let (Some(plain), Some(with)) = (render("nvml", &[]), render("nvml", &[NODE_BY_NODE])) else {
+    let (Some(plain), Some(with)) = (
+        render_with("nvml", &[]),
+        render_with("nvml", &[NODE_BY_NODE]),
+    ) else {
         return;
     };
     let ds = |docs: &[Doc]| -> DaemonSet { one(docs, "DaemonSet", "gpu-dra-plugin").typed() };

@@ -373,6 +373,28 @@ fn kustomize(overlay: &str) -> Option<Vec<Doc>> {
 
 /// Renders a kustomization given as text, in a directory two levels below the repository (so that it
 /// reaches `deploy/` as `../../deploy/...`); `None` when kubectl is not installed.
+/// `deploy/overlays/<overlay>` with these components (paths from a kustomization under
+/// `tests/manifests/`), rendered; `None` without kubectl.
+fn render_with(overlay: &str, components: &[&str]) -> Option<Vec<Doc>> {
+    let components: Vec<String> = components.iter().map(|c| format!("  - {c}\n")).collect();
+    let components = if components.is_empty() {
+        String::new()
+    } else {
+        format!("components:\n{}", components.concat())
+    };
+    kustomize_dir(&format!(
+        "resources:\n  - ../../deploy/overlays/{overlay}\n{components}"
+    ))
+}
+
+/// The DeviceClasses among `docs`.
+fn device_classes(docs: &[Doc]) -> Vec<k8s_openapi::api::resource::v1::DeviceClass> {
+    docs.iter()
+        .filter(|d| d.kind() == "DeviceClass")
+        .map(Doc::typed)
+        .collect()
+}
+
 fn kustomize_dir(kustomization: &str) -> Option<Vec<Doc>> {
     kustomize_dir_text(kustomization).map(|text| parse_docs("kustomize (inline)", &text))
 }

@@ -9,30 +9,12 @@ use gpu_dra::cel::selectors::simulate::{simulate, Decision, Simulation};
 use gpu_dra::devices::MigMode;
 use gpu_dra::support::cluster::node_slices_as;
 use k8s_openapi::api::apps::v1::DaemonSet;
-use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaimSpec};
+use k8s_openapi::api::resource::v1::ResourceClaimSpec;
 use serde_json::json;
 
-use super::{kustomize_dir, one, Doc};
+use super::{device_classes, one, render_with, Doc};
 
 const COMPONENT: &str = "../../deploy/components/nvidia-compat";
-
-fn render(overlay: &str, with_component: bool) -> Option<Vec<Doc>> {
-    let components = if with_component {
-        format!("components:\n  - {COMPONENT}\n")
-    } else {
-        String::new()
-    };
-    kustomize_dir(&format!(
-        "resources:\n  - ../../deploy/overlays/{overlay}\n{components}"
-    ))
-}
-
-fn classes(docs: &[Doc]) -> Vec<DeviceClass> {
-    docs.iter()
-        .filter(|d| d.kind() == "DeviceClass")
-        .map(Doc::typed)
-        .collect()
-}
 
 fn driver_env(docs: &[Doc]) -> Option<String> {
     let ds: DaemonSet = one(docs, "DaemonSet", "gpu-dra-plugin").typed();
@@ -65,7 +47,10 @@ fn policy_drivers(docs: &[Doc]) -> Vec<(String, String)> {
 #[test]
 fn the_component_runs_the_plugin_as_gpu_nvidia_com_with_nvidias_classes() {
     for overlay in ["fake", "nvml"] {
-        let (Some(plain), Some(with)) = (render(overlay, false), render(overlay, true)) else {
+        let (Some(plain), Some(with)) = (
+            render_with(overlay, &[]),
+            render_with(overlay, &[COMPONENT]),
+        ) else {
             return; // no kubectl
         };
         assert_eq!(driver_env(&plain), None, "{overlay}: the default is ours");
@@ -75,14 +60,14 @@ fn the_component_runs_the_plugin_as_gpu_nvidia_com_with_nvidias_classes() {
             "{overlay}"
         );
 
-        let mut names: Vec<String> = classes(&with)
+        let mut names: Vec<String> = device_classes(&with)
             .iter()
             .map(|c| c.metadata.name.clone().unwrap())
             .collect();
         names.sort();
         assert_eq!(names, ["gpu.nvidia.com", "mig.nvidia.com"], "{overlay}");
         // As NVIDIA's chart renders them for resource.k8s.io/v1.
-        let gpu = classes(&with)
+        let gpu = device_classes(&with)
             .into_iter()
             .find(|c| c.metadata.name.as_deref() == Some("gpu.nvidia.com"))
             .unwrap();
@@ -92,7 +77,7 @@ fn the_component_runs_the_plugin_as_gpu_nvidia_com_with_nvidias_classes() {
             "device.driver == 'gpu.nvidia.com' && device.attributes['gpu.nvidia.com'].type == 'gpu'"
         );
         assert_eq!(
-            class_mapping(&classes(&with))
+            class_mapping(&device_classes(&with))
                 .get("nvidia.com/gpu")
                 .map(String::as_str),
             Some("gpu.nvidia.com")
@@ -128,7 +113,7 @@ fn the_component_runs_the_plugin_as_gpu_nvidia_com_with_nvidias_classes() {
 /// gpu.nvidia.com publishes on a node of fake H100s.
 #[test]
 fn claims_written_for_nvidias_driver_are_allocated_from_our_slices() {
-    let Some(rendered) = render("fake", true) else {
+    let Some(rendered) = render_with("fake", &[COMPONENT]) else {
         return;
     };
     let profile = gpu_dra::gpu::builtin_profile("dgx-h100").expect("built-in profile");
@@ -144,7 +129,7 @@ fn claims_written_for_nvidias_driver_are_allocated_from_our_slices() {
             name: "gpu-test/claim".into(),
             spec: claim,
         },
-        classes: classes(&rendered),
+        classes: device_classes(&rendered),
         slices,
         node: Some("node-1".into()),
         node_labels: Default::default(),

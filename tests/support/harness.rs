@@ -25,8 +25,12 @@ const DEVICE_CLASSES: &str = include_str!("../../deploy/base/deviceclasses.yaml"
 
 /// Stores the DeviceClasses `deploy/` ships in the API server double.
 pub fn install_device_classes(api: &ApiServer) {
-    for document in serde_yaml::Deserializer::from_str(DEVICE_CLASSES) {
-        // The file is part of this repository and parsed by a test of its own.
+    install_device_classes_from(api, DEVICE_CLASSES);
+}
+
+/// Stores the DeviceClasses of a YAML file of this repository (parsed by a test of its own).
+fn install_device_classes_from(api: &ApiServer, yaml: &str) {
+    for document in serde_yaml::Deserializer::from_str(yaml) {
         let class = serde_json::Value::deserialize(document).expect("DeviceClass YAML");
         api.insert("deviceclasses", class);
     }
@@ -116,10 +120,7 @@ impl Harness {
     pub async fn nvidia_compat(profile: &str) -> Harness {
         let mut harness = Self::new(profile).await;
         harness.config.driver_name = crate::api::NVIDIA_DRIVER_NAME.to_string();
-        for document in serde_yaml::Deserializer::from_str(NVIDIA_DEVICE_CLASSES) {
-            let class = serde_json::Value::deserialize(document).expect("DeviceClass YAML");
-            harness.api.insert("deviceclasses", class);
-        }
+        install_device_classes_from(&harness.api, NVIDIA_DEVICE_CLASSES);
         harness
     }
 
@@ -230,6 +231,23 @@ impl Harness {
         )
         .await?;
         Ok(ClaimRef::new("default", name, uid))
+    }
+
+    /// The UUID of the whole GPU `device` (`gpu-<minor>`) names, as the backend knows it.
+    pub fn gpu_uuid(&self, device: &str) -> String {
+        use crate::gpu::GpuBackend;
+        let minor: u32 = device
+            .strip_prefix("gpu-")
+            .and_then(|m| m.parse().ok())
+            .unwrap_or_else(|| panic!("not a whole GPU's name: {device}"));
+        let inventory = self.fake_backend().inventory().expect("fake inventory");
+        inventory
+            .gpus
+            .iter()
+            .find(|g| g.minor == minor)
+            .unwrap_or_else(|| panic!("no GPU with minor {minor}"))
+            .uuid
+            .clone()
     }
 
     /// The fake GPUs as the plugin's backend sees them (same profile and state file).

@@ -29,6 +29,11 @@ impl CdiRegistry {
         }
     }
 
+    /// The CDI spec directory.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
     /// The spec `kind`, e.g. `k8s.gpu.dra.dev/gpu`.
     pub fn kind(&self) -> String {
         format!("{}/{CLASS}", self.vendor)

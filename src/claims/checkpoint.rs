@@ -170,6 +170,32 @@ pub struct CheckpointData {
     /// then count as the plugin's (see `recovery.rs`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub mig_devices_made: Vec<MadeMig>,
+    /// Under NVIDIA's driver name: claims NVIDIA's plugin prepared on this node before the swap,
+    /// taken over from its checkpoint (`nvidia_adoption.rs`), by claim UID, until they are unprepared.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub nvidia_claims: BTreeMap<String, AdoptedClaim>,
+    /// Claim UIDs of NVIDIA's checkpoint that this plugin unprepared, or found unusable: NVIDIA's
+    /// checkpoint is never written, so this is what keeps them from being taken over again.
+    #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
+    pub nvidia_claims_done: BTreeSet<String>,
+}
+
+/// A claim NVIDIA's plugin prepared, and what unprepare must undo of it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AdoptedClaim {
+    pub namespace: String,
+    pub name: String,
+    /// As NVIDIA's plugin reported them to the kubelet (its CDI ids, into its own claim spec), so a
+    /// repeated prepare answers the same. A MIG device is `created` where this plugin runs in
+    /// dynamic MIG mode, as NVIDIA's did when it made one per claim.
+    pub devices: Vec<PreparedDevice>,
+    /// Whole GPUs whose sharing mode NVIDIA's plugin may have changed (time-slicing, MPS).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gpus: Vec<String>,
+    /// NVIDIA's MPS control daemons of the claim, by id.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mps_daemons: Vec<String>,
 }
 
 /// A GPU's sharing mode as recorded. One a newer release wrote that this one does not know is kept

@@ -127,6 +127,20 @@ impl GpuModes {
     }
 }
 
+impl GpuModes {
+    /// Forgets the mode last set on GPU `uuid` (something else changed it), so the next sync sets
+    /// it whatever it is. Waits for the GPU's lock as [`hold`](Self::hold) does.
+    pub(super) async fn forget(&self, uuid: &str) {
+        let lock = super::lock(&self.gpus)
+            .entry(uuid.to_string())
+            .or_default()
+            .clone();
+        if let Ok(mut state) = tokio::time::timeout(self.timeout, lock.lock_owned()).await {
+            state.applied = None;
+        }
+    }
+}
+
 impl HeldGpu {
     /// The mode last set on the GPU, if known.
     pub(super) fn applied(&self) -> Option<GpuSharingMode> {

@@ -21,6 +21,7 @@ mod mig;
 mod mig_records;
 pub mod mps;
 pub mod names;
+mod nvidia_adoption;
 pub mod nvidia_checkpoint;
 mod reboot;
 mod rebuild;
@@ -42,6 +43,7 @@ use edits::write_spec_with;
 pub use edits::{container_edits, DriverEdits};
 pub use error::ClaimError;
 pub use gpu_modes::SHARING_TIMEOUT;
+pub use nvidia_adoption::{Adoption, DEFAULT_NVIDIA_NAMESPACE};
 
 use crate::cdi::CdiRegistry;
 use crate::devices::MigMode;
@@ -98,6 +100,8 @@ pub struct Recovery {
     pub mps_daemons_restarted: Vec<String>,
     /// MPS daemons (by claim UID) no kept claim owned; stopped and their directories removed.
     pub mps_daemons_cleaned_up: Vec<String>,
+    /// Under NVIDIA's driver name: the claims taken over from NVIDIA's checkpoint.
+    pub nvidia: Adoption,
 }
 
 /// A checkpoint that could not be used: why, and where it went.
@@ -131,6 +135,8 @@ pub struct ClaimsConfig {
     /// How long one change of a GPU's sharing mode may take before it counts as stuck
     /// ([`SHARING_TIMEOUT`]).
     pub sharing_timeout: Duration,
+    /// Under NVIDIA's driver name: where NVIDIA's plugin ran its MPS daemons' Deployments.
+    pub nvidia_namespace: String,
 }
 
 /// The claim state machine of one plugin instance.
@@ -154,6 +160,7 @@ pub struct Preparer {
     mps: Arc<mps::MpsDaemons>,
     /// The sharing mode last set on each GPU, with one lock per GPU held while its mode changes.
     gpu_modes: gpu_modes::GpuModes,
+    nvidia_namespace: String,
 }
 
 impl Preparer {
@@ -189,6 +196,7 @@ impl Preparer {
             claim_locks: Mutex::new(HashMap::new()),
             mps: Arc::new(config.mps),
             gpu_modes: gpu_modes::GpuModes::new(config.sharing_timeout),
+            nvidia_namespace: config.nvidia_namespace,
         });
         let recovery = preparer.recover_at_start().await?;
         Ok((preparer, recovery))
@@ -258,6 +266,9 @@ impl Preparer {
             if record.state == ClaimState::Completed {
                 return Ok(record.devices.clone());
             }
+        }
+        if let Some(devices) = self.adopted_devices(&claim.uid) {
+            return Ok(devices);
         }
         let fetched = self.fetch_within_budget(claim).await?;
         let inventory = self.inventory.borrow().clone();
@@ -347,6 +358,14 @@ impl Preparer {
 
     async fn unprepare_one(&self, claim: &ClaimRef) -> Result<(), ClaimError> {
         check_ref(claim)?;
+        let adopted = lock(&self.state)
+            .data
+            .nvidia_claims
+            .get(&claim.uid)
+            .cloned();
+        if let Some(adopted) = adopted {
+            return self.unprepare_adopted(claim, adopted).await;
+        }
         let held = lock(&self.state).data.claims.get(&claim.uid).cloned();
         let known = held.is_some();
         if let Some(record) = held {

@@ -41,6 +41,7 @@ impl Preparer {
         let dropped = self
             .check_records_of_an_earlier_boot(&mut stored, &this_boot)
             .await;
+        let nvidia = self.adopt_nvidia_claims(&mut stored).await;
         // What only the API server can settle: after a set-aside (or without a checkpoint, where
         // specs exist) every spec on disk; otherwise the claims a newer release recorded in a state
         // this one does not know.
@@ -100,6 +101,7 @@ impl Preparer {
         recovery.checkpoint_missing =
             rebuilt_without_checkpoint.then(|| self.checkpoint.path().to_path_buf());
         recovery.dropped_after_reboot = dropped;
+        recovery.nvidia = nvidia;
         Ok(recovery)
     }
 
@@ -184,9 +186,13 @@ impl Preparer {
             left_in_place: stored.left_in_place.clone(),
             gpu_modes: stored.gpu_modes.clone(),
             mig_devices_made: made_before.clone(),
+            nvidia_claims: stored.nvidia_claims.clone(),
+            nvidia_claims_done: stored.nvidia_claims_done.clone(),
         };
         let mut data = CheckpointData {
             boot_id,
+            nvidia_claims: stored.nvidia_claims.clone(),
+            nvidia_claims_done: stored.nvidia_claims_done.clone(),
             ..Default::default()
         };
         for (uid, record) in stored.claims {
@@ -295,6 +301,7 @@ impl Preparer {
                     .claims
                     .values()
                     .flat_map(|record| &record.devices)
+                    .chain(data.nvidia_claims.values().flat_map(|c| &c.devices))
                     .filter_map(|device| device.mig.as_ref())
                     .map(|mig| (mig.parent_uuid.clone(), mig.gpu_instance_id))
                     .collect();

@@ -66,6 +66,26 @@ impl Preparer {
                 });
             }
         }
+        // A claim NVIDIA's plugin prepared before the swap holds its devices until it is unprepared.
+        let adopted = state.data.nvidia_claims.iter().find_map(|(uid, adopted)| {
+            let held = adopted.devices.iter().find(|held| {
+                devices
+                    .iter()
+                    .filter(|d| !d.admin_access)
+                    .any(|device| mig::conflict(inventory, &held.device, &device.device))
+            })?;
+            (*uid != claim.uid).then_some((uid, adopted, held))
+        });
+        if let Some((uid, adopted, held)) = adopted {
+            return Err(ClaimError::DeviceInUse {
+                claim: claim.to_string(),
+                device: held.device.clone(),
+                owner: format!(
+                    "{}/{} ({uid}), prepared by NVIDIA's plugin before the swap",
+                    adopted.namespace, adopted.name
+                ),
+            });
+        }
         state.data.claims.insert(
             claim.uid.clone(),
             ClaimRecord {

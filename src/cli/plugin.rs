@@ -60,6 +60,10 @@ pub struct PluginArgs {
     /// The image of the MPS daemons' Pods (it must hold this binary as /usr/local/bin/gpu-dra).
     #[arg(long, env = "MPS_DAEMON_IMAGE")]
     mps_daemon_image: Option<String>,
+    /// Under --driver-name gpu.nvidia.com: the namespace NVIDIA's DRA driver ran in, where its plugin
+    /// made the Deployments of MPS daemons; those of the claims taken over from it are deleted there.
+    #[arg(long, env = "NVIDIA_DRIVER_NAMESPACE", default_value = crate::claims::DEFAULT_NVIDIA_NAMESPACE)]
+    nvidia_namespace: String,
     /// The size limit of each MPS claim's shared-memory tmpfs (a Kubernetes quantity, e.g. 8Gi);
     /// half of the node's memory when absent.
     #[arg(long, env = "MPS_SHM_SIZE")]
@@ -147,6 +151,7 @@ pub fn run_plugin(args: PluginArgs) -> Result<()> {
                 Some(size) => shm_size(size)?,
                 None => crate::claims::mps::shm::default_size(),
             },
+            nvidia_namespace: args.nvidia_namespace,
         },
         sharing_timeout: crate::claims::SHARING_TIMEOUT,
     };

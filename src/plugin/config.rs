@@ -65,6 +65,9 @@ pub struct MpsConfig {
     pub image: Option<String>,
     /// The size limit of each claim's shared-memory tmpfs, in bytes.
     pub shm_size: u64,
+    /// Under NVIDIA's driver name: the namespace of NVIDIA's plugin, whose MPS daemons' Deployments
+    /// are deleted with the claims taken over from it.
+    pub nvidia_namespace: String,
 }
 
 impl Default for MpsConfig {
@@ -74,6 +77,7 @@ impl Default for MpsConfig {
             own_pod: None,
             image: None,
             shm_size: 64 * 1024 * 1024,
+            nvidia_namespace: crate::claims::DEFAULT_NVIDIA_NAMESPACE.to_string(),
         }
     }
 }

@@ -219,6 +219,7 @@ pub async fn start(
             claim_read_budget: config.api.claim_read,
             mps: claims_setup::mps_daemons(&config, &plugin_dir, &client).await,
             sharing_timeout: config.sharing_timeout,
+            nvidia_namespace: config.mps.nvidia_namespace.clone(),
         },
         client.clone(),
         backend.clone(),
@@ -227,7 +228,7 @@ pub async fn start(
     )
     .await?;
     startup::report_recovery(&node_events, &recovery);
-    startup::report_nvidia_claims(&node_events, &config.driver_name, &plugin_dir);
+    startup::report_nvidia_claims(&node_events, &recovery.nvidia);
 
     // Made before the monitor, which computes the devices for what the publisher learns the server keeps.
     let publisher = Arc::new(

@@ -13,7 +13,6 @@ use super::node_events::NodeEvents;
 use super::PluginConfig;
 use crate::api::{EffectivePolicy, PolicyWatcher};
 use crate::claims::checkpoint::current_boot_id;
-use crate::claims::nvidia_checkpoint;
 use crate::claims::Recovery;
 use crate::gpu::Inventory;
 use crate::health::{Fault, FaultFile, FaultTarget, HealthState};
@@ -161,28 +160,53 @@ impl FaultStore {
 /// Tells the operator, as a Warning Event on the Node, that the checkpoint was set aside (or missing
 /// while CDI specs of this driver were on disk) and what the rebuild kept and left; in the
 /// background, so a slow API server does not hold up the start.
-/// Under NVIDIA's driver name, says which claims NVIDIA's plugin recorded as prepared here: their
-/// pods keep running, but this plugin did not prepare them (README, "NVIDIA compatibility"). NVIDIA's
-/// checkpoint is only read.
-pub(super) fn report_nvidia_claims(events: &Arc<NodeEvents>, driver: &str, plugin_dir: &Path) {
-    if driver != crate::api::NVIDIA_DRIVER_NAME {
+/// Under NVIDIA's driver name, says which claims NVIDIA's plugin prepared on this node were taken
+/// over (their pods are unprepared by this plugin when they go) and which were not, and why
+/// (README, "Coming from NVIDIA's DRA driver"). NVIDIA's checkpoint is only read.
+pub(super) fn report_nvidia_claims(events: &Arc<NodeEvents>, adoption: &crate::claims::Adoption) {
+    let mut notes = Vec::new();
+    if !adoption.adopted.is_empty() {
+        notes.push(format!(
+            "Took over {} claim(s) that NVIDIA's DRA plugin prepared on this node (its checkpoint.json is left as it is): {}. \
+             When their pods go, gpu-dra unprepares them as NVIDIA's plugin would (its MPS daemons, MIG devices, sharing modes and CDI specs).",
+            adoption.adopted.len(),
+            adoption.adopted.join("; ")
+        ));
+    }
+    if !adoption.not_adopted.is_empty() {
+        notes.push(format!(
+            "Claims of NVIDIA's checkpoint not taken over: {}.",
+            adoption.not_adopted.join("; ")
+        ));
+    }
+    if !adoption.unprepared_since.is_empty() {
+        let path = adoption
+            .checkpoint
+            .as_ref()
+            .map(|p| p.display().to_string())
+            .unwrap_or_default();
+        let live = if adoption.adopted.is_empty() && adoption.not_adopted.is_empty() {
+            "No claim it lists is in force any more: move it aside (mv"
+        } else {
+            "Once the claims above are gone too, move it aside (mv"
+        };
+        notes.push(format!(
+            "NVIDIA's checkpoint still lists {} claim(s) that gpu-dra has unprepared since ({}); gpu-dra never writes that file. \
+             NVIDIA's DRA plugin, swapped back, would refuse their devices to new claims. {live} {path} {path}.old) before NVIDIA's plugin runs on this node again.",
+            adoption.unprepared_since.len(),
+            adoption.unprepared_since.join("; ")
+        ));
+    }
+    if let Some(error) = &adoption.error {
+        notes.push(format!(
+            "NVIDIA's checkpoint could not be read (left as it is), so no claim NVIDIA's plugin prepared was taken over: {error}. \
+             Drain the pods that use gpu.nvidia.com devices on this node, or swap NVIDIA's plugin back until they are gone."
+        ));
+    }
+    if notes.is_empty() {
         return;
     }
-    let path = nvidia_checkpoint::nvidia_checkpoint_path(plugin_dir);
-    let note = match nvidia_checkpoint::read(&path) {
-        Ok(None) => return,
-        Ok(Some(claims)) if claims.is_empty() => return,
-        Ok(Some(claims)) => format!(
-            "NVIDIA's DRA plugin recorded {} claim(s) as prepared on this node in {} (left as it is): {}. \
-             Their pods keep their devices, but gpu-dra did not prepare them and cannot undo what NVIDIA's \
-             plugin set up for them (CDI specs, MIG devices, sharing): drain those pods before the swap, or \
-             swap NVIDIA's plugin back until they are gone.",
-            claims.len(),
-            path.display(),
-            nvidia_checkpoint::describe(&claims)
-        ),
-        Err(error) => format!("NVIDIA's checkpoint could not be read (left as it is): {error}"),
-    };
+    let note = notes.join(" ");
     warn!("{note}");
     let events = events.clone();
     tokio::spawn(async move { events.warn(REASON_NVIDIA_CLAIMS, "Start", &note).await });

@@ -345,6 +345,16 @@ fn nvidia_compatibility_renders_the_component() {
             "{FAKE}components: [../../deploy/components/nvidia-compat]\n"
         )),
     );
+    assert_same(
+        "nvidiaCompatibility.nvidiaNamespace",
+        &helm(
+            None,
+            &json!({"nvidiaCompatibility": {"enabled": true, "nvidiaNamespace": "nvidia-dra-driver-gpu"}}),
+        ),
+        &kustomize(&format!(
+            "{NVML}components: [../../deploy/components/nvidia-compat, ../../deploy/components/nvidia-migration]\n"
+        )),
+    );
 }
 
 #[test]

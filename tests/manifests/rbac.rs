@@ -35,8 +35,13 @@ impl std::fmt::Display for Grant {
 }
 
 /// Source files that never run in the plugin: `gpu-dra demo` talks to its own in-process API server;
-/// `gpu-dra explain` runs with its user's credentials (the `gpu-dra-explain` ClusterRole).
-const NOT_THE_PLUGIN: &[&str] = &["src/demo/", EXPLAIN];
+/// `gpu-dra explain` runs with its user's credentials (the `gpu-dra-explain` ClusterRole). The calls
+/// of taking over NVIDIA's claims are granted by `deploy/components/nvidia-migration` instead, in
+/// NVIDIA's namespace.
+const NOT_THE_PLUGIN: &[&str] = &["src/demo/", EXPLAIN, NVIDIA_MIGRATION];
+
+/// What unprepares the claims taken over from NVIDIA's plugin (`deploy/components/nvidia-migration`).
+const NVIDIA_MIGRATION: &str = "src/claims/nvidia_adoption.rs";
 
 /// The source of `gpu-dra explain`, whose calls `gpu-dra-explain` must allow.
 const EXPLAIN: &str = "src/explain/";
@@ -320,4 +325,49 @@ fn the_explain_role_allows_every_call_of_explain_and_only_reads() {
         readme.contains("`gpu-dra-explain`"),
         "deploy/README.md does not document the gpu-dra-explain ClusterRole"
     );
+}
+
+#[test]
+fn the_nvidia_migration_role_allows_exactly_the_calls_of_taking_over_nvidias_claims() {
+    let text = std::fs::read_to_string(root().join("deploy/components/nvidia-migration/rbac.yaml"))
+        .unwrap();
+    let docs = super::parse_docs("nvidia-migration/rbac.yaml", &text);
+    let role: Role = docs
+        .iter()
+        .find(|d| d.kind() == "Role")
+        .expect("a Role")
+        .typed();
+    let binding: RoleBinding = docs
+        .iter()
+        .find(|d| d.kind() == "RoleBinding")
+        .expect("a RoleBinding")
+        .typed();
+    // Where NVIDIA's chart installs, and the plugin's default for --nvidia-namespace.
+    assert_eq!(
+        role.metadata.namespace.as_deref(),
+        Some(gpu_dra::claims::DEFAULT_NVIDIA_NAMESPACE)
+    );
+    assert_eq!(binding.metadata.namespace, role.metadata.namespace);
+    assert_eq!(binding.role_ref.name, role.metadata.name.clone().unwrap());
+    let (objects, _) = manifests();
+    let (namespace, account) = plugin_account(&objects);
+    assert!(
+        binding
+            .subjects
+            .iter()
+            .flatten()
+            .any(|s| s.kind == "ServiceAccount"
+                && s.name == account
+                && s.namespace.as_deref() == Some(&namespace)),
+        "the RoleBinding names the plugin's service account {namespace}/{account}"
+    );
+    let granted = rule_grants("Role nvidia-migration", role.rules.iter().flatten());
+    let used: BTreeSet<Grant> = grants_used_by(|origin| origin == NVIDIA_MIGRATION)
+        .into_keys()
+        .collect();
+    assert!(
+        !used.is_empty(),
+        "the scanner found no call in {NVIDIA_MIGRATION}"
+    );
+    assert_eq!(granted, used);
 }

@@ -301,9 +301,12 @@ impl MpsDaemons {
             let Ok(name) = entry.file_name().into_string() else {
                 continue;
             };
+            // Under NVIDIA's driver name the directory is shared with NVIDIA's plugin, whose daemons
+            // (`<claim UID>-<hash>`) are stopped only with the claims taken over from it.
             if !entry.file_type().is_ok_and(|t| t.is_dir())
                 || !is_plain_name(&name)
                 || keep.contains(&name)
+                || crate::claims::nvidia_checkpoint::is_nvidia_mps_dir(&name)
             {
                 continue;
             }

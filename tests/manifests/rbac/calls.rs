@@ -185,6 +185,7 @@ fn calls_in(origin: &str, text: &str) -> Result<Vec<Call>, String> {
 
 /// Group and resource of a kind: built-in kinds from `k8s-openapi`, custom ones from the CRDs in `crd/`.
 fn resource_of(kind: &str) -> Option<(String, String)> {
+    use k8s_openapi::api::apps::v1::Deployment;
     use k8s_openapi::api::authentication::v1::SelfSubjectReview;
     use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod, Secret};
     use k8s_openapi::api::events::v1::Event;
@@ -205,6 +206,7 @@ fn resource_of(kind: &str) -> Option<(String, String)> {
         "Secret" => Some(of::<Secret>()),
         "events.k8s.io/Event" => Some(of::<Event>()),
         "SelfSubjectReview" => Some(of::<SelfSubjectReview>()),
+        "Deployment" => Some(of::<Deployment>()),
         _ => None,
     };
     builtin.or_else(|| {

@@ -95,6 +95,7 @@ pub(super) fn admit(
             roundtrip::<k8s_openapi::api::resource::v1::ResourceClaimTemplate>(obj)
         }
         "pods" => roundtrip::<k8s_openapi::api::core::v1::Pod>(obj),
+        "deployments" => roundtrip::<k8s_openapi::api::apps::v1::Deployment>(obj),
         _ => Ok(obj),
     };
     decoded.map_err(|err| {

@@ -44,7 +44,7 @@ impl ResourceDef {
     }
 }
 
-const RESOURCES: [ResourceDef; 8] = [
+const RESOURCES: [ResourceDef; 9] = [
     ResourceDef {
         plural: "nodes",
         kind: "Node",
@@ -109,6 +109,17 @@ const RESOURCES: [ResourceDef; 8] = [
         version: "v1",
         namespaced: true,
         status_subresource: false,
+        status_on_create: false,
+    },
+    // NVIDIA's plugin runs each MPS control daemon as a Deployment; under NVIDIA's driver name the
+    // plugin deletes those of the claims it took over from NVIDIA's checkpoint.
+    ResourceDef {
+        plural: "deployments",
+        kind: "Deployment",
+        group: "apps",
+        version: "v1",
+        namespaced: true,
+        status_subresource: true,
         status_on_create: false,
     },
     // gpu-dra's own CRD (crd/), cluster-scoped with a status subresource.

@@ -117,6 +117,7 @@ fn spec(claim_uid: &str) -> MpsDaemonSpec {
             ),
         ],
         active_thread_percentage: Some(50),
+        multi_user: false,
     }
 }
 
@@ -375,4 +376,29 @@ fn the_supervisor_refuses_a_dev_shm_that_is_no_tmpfs() {
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("is not a tmpfs"), "{stderr}");
     assert!(!plain.join(SHM_MARKER).exists());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_multi_user_daemon_is_started_with_dash_m() {
+    if !is_root() {
+        return;
+    }
+    let node = Node::new().await;
+    let daemons = node.daemons();
+    let mut multi = spec(UID_B);
+    multi.multi_user = true;
+    let record = daemons.start(&multi).await.expect("daemon starts");
+    assert!(record.multi_user);
+    // The stand-in, like nvidia-cuda-mps-control, took -M: it says so in its log and its state.
+    let log = control_log(&record);
+    assert!(log.contains("Multi-user mode"), "{log}");
+    let segment =
+        std::fs::read_to_string(record.dir.join("shm").join(SHM_SEGMENT)).expect("segment");
+    assert!(segment.lines().any(|l| l == "multi-user"), "{segment}");
+    // A plugin that restarts takes it over only as a multi-user daemon.
+    assert_eq!(
+        daemons.take_over(&record, &multi).await.unwrap(),
+        gpu_dra::claims::mps::TakeOver::TakenOver
+    );
+    daemons.stop(&record).await.expect("stop");
 }

@@ -322,6 +322,8 @@ impl DeviceConfig {
                         .into_iter()
                         .map(|(device, q)| (device, q.bytes()))
                         .collect(),
+                    // gpu-dra's own MpsConfig has no multi-user mode.
+                    multi_user: false,
                 })
             }
         }
@@ -372,6 +374,10 @@ pub struct MpsSettings {
     /// By DRA device name; replaces `pinned_memory_limit_bytes` for that device.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub per_device_pinned_memory_limit_bytes: BTreeMap<String, u64>,
+    /// NVIDIA's `multiUser`: the claim's control daemon serves clients of different user ids at once
+    /// (it is started with `-M`, as NVIDIA's plugin starts it) instead of one user's at a time.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub multi_user: bool,
 }
 
 impl MpsSettings {

@@ -463,6 +463,7 @@ fn settings_read_well_in_the_checkpoint_and_the_environment() {
                 active_thread_percentage: Some(50),
                 pinned_memory_limit_bytes: Some(1 << 30),
                 per_device_pinned_memory_limit_bytes: BTreeMap::from([("gpu-0".into(), 1 << 20)]),
+                multi_user: false,
             }),
             json!({"strategy": "MPS", "activeThreadPercentage": 50,
                    "pinnedMemoryLimitBytes": 1073741824,

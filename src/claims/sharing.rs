@@ -477,12 +477,16 @@ fn mps_spec(
         claim_uid: claim_uid.to_string(),
         devices: Vec::new(),
         active_thread_percentage: None,
+        multi_user: false,
     };
     let mut percentage_from: Option<&str> = None;
+    let mut before_volta = None;
     for device in devices {
         let SharingSettings::Mps(mps) = &device.sharing else {
             continue;
         };
+        // One daemon serves the claim: multi-user if any of its MPS configs asks for it.
+        spec.multi_user |= mps.multi_user;
         if let Some(percentage) = mps.active_thread_percentage {
             match (spec.active_thread_percentage, percentage_from) {
                 (Some(earlier), Some(from)) if earlier != percentage => {
@@ -497,12 +501,18 @@ fn mps_spec(
                 }
             }
         }
-        let uuid = match &device.mig {
-            Some(mig) => mig.uuid.clone(),
-            None => super::edits::find_gpu(inventory, &device.device)
-                .map(|gpu| gpu.uuid.clone())
-                .ok_or_else(|| format!("device {} is not on this node", device.device))?,
+        let gpu = match &device.mig {
+            Some(mig) => inventory.gpus.iter().find(|g| g.uuid == mig.parent_uuid),
+            None => super::edits::find_gpu(inventory, &device.device),
         };
+        let uuid = match (&device.mig, gpu) {
+            (Some(mig), _) => mig.uuid.clone(),
+            (None, Some(gpu)) => gpu.uuid.clone(),
+            (None, None) => return Err(format!("device {} is not on this node", device.device)),
+        };
+        if let Some(gpu) = gpu.filter(|g| !is_volta_or_newer(&g.cuda_compute_capability)) {
+            before_volta.get_or_insert((device.device.clone(), gpu));
+        }
         spec.devices.push(MpsDevice {
             device: device.device.clone(),
             uuid,
@@ -513,7 +523,24 @@ fn mps_spec(
                 .or(mps.pinned_memory_limit_bytes),
         });
     }
+    if let (true, Some((device, gpu))) = (spec.multi_user, before_volta) {
+        // As NVIDIA's plugin: the multi-user daemon needs Volta (compute capability 7.0) or newer.
+        return Err(format!(
+            "multiuser mode was requested but is not supported: device {device} ({}) has compute capability {}, below Volta's 7.0",
+            gpu.uuid, gpu.cuda_compute_capability
+        ));
+    }
     Ok((!spec.devices.is_empty()).then_some(spec))
+}
+
+/// Whether a compute capability (`9.0`) is Volta's 7.0 or newer; an unreadable one counts as new
+/// (the daemon itself refuses where it cannot).
+fn is_volta_or_newer(capability: &str) -> bool {
+    capability
+        .split('.')
+        .next()
+        .and_then(|major| major.trim().parse::<u32>().ok())
+        .is_none_or(|major| major >= 7)
 }
 
 /// The memory a shared device's allocation result consumes (its `consumedCapacity`), in bytes.
@@ -535,5 +562,63 @@ fn describe_mode(mode: &GpuSharingMode) -> String {
         }
         GpuSharingMode::TimeSlice(interval) => format!("time-slice interval {interval}"),
         GpuSharingMode::ExclusiveProcess => "compute mode ExclusiveProcess (for MPS)".into(),
+    }
+}
+
+#[cfg(test)]
+mod multi_user_tests {
+    use super::*;
+    use crate::api::config::MpsSettings;
+    use crate::gpu::{FakeBackend, GpuBackend};
+
+    fn mps_device(device: &str, multi_user: bool) -> PreparedDevice {
+        PreparedDevice {
+            request_names: vec!["gpu".into()],
+            pool: "node-a".into(),
+            device: device.into(),
+            cdi_device_ids: Vec::new(),
+            share_id: None,
+            admin_access: false,
+            mig: None,
+            sharing: SharingSettings::Mps(MpsSettings {
+                multi_user,
+                ..MpsSettings::default()
+            }),
+        }
+    }
+
+    #[test]
+    fn one_multi_user_config_makes_the_claims_daemon_multi_user() {
+        let inventory = FakeBackend::new("node-a", "l40s-4")
+            .unwrap()
+            .inventory()
+            .unwrap();
+        let devices = [mps_device("gpu-0", false), mps_device("gpu-1", true)];
+        let spec = mps_spec("uid", &devices, &inventory).unwrap().unwrap();
+        assert!(spec.multi_user);
+        assert_eq!(spec.devices.len(), 2);
+        let single = mps_spec("uid", &devices[..1], &inventory).unwrap().unwrap();
+        assert!(!single.multi_user);
+    }
+
+    #[test]
+    fn multi_user_needs_volta_or_newer_as_nvidias_plugin_checks() {
+        let mut inventory = FakeBackend::new("node-a", "l40s-4")
+            .unwrap()
+            .inventory()
+            .unwrap();
+        // A Pascal GPU (6.0) beside the L40S: the daemon would serve it too.
+        inventory.gpus[0].cuda_compute_capability = "6.0".into();
+        let devices = [mps_device("gpu-0", false), mps_device("gpu-1", true)];
+        let error = mps_spec("uid", &devices, &inventory).unwrap_err();
+        assert!(
+            error.starts_with("multiuser mode was requested but is not supported: device gpu-0")
+                && error.contains("compute capability 6.0"),
+            "{error}"
+        );
+        // Single-user MPS on it is fine.
+        assert!(mps_spec("uid", &devices[..1], &inventory).is_ok());
+        assert!(is_volta_or_newer("7.0") && is_volta_or_newer("10.0") && is_volta_or_newer(""));
+        assert!(!is_volta_or_newer("6.1"));
     }
 }

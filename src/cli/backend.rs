@@ -102,6 +102,9 @@ pub enum FakeCommand {
         /// Run the daemon in the foreground.
         #[arg(short = 'f')]
         foreground: bool,
+        /// Multi-user mode: serve clients of different user ids at once.
+        #[arg(short = 'M')]
+        multi_user: bool,
     },
 }
 
@@ -165,11 +168,15 @@ pub fn fake(command: FakeCommand) -> Result<()> {
             Ok(())
         }
         #[cfg(feature = "doubles")]
-        FakeCommand::MpsControlDaemon { daemon, foreground } => {
+        FakeCommand::MpsControlDaemon {
+            daemon,
+            foreground,
+            multi_user,
+        } => {
             use crate::claims::mps::stand_in::{run, Mode};
             let mode = match (daemon, foreground) {
-                (true, _) => Mode::Background,
-                (_, true) => Mode::Foreground,
+                (true, _) => Mode::Background { multi_user },
+                (_, true) => Mode::Foreground { multi_user },
                 _ => Mode::Client,
             };
             std::process::exit(run(mode)?)

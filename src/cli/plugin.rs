@@ -105,6 +105,9 @@ pub struct MpsDaemonArgs {
     /// A control command that applies a limit; repeated, applied in order.
     #[arg(long = "command")]
     commands: Vec<String>,
+    /// Start the control daemon in multi-user mode (`-M`).
+    #[arg(long)]
+    multi_user: bool,
 }
 
 /// `gpu-dra plugin`: runs until SIGTERM or SIGINT; a failed preflight exits with its own code.
@@ -220,6 +223,7 @@ pub fn mps_daemon(args: MpsDaemonArgs) -> Result<()> {
         program: args.program.ok_or_else(|| missing("program"))?,
         library_path: args.library_path,
         commands: args.commands,
+        multi_user: args.multi_user,
     };
     let code = tokio::runtime::Builder::new_current_thread()
         .enable_all()

@@ -10,8 +10,8 @@
 //!   [`NvidiaMps::active_thread_percentage`]); limits in whole MiB, as NVIDIA rounds them
 //!   (`bytes / 1024 / 1024`, refused when that is 0); per-device limits keyed by a GPU or MIG UUID,
 //!   or by an index into the sorted UUIDs of the devices the config applies to, resolved at prepare
-//!   ([`NvidiaMps::per_device_limits`]); `multiUser: true` is refused (our MPS daemon has no
-//!   multi-user mode).
+//!   ([`NvidiaMps::per_device_limits`]); `multiUser: true` starts the claim's daemon with `-M`, as
+//!   NVIDIA's main branch does (on Volta or newer, checked at prepare).
 //!
 //! Errors are `<path>: <reason>` with NVIDIA's own reason texts where NVIDIA has one.
 
@@ -39,8 +39,6 @@ const NEGATIVE_PERCENTAGE: &str = "active thread percentage must not be negative
 const PERCENTAGE_OVER_100: &str = "active thread percentage must not be greater than 100";
 const MPS_WITH_TIME_SLICING: &str = "cannot use MpsConfig with the 'TimeSlicing' strategy";
 const TIME_SLICING_WITH_MPS: &str = "cannot use TimeSlicingConfig with the 'MPS' strategy";
-const MULTI_USER: &str =
-    "not supported by gpu-dra: its MPS control daemon runs in single-user mode (set false or leave out)";
 const NOT_A_QUANTITY: &str =
     "quantities must match the regular expression '^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$'";
 
@@ -68,6 +66,8 @@ pub struct NvidiaMps {
     pub default_pinned_memory_limit_mib: Option<u64>,
     /// Keyed as written: a device UUID, or an index into the sorted UUIDs of the config's devices.
     pub per_device_pinned_memory_limit_mib: BTreeMap<String, u64>,
+    /// `multiUser: true` (NVIDIA's main branch): the daemon runs with `-M`.
+    pub multi_user: bool,
 }
 
 impl NvidiaConfig {
@@ -95,6 +95,7 @@ impl NvidiaConfig {
                 active_thread_percentage: mps.active_thread_percentage(),
                 pinned_memory_limit_bytes: mps.default_pinned_memory_limit_mib.map(|m| m * MIB),
                 per_device_pinned_memory_limit_bytes: BTreeMap::new(),
+                multi_user: mps.multi_user,
             }),
         }
     }
@@ -128,6 +129,9 @@ impl NvidiaConfig {
                         .map(|(key, mib)| (key.clone(), format!("{mib}Mi").into()))
                         .collect();
                     config.insert("defaultPerDevicePinnedMemoryLimit".into(), limits.into());
+                }
+                if mps.multi_user {
+                    config.insert("multiUser".into(), true.into());
                 }
                 Some(json!({"strategy": "MPS", "mpsConfig": config}))
             }
@@ -284,9 +288,6 @@ pub(super) fn decode(
             if interval.is_some() {
                 return Err(time_slicing_path.error(TIME_SLICING_WITH_MPS));
             }
-            if let Some(at) = mps.multi_user {
-                return Err(at.error(MULTI_USER));
-            }
             let default_pinned_memory_limit_mib = mps
                 .default_limit
                 .map(|(q, at)| {
@@ -309,6 +310,7 @@ pub(super) fn decode(
                 default_active_thread_percentage: percentage,
                 default_pinned_memory_limit_mib,
                 per_device_pinned_memory_limit_mib,
+                multi_user: mps.multi_user,
             })
         }
         other => {
@@ -329,8 +331,8 @@ struct RawMps {
     percentage: Option<(i64, Path)>,
     default_limit: Option<(WrittenQuantity, Path)>,
     per_device: Vec<(String, WrittenQuantity, Path)>,
-    /// Where `multiUser: true` was given.
-    multi_user: Option<Path>,
+    /// `multiUser: true` was given.
+    multi_user: bool,
 }
 
 /// A quantity with the text it was written as (NVIDIA's messages show it).
@@ -379,7 +381,7 @@ fn decode_mps(value: &Value, path: &Path) -> Result<RawMps, ConfigError> {
     let at = path.field(MULTI_USER_FIELD);
     match decode::present(object.get(MULTI_USER_FIELD)) {
         None | Some(Value::Bool(false)) => {}
-        Some(Value::Bool(true)) => mps.multi_user = Some(at),
+        Some(Value::Bool(true)) => mps.multi_user = true,
         Some(_) => return Err(at.error("must be a boolean")),
     }
     Ok(mps)

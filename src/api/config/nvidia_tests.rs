@@ -31,6 +31,7 @@ fn mps(percentage: Option<u8>, limit: Option<u64>) -> SharingSettings {
         active_thread_percentage: percentage,
         pinned_memory_limit_bytes: limit,
         per_device_pinned_memory_limit_bytes: BTreeMap::new(),
+        multi_user: false,
     })
 }
 
@@ -155,8 +156,6 @@ fn refusals_carry_nvidias_reasons_and_the_path() {
          "sharing.mpsConfig.defaultPerDevicePinnedMemoryLimit[0]: invalid limit: value set too low: 0: 1Ki"),
         (gpu(r#"{"strategy": "MPS", "mpsConfig": {"defaultPinnedDeviceMemoryLimit": "ten"}}"#),
          "sharing.mpsConfig.defaultPinnedDeviceMemoryLimit: quantities must match the regular expression '^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$'"),
-        (gpu(r#"{"strategy": "MPS", "mpsConfig": {"multiUser": true}}"#),
-         "sharing.mpsConfig.multiUser: not supported by gpu-dra: its MPS control daemon runs in single-user mode (set false or leave out)"),
         (gpu(r#"{"strategy": "MPS", "mpsConfig": {"multiUser": "yes"}}"#),
          "sharing.mpsConfig.multiUser: must be a boolean"),
         (gpu(r#"{"strategy": "TimeSlicing", "extra": 1}"#), "sharing.extra: unknown field"),
@@ -201,6 +200,26 @@ fn mig_time_slicing_ignores_mps_config_as_nvidia_does() {
 fn multi_user_false_is_accepted() {
     let config = gpu(r#"{"strategy": "MPS", "mpsConfig": {"multiUser": false}}"#);
     assert_eq!(settings(&config), mps(None, None));
+}
+
+#[test]
+fn multi_user_true_asks_for_a_multi_user_daemon() {
+    // NVIDIA's main branch starts the daemon with -M; so does gpu-dra (mps::supervisor).
+    let config = gpu(
+        r#"{"strategy": "MPS", "mpsConfig": {"multiUser": true, "defaultActiveThreadPercentage": 40}}"#,
+    );
+    let SharingSettings::Mps(mps) = settings(&config) else {
+        panic!("MPS");
+    };
+    assert!(mps.multi_user);
+    assert_eq!(mps.active_thread_percentage, Some(40));
+    // Normalised back to NVIDIA's JSON with the field kept.
+    let DeviceConfig::Nvidia(nvidia) =
+        decode_config_value(&serde_json::from_str(&config).unwrap()).unwrap()
+    else {
+        panic!("NVIDIA's config");
+    };
+    assert_eq!(nvidia.to_value()["sharing"]["mpsConfig"]["multiUser"], true);
 }
 
 #[test]

@@ -71,6 +71,7 @@ impl MpsDaemons {
             dir: dirs.dir.clone(),
             devices: spec.devices.clone(),
             active_thread_percentage: spec.active_thread_percentage,
+            multi_user: spec.multi_user,
         })
     }
 

@@ -70,6 +70,8 @@ pub struct MpsDaemonSpec {
     pub claim_uid: String,
     pub devices: Vec<MpsDevice>,
     pub active_thread_percentage: Option<u8>,
+    /// Serve clients of different user ids at once (`-M`; NVIDIA's `multiUser`).
+    pub multi_user: bool,
 }
 
 /// A started daemon, as the checkpoint keeps it. Records of releases that ran the daemon inside the
@@ -88,6 +90,8 @@ pub struct MpsDaemonRecord {
     pub devices: Vec<MpsDevice>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub active_thread_percentage: Option<u8>,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub multi_user: bool,
 }
 
 impl MpsDaemonRecord {
@@ -239,7 +243,8 @@ impl MpsDaemons {
     ) -> Result<TakeOver, MpsError> {
         let dirs = self.dirs_for_record(record)?;
         let same_devices = record.devices == spec.devices
-            && record.active_thread_percentage == spec.active_thread_percentage;
+            && record.active_thread_percentage == spec.active_thread_percentage
+            && record.multi_user == spec.multi_user;
         let mounted = shm::is_mount_point(&dirs.shm) && shm::is_tmpfs(&dirs.shm);
         if same_devices && mounted && self.is_running(record).await {
             info!(claim = %dirs.claim, pod = %record.pod, "MPS control daemon taken over");

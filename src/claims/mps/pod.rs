@@ -110,6 +110,9 @@ impl DaemonPodTemplate {
                 args.push(format!("--program={}", super::supervisor::STAND_IN_PROGRAM))
             }
         }
+        if spec.multi_user {
+            args.push("--multi-user".to_string());
+        }
         args.extend(limits.iter().map(|command| format!("--command={command}")));
         let mut mounts = vec![
             json!({"name": "claim", "mountPath": claim_dir}),

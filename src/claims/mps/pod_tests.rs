@@ -17,6 +17,7 @@ fn spec() -> MpsDaemonSpec {
             },
         ],
         active_thread_percentage: Some(25),
+        multi_user: false,
     }
 }
 
@@ -70,6 +71,7 @@ fn a_chroot_daemon_sees_the_claims_directories_inside_the_driver_root() {
         args.contains(&"--command=set_default_active_thread_percentage 25"),
         "{args:?}"
     );
+    assert!(!args.contains(&"--multi-user"), "{args:?}");
     assert!(
         args.contains(&"--command=set_default_device_pinned_mem_limit 0 2048M"),
         "{args:?}"
@@ -167,5 +169,21 @@ fn a_root_without_a_loader_runs_the_daemon_directly() {
         DaemonProgram::Chroot {
             binary: "/usr/bin/nvidia-cuda-mps-control".into()
         }
+    );
+}
+
+#[test]
+fn a_multi_user_daemon_is_told_so() {
+    let mut multi = spec();
+    multi.multi_user = true;
+    let pod = template(DaemonProgram::Chroot {
+        binary: "/usr/bin/nvidia-cuda-mps-control".into(),
+    })
+    .pod(&multi, Path::new(HOST_DIR))
+    .unwrap();
+    let args = json(&pod)["spec"]["containers"][0]["args"].clone();
+    assert!(
+        args.as_array().unwrap().iter().any(|a| a == "--multi-user"),
+        "{args}"
     );
 }

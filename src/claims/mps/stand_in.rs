@@ -1,7 +1,8 @@
 //! The fake backend's MPS control daemon, `gpu-dra fake mps-control-daemon`, with the command line
 //! of NVIDIA's `nvidia-cuda-mps-control`: `-d` starts the daemon in the background and returns once
 //! it runs, `-f` runs it in the foreground, and with neither it is a client that sends the command
-//! lines on its stdin to the running daemon and prints the answers.
+//! lines on its stdin to the running daemon and prints the answers. `-M` (with `-d` or `-f`) is
+//! multi-user mode, which it logs and notes in its shared-memory state.
 //!
 //! The daemon reads `CUDA_MPS_PIPE_DIRECTORY`, `CUDA_MPS_LOG_DIRECTORY` and `CUDA_VISIBLE_DEVICES`,
 //! writes `<pipe>/nvidia-cuda-mps-control.pid`, listens on `<pipe>/control` (one command per line,
@@ -39,9 +40,9 @@ pub const SHM_SEGMENT: &str = "cuda.shm.mps-stand-in";
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {
     /// `-d`: start the daemon in a process group of its own, return once it wrote its pid file.
-    Background,
+    Background { multi_user: bool },
     /// `-f`: be the daemon.
-    Foreground,
+    Foreground { multi_user: bool },
     /// Neither: send stdin's commands to the daemon.
     Client,
 }
@@ -61,8 +62,8 @@ pub enum StandInError {
 /// Runs the stand-in; returns the process exit code.
 pub fn run(mode: Mode) -> Result<i32, StandInError> {
     match mode {
-        Mode::Background => background(),
-        Mode::Foreground => foreground(),
+        Mode::Background { multi_user } => background(multi_user),
+        Mode::Foreground { multi_user } => foreground(multi_user),
         Mode::Client => client(),
     }
 }
@@ -87,12 +88,13 @@ fn read_pid(path: &Path) -> Option<u32> {
     fs::read_to_string(path).ok()?.trim().parse().ok()
 }
 
-fn background() -> Result<i32, StandInError> {
+fn background(multi_user: bool) -> Result<i32, StandInError> {
     let pipe = env_dir("CUDA_MPS_PIPE_DIRECTORY")?;
     env_dir("CUDA_MPS_LOG_DIRECTORY")?;
     let exe = std::env::current_exe().map_err(io_error("finding", Path::new("/proc/self/exe")))?;
     let mut child = Command::new(&exe)
         .args(["fake", "mps-control-daemon", "-f"])
+        .args(multi_user.then_some("-M"))
         .stdin(Stdio::null())
         .process_group(0)
         .spawn()
@@ -200,7 +202,7 @@ fn pinned_value(value: &str) -> bool {
     !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit())
 }
 
-fn foreground() -> Result<i32, StandInError> {
+fn foreground(multi_user: bool) -> Result<i32, StandInError> {
     let pipe = env_dir("CUDA_MPS_PIPE_DIRECTORY")?;
     let log_dir = env_dir("CUDA_MPS_LOG_DIRECTORY")?;
     let log_path = log_dir.join("control.log");
@@ -246,12 +248,16 @@ fn foreground() -> Result<i32, StandInError> {
         .build()
         .map_err(io_error("starting the runtime for", &pipe))?;
     let segment = shm.join(SHM_SEGMENT);
+    let mode = if multi_user { "multi-user\n" } else { "" };
     write_atomically(
         &segment,
-        format!("{}\n", devices.join(",")).as_bytes(),
+        format!("{}\n{mode}", devices.join(",")).as_bytes(),
         0o644,
     )
     .map_err(io_error("writing", &segment))?;
+    if multi_user {
+        log.line("Multi-user mode: clients of any user id share the server");
+    }
     let result = runtime.block_on(serve(&pipe, devices, log.clone()));
     let _ = fs::remove_file(&segment);
     let _ = fs::remove_file(pipe.join(CONTROL_SOCKET));

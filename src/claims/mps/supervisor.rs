@@ -47,6 +47,8 @@ pub struct SupervisorArgs {
     pub library_path: Option<PathBuf>,
     /// Control commands that apply the claim's limits, in order.
     pub commands: Vec<String>,
+    /// Start the daemon in multi-user mode: it serves clients of different user ids at once.
+    pub multi_user: bool,
 }
 
 #[derive(Debug, Error)]
@@ -156,7 +158,11 @@ pub async fn supervise(args: SupervisorArgs) -> Result<i32, SupervisorError> {
     clear_pipe_dir(&args)?;
     let _ = fs::remove_file(args.ready_file());
     let mut daemon = args
-        .command(&["-f"])
+        .command(if args.multi_user {
+            &["-f", "-M"]
+        } else {
+            &["-f"]
+        })
         .stdin(Stdio::null())
         .kill_on_drop(true)
         .spawn()

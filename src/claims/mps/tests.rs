@@ -12,6 +12,7 @@ fn spec(devices: &[(&str, &str, Option<u64>)], percentage: Option<u8>) -> MpsDae
             })
             .collect(),
         active_thread_percentage: percentage,
+        multi_user: false,
     }
 }
 
@@ -86,6 +87,7 @@ fn container_edits_mount_the_claim_directories_at_the_host_paths() {
         dir: "/plugin/mps/uid-1".into(),
         devices: vec![],
         active_thread_percentage: None,
+        multi_user: false,
     };
     let edits = daemons.container_edits(&record).unwrap();
     assert_eq!(
@@ -144,6 +146,7 @@ async fn records_outside_the_root_are_refused() {
             dir: dir.into(),
             devices: vec![],
             active_thread_percentage: None,
+            multi_user: false,
         };
         assert!(
             matches!(
@@ -168,6 +171,7 @@ fn records_are_camel_case_and_omit_absent_limits() {
             pinned_memory_limit_bytes: None,
         }],
         active_thread_percentage: Some(30),
+        multi_user: false,
     };
     let json = serde_json::to_value(&record).unwrap();
     assert_eq!(

@@ -42,18 +42,6 @@ fn admin_split_profile(node: &mut Harness, delay_ms: u64) {
     node.config.mig_mode = MigMode::Dynamic;
 }
 
-/// Every slice of the pool is published (1.35 splits it: a counters slice and one per GPU), so
-/// that every device can be allocated.
-async fn wait_for_whole_pool(node: &Harness) {
-    node.wait_for_slices_where(|slices| {
-        !slices.is_empty()
-            && slices
-                .iter()
-                .all(|s| s.spec.pool.resource_slice_count as usize == slices.len())
-    })
-    .await;
-}
-
 fn uuids(devices: &[(u32, u32, String)]) -> Vec<String> {
     let mut uuids: Vec<String> = devices.iter().map(|d| d.2.clone()).collect();
     uuids.sort();
@@ -102,7 +90,7 @@ async fn a_mig_device_made_for_a_prepare_the_kubelet_gave_up_on_goes_at_the_next
     let admins = node.mig_devices();
     let plugin = node.start_plugin().await;
     let kubelet = node.kubelet().await;
-    wait_for_whole_pool(&node).await;
+    node.wait_for_whole_pool().await;
     let claim = node
         .allocated_claim_with("abandoned", mig_request("1g.10gb", 0))
         .await
@@ -278,7 +266,7 @@ async fn a_crash_between_recording_and_creating_a_mig_device_leaves_nothing_behi
         KubeletDouble::register(&node.config.registry_dir, DRIVER, Duration::from_secs(30))
             .await
             .unwrap();
-    wait_for_whole_pool(&node).await;
+    node.wait_for_whole_pool().await;
     let claim = node
         .allocated_claim_with("cut-short", mig_request("1g.10gb", 0))
         .await

@@ -11,7 +11,6 @@ use std::path::PathBuf;
 use gpu_dra::devices::MigMode;
 use gpu_dra::plugin::BackendChoice;
 use gpu_dra::support::harness::{Harness, MIG_CLASS};
-use k8s_openapi::api::resource::v1::ResourceSlice;
 use serde_json::json;
 
 /// The mock's driver root, which the script names.
@@ -21,14 +20,6 @@ fn mock_root() -> PathBuf {
         .expect(
             "GPU_DRA_MOCK_NVML_ROOT names the mock's driver root (e2e/mock-nvml/run.sh sets it)",
         )
-}
-
-/// Every slice of the pool is there (the scheduler allocates from complete pools only).
-fn whole_pool(slices: &[ResourceSlice]) -> bool {
-    !slices.is_empty()
-        && slices
-            .iter()
-            .all(|s| s.spec.pool.resource_slice_count as usize == slices.len())
 }
 
 async fn mock_node(root: &std::path::Path, mig_mode: MigMode) -> Harness {
@@ -51,7 +42,7 @@ async fn a_whole_gpu_is_published_and_prepared_through_the_mock() {
         Err(error) => panic!("FAIL the plugin did not start on the mock: {error}"),
     };
     println!("PASS plugin started with --backend nvml on the mock");
-    let slices = node.wait_for_slices_where(whole_pool).await;
+    let slices = node.wait_for_whole_pool().await;
     let devices: usize = slices
         .iter()
         .map(|s| s.spec.devices.as_ref().map_or(0, Vec::len))
@@ -101,7 +92,7 @@ async fn a_dynamic_mig_device_fails_at_prepare_naming_the_call_and_the_gpu() {
     let plugin = gpu_dra::plugin::start(node.config.clone(), node.api.client())
         .await
         .unwrap_or_else(|e| panic!("FAIL the plugin did not start on the mock: {e}"));
-    let slices = node.wait_for_slices_where(whole_pool).await;
+    let slices = node.wait_for_whole_pool().await;
     let gpu_uuids: Vec<String> = slices
         .iter()
         .flat_map(|s| s.spec.devices.iter().flatten())
@@ -144,7 +135,7 @@ async fn sharing_fails_at_prepare_naming_the_gpu_and_the_step() {
     let plugin = gpu_dra::plugin::start(node.config.clone(), node.api.client())
         .await
         .unwrap_or_else(|e| panic!("FAIL the plugin did not start on the mock: {e}"));
-    node.wait_for_slices_where(whole_pool).await;
+    node.wait_for_whole_pool().await;
     let kubelet = node.kubelet().await;
     let strategies = [
         (

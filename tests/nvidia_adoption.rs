@@ -151,13 +151,7 @@ async fn claims_nvidias_plugin_prepared_are_taken_over_and_unprepared_as_nvidia_
         vec![format!("k8s.gpu.nvidia.com/claim={TIME_SLICED}-gpu-0")]
     );
     // A claim of ours allocated gpu-0 (a scheduler that lost track) does not get it.
-    node.wait_for_slices_where(|slices| {
-        !slices.is_empty()
-            && slices
-                .iter()
-                .all(|s| s.spec.pool.resource_slice_count as usize == slices.len())
-    })
-    .await;
+    node.wait_for_whole_pool().await;
     let ours = node
         .allocated_claim_with(
             "ours",

@@ -184,6 +184,18 @@ impl Harness {
             .await
     }
 
+    /// The slices once every slice of the pool is there (the scheduler allocates from complete pools
+    /// only; 1.35 splits a pool into a counters slice and one per GPU).
+    pub async fn wait_for_whole_pool(&self) -> Vec<ResourceSlice> {
+        self.wait_for_slices_where(|slices| {
+            !slices.is_empty()
+                && slices
+                    .iter()
+                    .all(|s| s.spec.pool.resource_slice_count as usize == slices.len())
+        })
+        .await
+    }
+
     pub async fn wait_for_slices_where(
         &self,
         done: impl Fn(&[ResourceSlice]) -> bool,

@@ -1,5 +1,5 @@
-//! The pools a node can allocate from, as upstream's `GatherPools` builds them: the newest generation of
-//! each pool, complete, with its devices for the node and the shared counters of the whole pool.
+//! The pools a node can allocate from, as upstream's `GatherPools` builds them: per pool the newest
+//! complete generation the node sees, with its devices for the node and the shared counters of the pool.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
@@ -57,22 +57,24 @@ impl Entry {
 
 /// What one pool is for the node.
 enum Gathered<'a> {
-    /// No device of its newest generation is for the node.
+    /// No slice of it is for the node, or those that are belong to a generation being replaced.
     NotTheNodes,
     Skipped {
         reason: String,
         invalid: bool,
     },
-    /// Its newest generation, complete, by slice name.
+    /// The generation the node allocates from, complete, by slice name: the node's own slices, or
+    /// every slice of the pool at that generation where the node's alone are not complete.
     Current(Vec<&'a ResourceSlice>),
 }
 
 impl Pools {
-    /// The node's view of the slices, as the scheduler gathers pools for a node. Per (driver, pool)
-    /// only the newest generation counts, taken over all slices of the pool, also those for other
-    /// nodes: a pool whose newest generation has no device for the node is not the node's, even if an
-    /// older one had. A pool counts when it is complete (as many slices at that generation as their
-    /// `resourceSliceCount`) and valid: device names unique among the slices for the node, counter set
+    /// The node's view of the slices, as the scheduler gathers pools for a node ([`gather`]): per
+    /// (driver, pool) the newest generation of the slices for the node, which is the pool when those
+    /// alone are complete, even if the pool's slices for other nodes are at a newer generation; where
+    /// they are not, all slices of the pool decide (obsolete, complete or incomplete). A pool counts
+    /// when it is complete (as many slices at that generation as their `resourceSliceCount`) and
+    /// valid: device names unique among the slices for the node, counter set
     /// names unique in the pool, and every device of the pool, the node's or not, consuming only
     /// counters its pool publishes. Other pools of the node are [`Pools::skipped`].
     ///
@@ -204,21 +206,19 @@ impl Pools {
     }
 }
 
-/// What the pool of `all` (its slices, every generation) is for the node.
+/// What the pool of `all` (its slices, every generation) is for the node, decided as upstream's
+/// `GatherPools` decides it. Only the slices *for the node* are looked at first, and of those the
+/// newest generation: when it is complete among them (as many as its `resourceSliceCount`), that is
+/// the pool, even if slices for other nodes are at a newer generation (a pool moving between nodes
+/// keeps the node's own complete generation, as the scheduler does). Otherwise all slices of the
+/// pool decide: a newer generation elsewhere makes the node's slices obsolete (the pool is not the
+/// node's), a complete generation over all nodes is the pool, and anything else is incomplete.
 fn gather<'a>(all: Vec<&'a ResourceSlice>, node: Option<&Node>) -> Gathered<'a> {
-    let generation = all
-        .iter()
-        .map(|s| s.spec.pool.generation)
-        .max()
-        .unwrap_or_default();
-    let (mut current, older): (Vec<&ResourceSlice>, Vec<&ResourceSlice>) = all
-        .into_iter()
-        .partition(|s| s.spec.pool.generation == generation);
-    current.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
-    let mut for_node = false;
-    for slice in &current {
-        match slice_targets_node(slice, node) {
-            Ok(yes) => for_node |= yes,
+    let mut relevant = Vec::new();
+    for slice in &all {
+        match slice_is_for_node(slice, node) {
+            Ok(true) => relevant.push(*slice),
+            Ok(false) => {}
             Err(reason) => {
                 return Gathered::Skipped {
                     reason,
@@ -227,30 +227,63 @@ fn gather<'a>(all: Vec<&'a ResourceSlice>, node: Option<&Node>) -> Gathered<'a> 
             }
         }
     }
-    let wanted = current
-        .first()
-        .map(|s| s.spec.pool.resource_slice_count)
-        .unwrap_or_default();
-    let complete = i64::try_from(current.len()).ok() == Some(wanted);
-    // An incomplete generation may yet bring slices for the node; it is the node's pool (being
-    // updated) if some slice of it, or of an older generation, is for the node.
-    let was_for_node = || {
-        older
-            .iter()
-            .any(|s| slice_targets_node(s, node).unwrap_or(false))
+    let Some(generation) = relevant.iter().map(|s| s.spec.pool.generation).max() else {
+        return Gathered::NotTheNodes;
     };
-    match (complete, for_node) {
-        (true, true) => Gathered::Current(current),
-        (true, false) => Gathered::NotTheNodes,
-        (false, _) if for_node || was_for_node() => Gathered::Skipped {
-            reason: format!(
-                "incomplete: {} of {wanted} slices at generation {generation}",
-                current.len()
-            ),
-            invalid: false,
-        },
-        (false, _) => Gathered::NotTheNodes,
+    let at = |slices: Vec<&'a ResourceSlice>| -> Vec<&'a ResourceSlice> {
+        let mut slices: Vec<&ResourceSlice> = slices
+            .into_iter()
+            .filter(|s| s.spec.pool.generation == generation)
+            .collect();
+        slices.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
+        slices
+    };
+    let current = at(relevant);
+    let wanted = current[0].spec.pool.resource_slice_count;
+    if i64::try_from(current.len()).ok() == Some(wanted) {
+        return Gathered::Current(current);
     }
+    if all.iter().any(|s| s.spec.pool.generation > generation) {
+        // Being replaced by a generation with no slice for the node.
+        return Gathered::NotTheNodes;
+    }
+    let whole = at(all);
+    if i64::try_from(whole.len()).ok() == Some(wanted) {
+        return Gathered::Current(whole);
+    }
+    Gathered::Skipped {
+        reason: format!(
+            "incomplete: {} of {wanted} slices at generation {generation}",
+            whole.len()
+        ),
+        invalid: false,
+    }
+}
+
+/// Whether upstream's `GatherPools` takes the slice for the node: its own node selection
+/// (`nodeName`, `allNodes`, `nodeSelector`) selects the node, or with `perDeviceNodeSelection` one of
+/// its devices' does. A slice with none of them is some future extension, taken for no node. Every
+/// slice is for the node where there is no node filter.
+fn slice_is_for_node(slice: &ResourceSlice, node: Option<&Node>) -> Result<bool, String> {
+    let Some(node) = node else { return Ok(true) };
+    let spec = &slice.spec;
+    let slice_name = slice.metadata.name.as_deref().unwrap_or("(unnamed)");
+    if spec.node_name.as_deref().is_some_and(|n| !n.is_empty())
+        || spec.all_nodes == Some(true)
+        || spec.node_selector.is_some()
+    {
+        return node
+            .matches(
+                spec.node_name.as_deref(),
+                spec.all_nodes,
+                spec.node_selector.as_ref(),
+            )
+            .map_err(|e| format!("ResourceSlice {slice_name}: node selector: {e}"));
+    }
+    if spec.per_device_node_selection == Some(true) {
+        return slice_targets_node(slice, Some(node));
+    }
+    Ok(false)
 }
 
 /// Whether the slice has devices for `node` (every slice with devices has, without a node filter).

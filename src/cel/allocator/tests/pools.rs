@@ -1,6 +1,7 @@
 //! Which slices make the node's pools: complete pools at their newest generation, the node's own
 //! slices, node selectors and per-device node selection; duplicate device names invalidate a pool.
 
+use k8s_openapi::api::resource::v1::ResourceSlice;
 use serde_json::{json, Value};
 
 use super::{claim, classes, exactly, gpu, slice, NODE};
@@ -50,6 +51,73 @@ fn incomplete_pools_and_old_generations_are_ignored() {
             .contains("pool gpu.dra.dev/node-a skipped: incomplete"),
         "{error}"
     );
+}
+
+#[test]
+fn a_pool_moved_to_another_node_keeps_the_nodes_complete_older_generation() {
+    // Generation 1 of pool "shared" is node-a's, complete; generation 2 went to node-b. The scheduler
+    // gathers node-a's own slices first and, finding them complete, allocates from them.
+    let on_b = |name: &str, generation: i64, index: i64| {
+        slice(
+            name,
+            "shared",
+            generation,
+            2,
+            json!({"nodeName": "node-b", "devices": [gpu(index, "A")]}),
+        )
+    };
+    let mut slices = vec![
+        slice("a-1", "shared", 1, 2, json!({"devices": [gpu(0, "A")]})),
+        slice("a-2", "shared", 1, 2, json!({"devices": [gpu(1, "A")]})),
+        on_b("b-1", 2, 0),
+        on_b("b-2", 2, 1),
+    ];
+    let names = |slices: &[ResourceSlice], node: &str| -> Vec<String> {
+        Pools::from_slices(slices, Some(&Node::named(node)))
+            .devices()
+            .map(|(c, _)| c.to_string())
+            .collect()
+    };
+    assert_eq!(
+        names(&slices, NODE),
+        ["gpu.dra.dev/shared/gpu-0", "gpu.dra.dev/shared/gpu-1"]
+    );
+    assert_eq!(
+        names(&slices, "node-b"),
+        ["gpu.dra.dev/shared/gpu-0", "gpu.dra.dev/shared/gpu-1"]
+    );
+
+    // Half of node-a's generation 1 gone: its slices alone are not complete, so all of the pool's
+    // decide, and generation 2 elsewhere makes them obsolete. The pool is not node-a's at all: no
+    // device, and not "being updated", so an All request of another pool is not held up by it.
+    slices.remove(1);
+    let pools = Pools::from_slices(&slices, Some(&Node::named(NODE)));
+    assert_eq!(pools.devices().count(), 0);
+    assert!(pools.skipped().is_empty(), "{:?}", pools.skipped());
+    slices.push(slice(
+        "node-a",
+        NODE,
+        1,
+        1,
+        json!({"devices": [gpu(7, "B")]}),
+    ));
+    let pools = Pools::from_slices(&slices, Some(&Node::named(NODE)));
+    let result = allocate(
+        &pools,
+        &classes(),
+        &InUse::default(),
+        &claim(json!({"requests": [{"name": "all", "exactly": {
+            "deviceClassName": "gpu", "allocationMode": "All"}}]})),
+    )
+    .expect("all of node-a's own pool");
+    assert_eq!(result.len(), 1, "{result:?}");
+
+    // A generation spread over both nodes, complete only over both: node-a's part of it counts.
+    let spread = vec![
+        slice("a-1", "shared", 3, 2, json!({"devices": [gpu(0, "A")]})),
+        on_b("b-1", 3, 1),
+    ];
+    assert_eq!(names(&spread, NODE), ["gpu.dra.dev/shared/gpu-0"]);
 }
 
 #[test]

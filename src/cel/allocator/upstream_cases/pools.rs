@@ -130,16 +130,18 @@ fn multi_host_resource_pool_with_stale_slice_for_current_node() {
 
 #[test]
 fn multi_host_resource_pool_complete_update_from_node_1_to_node_2() {
-    // Upstream allocates node-1's generation 1 (device-1): it does not look for newer generations
-    // of a pool that is complete on the node, and its test says it would rather not allocate. Here
-    // only the newest generation counts, and it has no devices for node-1.
+    // Node-1's own slices are complete at generation 1, so the scheduler allocates from them and does
+    // not look for newer generations elsewhere (its test says it would rather not, but does).
     let case = Case::new(vec![
         on("node-1", "pool-1", 1, 2, &["device-1"]),
         on("node-1", "pool-1", 1, 2, &["device-2"]),
         on("node-2", "pool-1", 2, 2, &["device-1"]),
         on("node-2", "pool-1", 2, 2, &["device-2"]),
     ]);
-    assert_not_allocated(case.allocate(one_request()));
+    assert_allocated(
+        case.allocate(one_request()),
+        &["req-0 driver-a/pool-1/device-1"],
+    );
 }
 
 #[test]
@@ -158,18 +160,15 @@ fn multi_host_resource_pool_complete_update_from_node_2_to_node_1() {
 
 #[test]
 fn multi_host_resource_pool_incomplete_update_from_node_1_to_node_2() {
-    // Upstream allocates device-1 from generation 1, as in the complete update above. Here the
-    // pool is at generation 2, of which one of two slices exists: incomplete, so nothing.
+    // As in the complete update above: node-1's own generation 1 is complete.
     let case = Case::new(vec![
         on("node-1", "pool-1", 1, 2, &["device-1"]),
         on("node-1", "pool-1", 1, 2, &["device-2"]),
         on("node-2", "pool-1", 2, 2, &["device-1"]),
     ]);
-    let result = case.allocate(one_request());
-    assert!(
-        matches!(&result, Err(AllocationError::NotEnoughDevices { notes, .. })
-            if notes.contains("pool driver-a/pool-1 skipped: incomplete: 1 of 2 slices at generation 2")),
-        "{result:?}"
+    assert_allocated(
+        case.allocate(one_request()),
+        &["req-0 driver-a/pool-1/device-1"],
     );
 }
 

@@ -103,6 +103,14 @@ impl Preparer {
 
         let this_boot = super::checkpoint::current_boot_id();
         let dynamic = *self.mig_mode.borrow() == MigMode::Dynamic;
+        // What NVIDIA's file still lists that this plugin has unprepared (taking over below adds
+        // nothing to that set), for the Event that says to move the file aside.
+        adoption.unprepared_since = checkpoint
+            .claims
+            .iter()
+            .filter(|c| c.state == "PrepareCompleted" && stored.nvidia_claims_done.contains(&c.uid))
+            .map(|c| nvidia_checkpoint::describe(std::slice::from_ref(c)))
+            .collect();
         for claim in checkpoint.claims {
             let uid = claim.uid.clone();
             if stored.nvidia_claims.contains_key(&uid)
@@ -136,7 +144,6 @@ impl Preparer {
             adoption.adopted.push(who);
             stored.nvidia_claims.insert(uid, adopted(claim, dynamic));
         }
-        adoption.unprepared_since = checkpoint_claims_done(stored, &path);
         adoption
     }
 
@@ -300,19 +307,6 @@ impl Preparer {
         info!(daemon = %id, "NVIDIA's MPS control daemon stopped");
         Ok(())
     }
-}
-
-/// The completed claims of NVIDIA's checkpoint at `path` that were taken over and are unprepared.
-fn checkpoint_claims_done(stored: &CheckpointData, path: &Path) -> Vec<String> {
-    let Ok(Some(checkpoint)) = nvidia_checkpoint::read_checkpoint(path) else {
-        return Vec::new();
-    };
-    checkpoint
-        .claims
-        .iter()
-        .filter(|c| c.state == "PrepareCompleted" && stored.nvidia_claims_done.contains(&c.uid))
-        .map(|c| nvidia_checkpoint::describe(std::slice::from_ref(c)))
-        .collect()
 }
 
 /// The record of a claim NVIDIA's plugin prepared. Its MIG devices count as made for the claim in

@@ -269,3 +269,47 @@ async fn an_upgrade_changes_the_version_and_gates_and_keeps_the_objects() {
         ]
     );
 }
+
+#[tokio::test]
+async fn a_1_34_slice_may_consume_at_most_1024_counters_in_all() {
+    // 1.34 caps the counters its devices consume together (ResourceSliceMaxDeviceCountersPerSlice),
+    // as the real server's validation does: 64 devices consuming 16 each fit, one more counter does not.
+    let (_server, api) = start(FeatureGates::all_enabled()).await;
+    let slice = |extra: bool| {
+        let counters: serde_json::Map<String, Value> = (0..16)
+            .map(|i| (format!("c{i}"), json!({"value": "1"})))
+            .collect();
+        let mut devices: Vec<Value> = (0..64)
+            .map(|i| {
+                json!({"name": format!("d{i}"),
+                "consumesCounters": [{"counterSet": "set", "counters": counters.clone()}]})
+            })
+            .collect();
+        if extra {
+            devices.push(json!({"name": "one-more",
+                "consumesCounters": [{"counterSet": "set", "counters": {"c0": {"value": "1"}}}]}));
+        }
+        let mut slice = gated_slice(if extra { "over" } else { "at" });
+        slice["spec"]["devices"] = json!(devices);
+        slice["spec"]["sharedCounters"] = json!([{"name": "set", "counters": counters}]);
+        typed(slice)
+    };
+    api.create(&PostParams::default(), &slice(false))
+        .await
+        .expect("1,024 counters are allowed");
+    let error = api
+        .create(&PostParams::default(), &slice(true))
+        .await
+        .expect_err("1,025 are not");
+    let kube::Error::Api(status) = error else {
+        panic!("an API error: {error:?}")
+    };
+    assert_eq!(status.code, 422, "{status:?}");
+    assert!(
+        status
+            .message
+            .contains("the total number of counters in devices must not exceed 1024"),
+        "{}",
+        status.message
+    );
+}

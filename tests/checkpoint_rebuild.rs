@@ -68,7 +68,7 @@ async fn an_unusable_checkpoint_is_set_aside_and_rebuilt_without_deleting_anythi
         node.config.mig_mode = MigMode::Dynamic;
         let plugin = node.start_plugin().await;
         let kubelet = node.kubelet().await;
-        node.wait_for_slices_where(|s| s.len() == 9).await;
+        node.wait_for_slices_where(|s| s.len() == 5).await;
         let claim = node
             .allocated_claim_with("mig", mig_request("1g.10gb"))
             .await
@@ -209,7 +209,7 @@ async fn a_checkpoint_of_the_next_minor_is_read_not_refused() {
     node.config.mig_mode = MigMode::Dynamic;
     let plugin = node.start_plugin().await;
     let kubelet = node.kubelet().await;
-    node.wait_for_slices_where(|s| s.len() == 9).await;
+    node.wait_for_slices_where(|s| s.len() == 5).await;
     let claim = node
         .allocated_claim_with("mig", mig_request("1g.10gb"))
         .await
@@ -264,7 +264,7 @@ async fn a_corrupt_checkpoint_with_the_api_server_hanging_leaves_everything_in_p
     node.config.startup_api_timeout = Duration::from_millis(300);
     let plugin = node.start_plugin().await;
     let kubelet = node.kubelet().await;
-    node.wait_for_slices_where(|s| s.len() == 9).await;
+    node.wait_for_slices_where(|s| s.len() == 5).await;
     let claim = node
         .allocated_claim_with("mig", mig_request("1g.10gb"))
         .await

@@ -372,7 +372,7 @@ async fn counters_come_back_when_the_server_is_upgraded_to_a_version_that_keeps_
                     .shared_counters
                     .as_ref()
                     .is_some_and(|c| c.len() == 8)
-            }) && s.len() == 9
+            }) && s.len() == 5
         })
         .await;
     assert!(devices(&slices).iter().any(|d| d.name.contains("-mig-")));

@@ -145,7 +145,7 @@ async fn a_missing_checkpoint_with_specs_of_running_claims_is_rebuilt_and_nothin
     node.config.mig_mode = MigMode::Dynamic;
     let plugin = node.start_plugin().await;
     let kubelet = node.kubelet().await;
-    node.wait_for_slices_where(|s| s.len() == 9).await;
+    node.wait_for_slices_where(|s| s.len() == 5).await;
     let mig_claim = node
         .allocated_claim_with("mig", mig_request("1g.10gb", 0))
         .await

@@ -5,7 +5,7 @@
 //! (several compute instances of one GPU instance are several devices, each with its own UUID), none for
 //! a GPU instance without compute instance, which CUDA cannot use.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::api::resource::v1::{
     Counter, CounterSet, Device, DeviceCapacity, DeviceCounterConsumption,
@@ -51,20 +51,17 @@ fn full_profile(mig: &MigInfo) -> Option<&MigProfile> {
         .max_by_key(|p| (p.compute_slices, p.memory_mib))
 }
 
-/// The GPU's counter set: what all its MIG devices together may use.
+/// The GPU's counter set: what all its MIG devices together may use. Its memory slices keep
+/// placements apart; of the engine, compute and memory totals only those that some set of
+/// non-overlapping placements would exceed are published (see [`binding_counters`]).
 pub fn counter_set(gpu: &Gpu, mig: &MigInfo) -> Option<CounterSet> {
-    let full = full_profile(mig)?;
-    let mut counters: BTreeMap<String, Counter> = profile_counters(full)
+    let totals = gpu_totals(gpu, mig)?;
+    let binding = binding_counters(mig, &totals);
+    let mut counters: BTreeMap<String, Counter> = totals
         .into_iter()
+        .filter(|(name, _)| binding.contains(name))
         .map(|(name, value)| (name, counter(value)))
         .collect();
-    counters.insert(
-        "compute-slices".into(),
-        counter(u64::from(mig.compute_slices)),
-    );
-    // The GPU's whole memory, not the 7g profile's: NVIDIA rounds each profile's memory on its own,
-    // and on H200 a valid set of small devices adds up to more than the 7g profile has.
-    counters.insert("memory".into(), counter(gpu.memory_bytes));
     for slice in 0..mig.memory_slices {
         counters.insert(memory_slice_counter(slice), counter(1));
     }
@@ -74,23 +71,125 @@ pub fn counter_set(gpu: &Gpu, mig: &MigInfo) -> Option<CounterSet> {
     })
 }
 
-/// What a MIG device at `placement` consumes: its profile's engines and its memory slices. Zero
-/// amounts are left out; they constrain nothing.
+/// The GPU's engine, compute and memory totals, by counter name: the full (7g) profile's engines,
+/// all compute slices and the GPU's whole memory, not the 7g profile's (NVIDIA rounds each profile's
+/// memory on its own, and on H200 a valid set of small devices adds up to more than the 7g profile has).
+fn gpu_totals(gpu: &Gpu, mig: &MigInfo) -> Option<BTreeMap<String, u64>> {
+    let mut totals = profile_counters(full_profile(mig)?);
+    totals.insert("compute-slices".into(), u64::from(mig.compute_slices));
+    totals.insert("memory".into(), gpu.memory_bytes);
+    Some(totals)
+}
+
+/// Sets of placements looked at before [`binding_counters`] gives up and keeps every counter.
+const BINDING_SEARCH_BUDGET: usize = 1_000_000;
+
+/// Which of `totals` can refuse something the memory slices allow: those that some set of devices
+/// (the whole GPU or MIG placements) with no memory slice in common would exceed. A counter that no
+/// such set exceeds refuses nothing, so leaving it out changes no allocation, and the scheduler checks
+/// every counter of every device of the node for every pod (issue 28): on an H100 only `ofa-engines`
+/// binds (one `+me` device at a time), and 7 of a MIG device's 8 counters go. Exhaustive over the
+/// sets; past [`BINDING_SEARCH_BUDGET`] of them, or with more memory slices than a mask holds, every
+/// counter stays.
+fn binding_counters(mig: &MigInfo, totals: &BTreeMap<String, u64>) -> BTreeSet<String> {
+    let everything = || totals.keys().cloned().collect();
+    if mig.memory_slices > 64 {
+        return everything();
+    }
+    let names: Vec<&String> = totals.keys().collect();
+    let capacity: Vec<u64> = names.iter().map(|name| totals[*name]).collect();
+    let amounts = |consumed: &BTreeMap<String, u64>| -> Vec<u64> {
+        names
+            .iter()
+            .map(|name| consumed.get(*name).copied().unwrap_or(0))
+            .collect()
+    };
+    let all_slices = if mig.memory_slices == 64 {
+        u64::MAX
+    } else {
+        (1u64 << mig.memory_slices) - 1
+    };
+    // The whole GPU takes every slice and every total; each placement its slices and its profile.
+    let mut candidates: Vec<(u64, Vec<u64>)> = vec![(all_slices, capacity.clone())];
+    for (profile, placement) in packing_order(mig) {
+        let mask = placement
+            .slices()
+            .fold(0u64, |mask, slice| mask | 1u64 << slice.min(63));
+        candidates.push((mask, amounts(&profile_counters(profile))));
+    }
+    let mut search = BindingSearch {
+        candidates: &candidates,
+        capacity: &capacity,
+        binding: vec![false; names.len()],
+        visited: 0,
+    };
+    if !search.walk(0, 0, &mut vec![0; names.len()]) {
+        return everything();
+    }
+    names
+        .into_iter()
+        .zip(search.binding)
+        .filter(|(_, binding)| *binding)
+        .map(|(name, _)| name.clone())
+        .collect()
+}
+
+/// The depth-first walk of [`binding_counters`] over sets of devices with disjoint memory slices.
+struct BindingSearch<'a> {
+    candidates: &'a [(u64, Vec<u64>)],
+    capacity: &'a [u64],
+    binding: Vec<bool>,
+    visited: usize,
+}
+
+impl BindingSearch<'_> {
+    /// Extends the set (its slices `used`, its sums `sums`) by each candidate from `from` on; false
+    /// once the budget is spent.
+    fn walk(&mut self, from: usize, used: u64, sums: &mut Vec<u64>) -> bool {
+        for index in from..self.candidates.len() {
+            let (mask, amounts) = &self.candidates[index];
+            if used & mask != 0 {
+                continue;
+            }
+            self.visited += 1;
+            if self.visited > BINDING_SEARCH_BUDGET {
+                return false;
+            }
+            for (counter, amount) in amounts.iter().enumerate() {
+                sums[counter] += amount;
+                if sums[counter] > self.capacity[counter] {
+                    self.binding[counter] = true;
+                }
+            }
+            let finished = self.walk(index + 1, used | mask, sums);
+            for (counter, amount) in amounts.iter().enumerate() {
+                sums[counter] -= amount;
+            }
+            if !finished {
+                return false;
+            }
+        }
+        true
+    }
+}
+
+/// What a MIG device at `placement` consumes from `set`: its memory slices and its profile's share of
+/// the totals the set holds. Zero amounts are left out; they constrain nothing.
 fn consumption(
-    gpu: &Gpu,
+    set: &CounterSet,
     profile: &MigProfile,
     placement: MigPlacement,
 ) -> DeviceCounterConsumption {
     let mut counters: BTreeMap<String, Counter> = profile_counters(profile)
         .into_iter()
-        .filter(|(_, value)| *value > 0)
+        .filter(|(name, value)| *value > 0 && set.counters.contains_key(name))
         .map(|(name, value)| (name, counter(value)))
         .collect();
     for slice in placement.slices() {
         counters.insert(memory_slice_counter(slice), counter(1));
     }
     DeviceCounterConsumption {
-        counter_set: counter_set_name(gpu.minor),
+        counter_set: set.name.clone(),
         counters,
         ..Default::default()
     }
@@ -111,12 +210,17 @@ pub fn whole_gpu_consumption(set: &CounterSet) -> DeviceCounterConsumption {
 }
 
 /// Every profile at every placement, in packing order (see [`packing_order`]).
-pub fn dynamic_devices(inventory: &Inventory, gpu: &Gpu, mig: &MigInfo) -> Vec<Device> {
+pub fn dynamic_devices(
+    inventory: &Inventory,
+    gpu: &Gpu,
+    mig: &MigInfo,
+    set: &CounterSet,
+) -> Vec<Device> {
     packing_order(mig)
         .into_iter()
         .map(|(profile, placement)| {
             let mut device = mig_device(inventory, gpu, profile, placement, None);
-            device.consumes_counters = Some(vec![consumption(gpu, profile, placement)]);
+            device.consumes_counters = Some(vec![consumption(set, profile, placement)]);
             device
         })
         .collect()
@@ -276,6 +380,8 @@ fn quantity(value: u64) -> DeviceCapacity {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::BTreeMap;
+
     use super::super::{node_devices, DeviceName, MigMode};
     use super::Device;
     use crate::gpu::{builtin_profile, FakeBackend, GpuBackend};
@@ -351,6 +457,159 @@ mod tests {
             "20"
         );
         assert_eq!(attr(devices[2], "computeProfile"), None);
+    }
+
+    /// Whether `devices` fit `set` together: the sum of what they consume stays within each counter.
+    fn fit(set: &BTreeMap<String, u64>, devices: &[&BTreeMap<String, u64>]) -> bool {
+        set.iter().all(|(name, total)| {
+            devices
+                .iter()
+                .map(|d| d.get(name).copied().unwrap_or(0))
+                .sum::<u64>()
+                <= *total
+        })
+    }
+
+    /// Every subset of `devices` whose memory slices are disjoint, depth first. Subsets whose slices
+    /// overlap fit under no counters that keep the slices, so they need no comparing.
+    fn disjoint_subsets<'a>(
+        devices: &'a [BTreeMap<String, u64>],
+        from: usize,
+        chosen: &mut Vec<usize>,
+        visit: &mut dyn FnMut(&[usize]),
+    ) {
+        visit(chosen);
+        for index in from..devices.len() {
+            let overlaps = devices[index].keys().any(|name| {
+                name.starts_with("memory-slice-")
+                    && chosen.iter().any(|&c| devices[c].contains_key(name))
+            });
+            if overlaps {
+                continue;
+            }
+            chosen.push(index);
+            disjoint_subsets(devices, index + 1, chosen, visit);
+            chosen.pop();
+        }
+    }
+
+    /// A device's consumption as a map of numbers.
+    fn consumed(device: &Device) -> BTreeMap<String, u64> {
+        device.consumes_counters.as_ref().unwrap()[0]
+            .counters
+            .iter()
+            .map(|(name, c)| (name.clone(), c.value.0.parse().unwrap()))
+            .collect()
+    }
+
+    #[test]
+    fn counters_that_refuse_nothing_are_left_out_and_every_allocation_stays_as_it_was() {
+        for profile in ["dgx-h100", "dgx-a100", "dgx-h200"] {
+            let mut inventory = FakeBackend::new("n", profile).unwrap().inventory().unwrap();
+            // An A100 offers its MIG devices only with MIG mode on.
+            inventory.gpus[0].mig.as_mut().unwrap().enabled = true;
+            let gpu = &inventory.gpus[0];
+            let mig = gpu.mig.as_ref().unwrap();
+            let node = node_devices(&inventory, MigMode::Dynamic);
+            let published = &node.gpus[0];
+            let set: BTreeMap<String, u64> = published
+                .counter_set
+                .as_ref()
+                .unwrap()
+                .counters
+                .iter()
+                .map(|(name, c)| (name.clone(), c.value.0.parse().unwrap()))
+                .collect();
+            // Every counter as before: all totals, each device its whole profile (the whole GPU
+            // all of it) and its memory slices.
+            let mut full_set = super::gpu_totals(gpu, mig).unwrap();
+            full_set.extend((0..mig.memory_slices).map(|s| (format!("memory-slice-{s}"), 1)));
+            let full: Vec<BTreeMap<String, u64>> = published
+                .devices
+                .iter()
+                .map(|device| match DeviceName::parse(&device.name).unwrap() {
+                    DeviceName::Gpu { .. } => full_set.clone(),
+                    DeviceName::Mig { profile, start, .. } => {
+                        let profile = mig
+                            .profiles
+                            .iter()
+                            .find(|p| p.dns_name() == profile)
+                            .unwrap();
+                        let placement = profile
+                            .placements
+                            .iter()
+                            .find(|p| p.start == start)
+                            .unwrap();
+                        let mut counters = super::profile_counters(profile);
+                        counters.retain(|_, v| *v > 0);
+                        counters
+                            .extend(placement.slices().map(|s| (format!("memory-slice-{s}"), 1)));
+                        counters
+                    }
+                })
+                .collect();
+            let pruned: Vec<BTreeMap<String, u64>> =
+                published.devices.iter().map(consumed).collect();
+            assert!(set.len() < full_set.len(), "{profile}: nothing left out");
+            // Every set of devices with disjoint memory slices fits the published counters exactly
+            // when it fits all of them.
+            let mut compared = 0;
+            disjoint_subsets(&full, 0, &mut Vec::new(), &mut |chosen| {
+                compared += 1;
+                let all: Vec<&BTreeMap<String, u64>> = chosen.iter().map(|&i| &full[i]).collect();
+                let kept: Vec<&BTreeMap<String, u64>> =
+                    chosen.iter().map(|&i| &pruned[i]).collect();
+                assert_eq!(
+                    fit(&full_set, &all),
+                    fit(&set, &kept),
+                    "{profile}: {chosen:?}"
+                );
+            });
+            assert!(compared > 100, "{profile}: {compared}");
+        }
+    }
+
+    #[test]
+    fn a_counter_that_some_placements_exceed_is_kept() {
+        let inventory = FakeBackend::new("n", "dgx-h100")
+            .unwrap()
+            .inventory()
+            .unwrap();
+        let node = node_devices(&inventory, MigMode::Dynamic);
+        let set = node.gpus[0].counter_set.as_ref().unwrap();
+        let names: Vec<&str> = set.counters.keys().map(String::as_str).collect();
+        // Two +me devices would need two optical-flow engines; the H100 has one.
+        assert_eq!(
+            names,
+            [
+                "memory-slice-0",
+                "memory-slice-1",
+                "memory-slice-2",
+                "memory-slice-3",
+                "memory-slice-4",
+                "memory-slice-5",
+                "memory-slice-6",
+                "memory-slice-7",
+                "ofa-engines"
+            ]
+        );
+        // A GPU with one decoder for all: two 1g devices would exceed it, so it binds.
+        let mut inventory = inventory;
+        let mig = inventory.gpus[0].mig.as_mut().unwrap();
+        for profile in &mut mig.profiles {
+            if profile.compute_slices == 7 {
+                profile.decoders = 1;
+            }
+        }
+        let node = node_devices(&inventory, MigMode::Dynamic);
+        let set = node.gpus[0].counter_set.as_ref().unwrap();
+        assert_eq!(set.counters["decoders"].value.0, "1");
+        let small = node.gpus[0]
+            .devices
+            .iter()
+            .find(|d| d.name == "gpu-0-mig-1g10gb-6")
+            .unwrap();
+        assert_eq!(consumed(small)["decoders"], 1);
     }
 
     #[test]

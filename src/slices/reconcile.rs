@@ -265,9 +265,10 @@ mod tests {
         assert!(!plan.is_noop);
         assert_eq!(plan.generation, 5);
         assert_eq!(plan.writes.len(), 1);
+        // gpu-3's devices share the second device slice with gpu-2's (s0 holds the counter sets).
         assert_eq!(
             plan.writes[0].1.and_then(|s| s.metadata.name.as_deref()),
-            Some("s4")
+            Some("s2")
         );
 
         // Two GPUs changing at once bump the generation and rewrite the pool.
@@ -319,7 +320,19 @@ mod tests {
 
     #[test]
     fn stored_dynamic_mig_slices_with_canonical_counters_need_no_writes() {
-        let node = node("dgx-h100", MigMode::Dynamic);
+        let mut node = node("dgx-h100", MigMode::Dynamic);
+        // A memory counter in bytes, as a GPU whose memory can run out before its slices has.
+        let bytes = k8s_openapi::api::resource::v1::Counter {
+            value: k8s_openapi::apimachinery::pkg::api::resource::Quantity("85520809984".into()),
+        };
+        let gpu = &mut node.gpus[0];
+        let set = gpu.counter_set.as_mut().unwrap();
+        set.counters.insert("memory".into(), bytes.clone());
+        for device in &mut gpu.devices {
+            device.consumes_counters.as_mut().unwrap()[0]
+                .counters
+                .insert("memory".into(), bytes.clone());
+        }
         let desired = desired_slices("gpu.dra.dev", "node-a", "uid-1", &node, V1_35);
         assert!(desired[0].spec.devices.is_none());
         assert_eq!(desired[0].spec.shared_counters.as_ref().unwrap().len(), 8);
@@ -343,7 +356,7 @@ mod tests {
             .shared_counters
             .as_mut()
             .unwrap()[0];
-        set.counters.get_mut("decoders").unwrap().value.0 = "6".into();
+        set.counters.get_mut("ofa-engines").unwrap().value.0 = "2".into();
         assert!(!reconcile(&stored_slices, &desired, "node-a").is_noop);
     }
 }

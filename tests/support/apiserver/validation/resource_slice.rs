@@ -22,6 +22,8 @@ const BINDING_CONDITIONS_MAX: usize = 4;
 const COUNTERS_PER_SET_MAX: usize = 32;
 const COUNTER_SETS_MAX: usize = 8;
 const CONSUMES_COUNTERS_MAX: usize = 2;
+/// `ResourceSliceMaxDeviceCountersPerSlice` (1.34): counters consumed by all devices of one slice.
+const DEVICE_COUNTERS_PER_SLICE_MAX_1_34: usize = 1024;
 
 const ONE_PLACEMENT: &str =
     "exactly one of `nodeName`, `nodeSelector`, `allNodes`, `perDeviceNodeSelection` is required";
@@ -181,6 +183,20 @@ fn validate_devices(
     };
     if devices.len() > max {
         errors.too_many("spec.devices", devices.len(), max);
+    }
+    if version < ServerVersion::V1_35 {
+        let consumed: usize = devices
+            .iter()
+            .flat_map(|d| as_array(d.get("consumesCounters")))
+            .map(|c| as_map(c.get("counters")).map_or(0, Map::len))
+            .sum();
+        if consumed > DEVICE_COUNTERS_PER_SLICE_MAX_1_34 {
+            errors.invalid(
+                "spec.devices",
+                &json!(consumed),
+                format!("the total number of counters in devices must not exceed {DEVICE_COUNTERS_PER_SLICE_MAX_1_34}"),
+            );
+        }
     }
     let mut names = HashSet::new();
     for (index, device) in devices.iter().enumerate() {

@@ -2,9 +2,10 @@
 //! logging set-up (text or JSON).
 
 use std::net::SocketAddr;
+use std::sync::atomic::AtomicU64;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -21,6 +22,35 @@ use tracing_subscriber::filter::Targets;
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct OutcomeLabels {
     outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SliceSyncLabels {
+    outcome: &'static str,
+}
+
+/// How one sync of the node's ResourceSlices ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SliceSync {
+    /// The server's slices already matched the devices: nothing written.
+    Unchanged,
+    /// Writes made the server's slices match.
+    Written,
+    /// Nothing written: the devices use fields the server drops and are being recomputed.
+    Deferred,
+    /// A request failed; the sync is retried with backoff.
+    Failed,
+}
+
+impl SliceSync {
+    fn label(self) -> &'static str {
+        match self {
+            SliceSync::Unchanged => "unchanged",
+            SliceSync::Written => "written",
+            SliceSync::Deferred => "deferred",
+            SliceSync::Failed => "error",
+        }
+    }
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -63,6 +93,8 @@ pub struct Metrics {
     prepare_seconds: Histogram,
     unprepare_seconds: Histogram,
     published_devices: Gauge,
+    slice_syncs: Family<SliceSyncLabels, Counter>,
+    slices_confirmed: Gauge<f64, AtomicU64>,
     api_errors: Family<OperationLabels, Counter>,
     api_timeouts: Family<OperationLabels, Counter>,
     device_healthy: Family<DeviceLabels, Gauge>,
@@ -82,6 +114,8 @@ impl Metrics {
         let prepare_seconds = Histogram::new(exponential_buckets(0.0005, 2.0, 16));
         let unprepare_seconds = Histogram::new(exponential_buckets(0.0005, 2.0, 16));
         let published_devices = Gauge::default();
+        let slice_syncs = Family::<SliceSyncLabels, Counter>::default();
+        let slices_confirmed = Gauge::<f64, AtomicU64>::default();
         let api_errors = Family::<OperationLabels, Counter>::default();
         let api_timeouts = Family::<OperationLabels, Counter>::default();
         let device_healthy = Family::<DeviceLabels, Gauge>::default();
@@ -149,6 +183,20 @@ impl Metrics {
             published_devices.clone(),
         );
         registry.register(
+            "slice_syncs",
+            "Syncs of this node's ResourceSlices with the API server, by outcome (unchanged: they already \
+             matched; written: writes made them match; deferred: devices being recomputed; error)",
+            slice_syncs.clone(),
+        );
+        registry.register(
+            "slices_confirmed_timestamp_seconds",
+            "Unix time of the last sync that found the API server's ResourceSlices of this node matching its \
+             devices or made them match; 0 before the first. An idle node does not sync, so an old value \
+             alone is no fault; while syncs fail (slice_syncs_total{outcome=\"error\"}) it says since when \
+             the slices have gone unconfirmed",
+            slices_confirmed.clone(),
+        );
+        registry.register(
             "api_errors",
             "Failed requests to the Kubernetes API server, by operation",
             api_errors.clone(),
@@ -166,6 +214,8 @@ impl Metrics {
             prepare_seconds,
             unprepare_seconds,
             published_devices,
+            slice_syncs,
+            slices_confirmed,
             api_errors,
             api_timeouts,
             device_healthy,
@@ -240,6 +290,22 @@ impl Metrics {
 
     pub fn set_published_devices(&self, count: usize) {
         self.published_devices.set(count as i64);
+    }
+
+    /// A sync of the node's slices ended with `outcome`; one that leaves the server's slices matching the
+    /// devices (unchanged or written) also sets the confirmation time to now.
+    pub fn slice_sync(&self, outcome: SliceSync) {
+        self.slice_syncs
+            .get_or_create(&SliceSyncLabels {
+                outcome: outcome.label(),
+            })
+            .inc();
+        if matches!(outcome, SliceSync::Unchanged | SliceSync::Written) {
+            // A clock before 1970 leaves the gauge as it was rather than going back to 0.
+            if let Ok(now) = SystemTime::now().duration_since(UNIX_EPOCH) {
+                self.slices_confirmed.set(now.as_secs_f64());
+            }
+        }
     }
 
     pub fn api_error(&self, operation: &'static str) {
@@ -463,8 +529,52 @@ fn log_filter(rust_log: Option<&str>, default_level: &str) -> Targets {
 
 #[cfg(test)]
 mod tests {
-    use super::log_filter;
+    use super::{log_filter, Metrics, SliceSync};
     use tracing::Level;
+
+    fn sample(text: &str, name: &str) -> Option<f64> {
+        text.lines()
+            .find_map(|line| line.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+    }
+
+    #[test]
+    fn slice_syncs_are_counted_by_outcome_and_only_a_match_confirms() {
+        let metrics = Metrics::new();
+        let confirmed = "gpu_dra_slices_confirmed_timestamp_seconds";
+        assert_eq!(sample(&metrics.encode(), confirmed), Some(0.0));
+
+        metrics.slice_sync(SliceSync::Failed);
+        metrics.slice_sync(SliceSync::Deferred);
+        let text = metrics.encode();
+        assert_eq!(sample(&text, confirmed), Some(0.0), "{text}");
+        assert_eq!(
+            sample(&text, r#"gpu_dra_slice_syncs_total{outcome="error"}"#),
+            Some(1.0)
+        );
+        assert_eq!(
+            sample(&text, r#"gpu_dra_slice_syncs_total{outcome="deferred"}"#),
+            Some(1.0)
+        );
+
+        let before = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs_f64();
+        metrics.slice_sync(SliceSync::Written);
+        metrics.slice_sync(SliceSync::Unchanged);
+        metrics.slice_sync(SliceSync::Unchanged);
+        let text = metrics.encode();
+        let at = sample(&text, confirmed).unwrap();
+        assert!(at >= before && at < before + 60.0, "{at} vs {before}");
+        assert_eq!(
+            sample(&text, r#"gpu_dra_slice_syncs_total{outcome="written"}"#),
+            Some(1.0)
+        );
+        assert_eq!(
+            sample(&text, r#"gpu_dra_slice_syncs_total{outcome="unchanged"}"#),
+            Some(2.0)
+        );
+    }
 
     #[test]
     fn rust_log_is_a_list_of_targets_and_levels() {

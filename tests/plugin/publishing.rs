@@ -1,6 +1,7 @@
 //! Publishing ResourceSlices: nothing written when nothing changed, stale slices removed and other
-//! drivers' left alone, wiped slices restored, API errors survived, profile edits republished, a large
-//! node split into slices, a re-created Node followed, and an idle plugin that only watches.
+//! drivers' left alone, wiped slices restored, API errors survived, each sync counted and the last
+//! confirmation timed, profile edits republished, a large node split into slices, a re-created Node
+//! followed, and an idle plugin that only watches.
 
 use std::time::Duration;
 
@@ -118,6 +119,58 @@ async fn publishing_survives_api_errors_and_slowness() {
             .unwrap_or(0)
     };
     assert_eq!(errors("creating") + errors("dry_run_slice"), 2, "{metrics}");
+    plugin.shutdown().await;
+}
+
+/// A sample of the plugin's metrics, by its full name with labels (0 when absent).
+fn sample(metrics: &str, name: &str) -> f64 {
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or(0.0)
+}
+
+fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_slice_sync_is_counted_and_a_matching_one_confirms_the_slices() {
+    let confirmed = "gpu_dra_slices_confirmed_timestamp_seconds";
+    let syncs = |outcome: &str| format!("gpu_dra_slice_syncs_total{{outcome=\"{outcome}\"}}");
+    let node = Harness::new("l40s-4").await;
+    let before = unix_now();
+    let plugin = node.start_plugin().await;
+    let published = node.wait_for_slices().await;
+    until_quiet(&node, Duration::from_millis(1500)).await;
+    let metrics = plugin.metrics.encode();
+    assert_eq!(sample(&metrics, &syncs("written")), 1.0, "{metrics}");
+    let first = sample(&metrics, confirmed);
+    assert!(first >= before && first <= unix_now(), "{metrics}");
+
+    // The kubelet wipes the slice; the first create fails, the retry restores it.
+    node.api.fail_next(FaultSpec {
+        verb: Some(Verb::Create),
+        resource: Some("resourceslices".to_string()),
+        code: 500,
+        count: 1,
+    });
+    let name = published[0].metadata.name.clone().unwrap();
+    node.api.remove("resourceslices", None, &name).unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let metrics = loop {
+        let metrics = plugin.metrics.encode();
+        if sample(&metrics, &syncs("written")) == 2.0 {
+            break metrics;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{metrics}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(sample(&metrics, &syncs("error")), 1.0, "{metrics}");
+    assert!(sample(&metrics, confirmed) > first, "{metrics}");
     plugin.shutdown().await;
 }
 

@@ -17,9 +17,9 @@ use tokio::sync::{watch, Notify};
 use tracing::{debug, info, info_span, warn, Instrument};
 
 use super::Publisher;
-use crate::apiclient::NOT_SERVED_RETRY_MAX;
+use crate::apiclient::{jittered_cap, NOT_SERVED_RETRY_MAX};
 use crate::devices::NodeDevices;
-use crate::observability::Readiness;
+use crate::observability::{Readiness, SliceSync};
 
 /// The first wait after a failed sync; it doubles with each further failure.
 const FIRST_BACKOFF: Duration = Duration::from_millis(500);
@@ -64,6 +64,7 @@ impl Publisher {
             let span = info_span!("slice_sync", driver = %self.driver, node = %self.node_name, devices = snapshot.device_count());
             match self.sync(&snapshot).instrument(span).await {
                 Ok(stats) if stats.deferred => {
+                    self.metrics.slice_sync(SliceSync::Deferred);
                     // The monitor recomputes the devices for what the server keeps; sync those.
                     tokio::select! {
                         result = devices.changed() => if result.is_err() { break },
@@ -75,11 +76,15 @@ impl Publisher {
                 Ok(stats) => {
                     if stats.writes() > 0 {
                         last_write = Some(tokio::time::Instant::now());
+                        self.metrics.slice_sync(SliceSync::Written);
+                    } else {
+                        self.metrics.slice_sync(SliceSync::Unchanged);
                     }
                     backoff.reset();
                     readiness.set_slices_published();
                 }
                 Err(error) => {
+                    self.metrics.slice_sync(SliceSync::Failed);
                     let not_served = error.api_not_served();
                     let delay = if not_served {
                         backoff.next_delay_up_to(NOT_SERVED_RETRY_MAX)
@@ -165,9 +170,10 @@ async fn watch_slices(api: Api<ResourceSlice>, config: watcher::Config, changed:
 /// One backon sequence serves both caps, so that every failure counts towards the next delay whichever
 /// cap applies to it: the sequence grows to the largest cap a caller asks for ([`NOT_SERVED_RETRY_MAX`])
 /// and each delay is cut to the caller's cap. backon's jitter adds a random part of up to the delay
-/// itself (a delay `d` becomes one in `[d, 2d)`), and the cut comes after it, so a cap stays the longest
-/// wait there is. At the cap every node then waits the cap exactly; the jitter of the growing delays
-/// before it has already spread the nodes apart, and equal waits keep them so.
+/// itself (a delay `d` becomes one in `[d, 2d)`). A delay that reaches the cap is drawn again from between
+/// half the cap and the cap ([`jittered_cap`]), so a cap stays the longest wait there is and nodes that
+/// failed together (an API server gone for all) do not keep retrying in the same second: a fixed wait at
+/// the cap would keep whatever spread the growing delays left, and no more.
 struct Backoff {
     delays: <ExponentialBuilder as BackoffBuilder>::Backoff,
 }
@@ -196,7 +202,12 @@ impl Backoff {
     /// `max` above [`NOT_SERVED_RETRY_MAX`] is never reached.
     fn next_delay_up_to(&mut self, max: Duration) -> Duration {
         // Without a maximum number of attempts the sequence never ends; `max` would stand in if it did.
-        self.delays.next().unwrap_or(max).min(max)
+        let delay = self.delays.next().unwrap_or(max);
+        if delay >= max {
+            jittered_cap(max)
+        } else {
+            delay
+        }
     }
 }
 
@@ -210,13 +221,20 @@ mod tests {
         let first = backoff.next_delay();
         // backon's jitter adds up to the delay itself: the first wait is 0.5 s to 1 s.
         assert!(first >= Duration::from_millis(500) && first < Duration::from_millis(1000));
-        let mut last = first;
-        for _ in 0..20 {
-            last = backoff.next_delay();
-            // The cut to the cap comes after the jitter: the cap holds exactly.
-            assert!(last <= MAX_BACKOFF);
+        let mut at_cap = Vec::new();
+        for attempt in 0..40 {
+            let delay = backoff.next_delay();
+            // The cap holds after the jitter.
+            assert!(delay <= MAX_BACKOFF, "{delay:?}");
+            if attempt >= 10 {
+                at_cap.push(delay);
+            }
         }
-        assert_eq!(last, MAX_BACKOFF, "grown to the cap");
+        // Grown to the cap, where each wait is drawn from between half the cap and the cap: nodes that
+        // failed together do not go on retrying in the same second.
+        assert!(at_cap.iter().all(|d| *d >= MAX_BACKOFF / 2), "{at_cap:?}");
+        let (shortest, longest) = (at_cap.iter().min().unwrap(), at_cap.iter().max().unwrap());
+        assert!(*longest - *shortest > Duration::from_secs(1), "{at_cap:?}");
         backoff.reset();
         assert!(backoff.next_delay() < Duration::from_millis(1000));
     }

@@ -329,18 +329,15 @@ async fn counters_come_back_when_the_server_keeps_them_after_a_restart() {
     // The admin enables the gates (kube-apiserver restarted with them) and restarts the plugin.
     node.api.set_feature_gates(FeatureGates::all_enabled());
     let plugin = node.start_plugin().await;
-    // On 1.34 each partitionable GPU gets one slice with its counter set and the devices consuming it.
+    // On 1.34 the partitionable GPUs' counter sets sit in slices with the devices consuming them,
+    // three GPUs to a slice.
     let slices = node
         .wait_for_slices_where(|s| {
             s.iter()
-                .filter(|s| {
-                    s.spec
-                        .shared_counters
-                        .as_ref()
-                        .is_some_and(|c| c.len() == 1)
-                })
-                .count()
+                .map(|s| s.spec.shared_counters.as_ref().map_or(0, Vec::len))
+                .sum::<usize>()
                 == 8
+                && s.len() == 3
         })
         .await;
     assert!(devices(&slices).iter().any(|d| d.name.contains("-mig-")));

@@ -285,17 +285,7 @@ impl WatchBackoff {
             _ => LastError::Other,
         }
     }
-}
 
-impl Iterator for WatchBackoff {
-    type Item = Duration;
-
-    fn next(&mut self) -> Option<Duration> {
-        self.next_at(tokio::time::Instant::now())
-    }
-}
-
-impl WatchBackoff {
     fn next_at(&mut self, now: tokio::time::Instant) -> Option<Duration> {
         let failed_for = self.failing_since.map(|since| now - since);
         self.failing_since.get_or_insert(now);
@@ -309,6 +299,14 @@ impl WatchBackoff {
             }
             _ => self.usual.next(),
         }
+    }
+}
+
+impl Iterator for WatchBackoff {
+    type Item = Duration;
+
+    fn next(&mut self) -> Option<Duration> {
+        self.next_at(tokio::time::Instant::now())
     }
 }
 

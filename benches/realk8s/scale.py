@@ -10,8 +10,12 @@ It restarts kube-scheduler and kube-controller-manager with --kube-api-qps/--kub
 client rate limits would otherwise bound throughput before the DRA search does), makes the nodes Ready
 (Node objects; no kubelet), writes each node's slices, then the template and the pods. Reported, one
 JSON line: wall time to all bound and pods/s; the scheduler's own metrics as deltas over the run (its
-pod_scheduling_sli_duration p50/p99, the DynamicResources plugin's Filter/PreFilter/Reserve/PreBind time
-per pod, scheduling attempts by result); bytes of slices per node as the API server returns them.
+pod_scheduling_sli_duration and scheduling_algorithm_duration p50/p99, the DynamicResources plugin's
+Filter/PreFilter/Reserve/PreBind time per call, scheduling attempts by result) and its CPU time per pod;
+slices, devices and JSON bytes per node; the API server's side, measured before the pods: etcd bytes per
+node, what a watcher of all slices receives for one GPU tainted and for a pool republished, the request
+rate at rest, the components' RssAnon. --cpu-profile F takes the scheduler's pprof profile; --bare is a
+floor (the same devices with their type only); --mig-mode static uses MIG devices an admin made.
 Claims: whole (one GPU), mig-1g (one 1g MIG device), mig-mixed (1g + 2g + 3g), nvlink-pair (two GPUs with
 matchAttribute nvlinkDomain), unfit (more GPUs than a node has: how long failing takes).
 """

@@ -88,7 +88,7 @@ const BINDING_SEARCH_BUDGET: usize = 1_000_000;
 /// (the whole GPU or MIG placements) with no memory slice in common would exceed. A counter that no
 /// such set exceeds refuses nothing, so leaving it out changes no allocation, and the scheduler checks
 /// every counter of every device of the node for every pod (issue 28): on an H100 only `ofa-engines`
-/// binds (one `+me` device at a time), and 7 of a MIG device's 8 counters go. Exhaustive over the
+/// binds (one `+me` device at a time), and a 1g device consumes 1 counter instead of 7. Exhaustive over the
 /// sets; past [`BINDING_SEARCH_BUDGET`] of them, or with more memory slices than a mask holds, every
 /// counter stays.
 fn binding_counters(mig: &MigInfo, totals: &BTreeMap<String, u64>) -> BTreeSet<String> {
@@ -145,7 +145,7 @@ struct BindingSearch<'a> {
 impl BindingSearch<'_> {
     /// Extends the set (its slices `used`, its sums `sums`) by each candidate from `from` on; false
     /// once the budget is spent.
-    fn walk(&mut self, from: usize, used: u64, sums: &mut Vec<u64>) -> bool {
+    fn walk(&mut self, from: usize, used: u64, sums: &mut [u64]) -> bool {
         for index in from..self.candidates.len() {
             let (mask, amounts) = &self.candidates[index];
             if used & mask != 0 {

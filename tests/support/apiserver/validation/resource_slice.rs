@@ -185,11 +185,11 @@ fn validate_devices(
         errors.too_many("spec.devices", devices.len(), max);
     }
     if version < ServerVersion::V1_35 {
-        let consumed: usize = devices
-            .iter()
-            .flat_map(|d| as_array(d.get("consumesCounters")))
-            .map(|c| as_map(c.get("counters")).map_or(0, Map::len))
-            .sum();
+        let consumed = counters_in(
+            devices
+                .iter()
+                .flat_map(|d| as_array(d.get("consumesCounters"))),
+        );
         if consumed > DEVICE_COUNTERS_PER_SLICE_MAX_1_34 {
             errors.invalid(
                 "spec.devices",
@@ -354,10 +354,7 @@ fn validate_consumed_counters(
     consumptions: &[Value],
 ) {
     let field = format!("{path}.consumesCounters");
-    let total: usize = consumptions
-        .iter()
-        .map(|c| as_map(c.get("counters")).map_or(0, Map::len))
-        .sum();
+    let total = counters_in(consumptions);
     if version >= ServerVersion::V1_35 {
         if consumptions.len() > CONSUMES_COUNTERS_MAX {
             errors.too_many(&field, consumptions.len(), CONSUMES_COUNTERS_MAX);
@@ -381,6 +378,14 @@ fn validate_consumed_counters(
             consumption.get("counters"),
         );
     }
+}
+
+/// How many counters `entries` (counter sets, or the counter consumptions of devices) name in all.
+fn counters_in<'a>(entries: impl IntoIterator<Item = &'a Value>) -> usize {
+    entries
+        .into_iter()
+        .map(|entry| as_map(entry.get("counters")).map_or(0, Map::len))
+        .sum()
 }
 
 fn validate_counters(errors: &mut Errors, field: &str, counters: Option<&Value>) {
@@ -446,10 +451,7 @@ fn validate_shared_counters(
             errors.too_many("spec.sharedCounters", sets.len(), COUNTER_SETS_MAX);
         }
     } else {
-        let total: usize = sets
-            .iter()
-            .map(|s| as_map(s.get("counters")).map_or(0, Map::len))
-            .sum();
+        let total = counters_in(sets);
         if total > COUNTERS_PER_SET_MAX {
             errors.invalid(
                 "spec.sharedCounters",

@@ -16,6 +16,7 @@ pub mod cli;
 #[cfg(feature = "doubles")]
 pub mod demo;
 pub mod devices;
+pub mod domains;
 pub mod explain;
 pub mod fsutil;
 pub mod gpu;

@@ -1,0 +1,131 @@
+//! The IMEX channel devices a node publishes: `imex-channel-<N>` for N below the node's channel count,
+//! on nodes whose GPUs joined one NVLink fabric clique (and on no other node, so the scheduler never
+//! places a domain's pod on a node without fabric). Each carries the clique, so a domain's claim
+//! template selects only its clique's nodes, and its channel number, so that two domains on one node
+//! never get the same channel: the controller gives each domain of a clique its own number.
+
+use std::collections::BTreeSet;
+
+use k8s_openapi::api::resource::v1::{Device, DeviceAttribute};
+
+use crate::gpu::Inventory;
+
+pub const DEVICE_PREFIX: &str = "imex-channel-";
+/// The `type` attribute of a channel device.
+pub const CHANNEL_TYPE: &str = "imex-channel";
+/// The attributes a channel device carries besides `type`.
+pub const CHANNEL_ATTRIBUTE: &str = "channel";
+pub const CLIQUE_ATTRIBUTE: &str = "nvlinkDomain";
+/// Where a container finds channel N, and the `/proc/devices` name of its major.
+pub const CHANNEL_DIR: &str = "/dev/nvidia-caps-imex-channels";
+pub const PROC_DEVICES_NAME: &str = "nvidia-caps-imex-channels";
+/// How many channels a fabric node publishes by default: as many domains as a clique may hold at once.
+pub const DEFAULT_CHANNELS: u32 = 32;
+/// The driver creates at most 2048 channels (`NVreg_ImexChannelCount`'s default and maximum).
+pub const MAX_CHANNELS: u32 = 2048;
+
+/// `imex-channel-<N>`.
+pub fn device_name(channel: u32) -> String {
+    format!("{DEVICE_PREFIX}{channel}")
+}
+
+/// The channel number of a channel device's name; `None` for every other name.
+pub fn parse_device_name(name: &str) -> Option<u32> {
+    let digits = name.strip_prefix(DEVICE_PREFIX)?;
+    if digits.is_empty()
+        || !digits.bytes().all(|b| b.is_ascii_digit())
+        || (digits.len() > 1 && digits.starts_with('0'))
+    {
+        return None;
+    }
+    digits.parse().ok().filter(|n| *n < MAX_CHANNELS)
+}
+
+/// The device file of channel N inside a container.
+pub fn device_file(channel: u32) -> String {
+    format!("{CHANNEL_DIR}/channel{channel}")
+}
+
+/// The NVLink clique of this node: the fabric domain every GPU joined, when they all joined the same
+/// one. `Err` says why the node has none (for logs and `gpu-dra devices`).
+pub fn node_clique(inventory: &Inventory) -> Result<String, String> {
+    if inventory.gpus.is_empty() {
+        return Err("the node has no GPU".into());
+    }
+    let mut cliques = BTreeSet::new();
+    for gpu in &inventory.gpus {
+        match &gpu.fabric {
+            Some(fabric) => {
+                cliques.insert(fabric.domain());
+            }
+            None => {
+                return Err(format!(
+                    "GPU {} has not joined an NVLink fabric (no fabric info, or its registration did not complete)",
+                    gpu.uuid
+                ))
+            }
+        }
+    }
+    if cliques.len() > 1 {
+        return Err(format!(
+            "the GPUs are in different NVLink cliques ({})",
+            cliques.into_iter().collect::<Vec<_>>().join(", ")
+        ));
+    }
+    Ok(cliques.into_iter().next().unwrap_or_default())
+}
+
+/// The channel devices of a node with `count` channels; none where the node has no clique.
+pub fn channel_devices(inventory: &Inventory, count: u32) -> Vec<Device> {
+    let Ok(clique) = node_clique(inventory) else {
+        return Vec::new();
+    };
+    (0..count.min(MAX_CHANNELS))
+        .map(|channel| Device {
+            name: device_name(channel),
+            attributes: Some(
+                [
+                    ("type".to_string(), string(CHANNEL_TYPE)),
+                    (CHANNEL_ATTRIBUTE.to_string(), int(i64::from(channel))),
+                    (CLIQUE_ATTRIBUTE.to_string(), string(&clique)),
+                ]
+                .into(),
+            ),
+            ..Default::default()
+        })
+        .collect()
+}
+
+fn string(value: &str) -> DeviceAttribute {
+    DeviceAttribute {
+        string: Some(value.to_string()),
+        ..Default::default()
+    }
+}
+
+fn int(value: i64) -> DeviceAttribute {
+    DeviceAttribute {
+        int: Some(value),
+        ..Default::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_parse_back_and_nothing_else_does() {
+        assert_eq!(parse_device_name(&device_name(7)), Some(7));
+        for name in [
+            "imex-channel-",
+            "imex-channel-07",
+            "imex-channel-x",
+            "gpu-0",
+            "imex-channel-2048",
+        ] {
+            assert_eq!(parse_device_name(name), None, "{name}");
+        }
+        assert_eq!(device_file(3), "/dev/nvidia-caps-imex-channels/channel3");
+    }
+}

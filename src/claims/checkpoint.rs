@@ -146,6 +146,9 @@ pub struct ClaimRecord {
     /// The claim's MPS control daemon, while it runs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mps: Option<super::mps::MpsDaemonRecord>,
+    /// The ComputeDomain the claim's IMEX channel is for, once this node joined it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub domain: Option<crate::domains::membership::ChannelMembership>,
 }
 
 /// The checkpoint's content.
@@ -319,6 +322,7 @@ mod tests {
                     sharing: Default::default(),
                 }],
                 mps: None,
+                domain: None,
             },
         );
         data

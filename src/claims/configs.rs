@@ -30,6 +30,7 @@ use crate::api::config::{
     declared_kind, decode_config, decode_config_value, ConfigError, DeviceConfig, SharingSettings,
 };
 use crate::api::NVIDIA_DRIVER_NAME;
+use crate::domains::api::ChannelConfig;
 
 /// The `source` of a config the scheduler copied from the DeviceClass.
 pub const SOURCE_FROM_CLASS: &str = "FromClass";
@@ -113,7 +114,11 @@ pub fn resolve_with_uuids(
     uuids: &[Option<&str>],
 ) -> Result<Vec<ResolvedSharing>, ConfigEntryError> {
     let mut ours = Vec::new();
-    for entry in entries.iter().filter(|e| e.driver == driver) {
+    // ComputeDomain channel configs are read where the claim joins its domain, not here.
+    for entry in entries
+        .iter()
+        .filter(|e| e.driver == driver && channel_config(driver, e).is_none())
+    {
         let config = decode_entry(entry).map_err(|(kind, error)| ConfigEntryError {
             index: entry.index,
             kind,
@@ -314,6 +319,22 @@ fn decode_entry(
     })
 }
 
+/// The ComputeDomain channel config an entry holds, if it is one (malformed or not).
+pub fn channel_config(
+    driver: &str,
+    entry: &ConfigEntry<'_>,
+) -> Option<Result<ChannelConfig, String>> {
+    let parsed;
+    let value = match entry.raw {
+        Some(raw) => {
+            parsed = serde_json::from_str::<Value>(raw).ok()?;
+            &parsed
+        }
+        None => entry.value?,
+    };
+    ChannelConfig::parse(driver, value)
+}
+
 /// The opaque entries of a claim's `status.allocation.devices.config`, for [`resolve`].
 /// `raw_parameters[i]`, where given, is the raw JSON text of entry `i`'s `opaque.parameters`
 /// (see [`raw_allocation_parameters`]).
@@ -419,6 +440,9 @@ pub fn check_opaque_configs<'a>(
         .enumerate()
         .filter_map(|(index, opaque)| {
             let opaque = opaque.filter(|o| o.driver == driver)?;
+            if let Some(Ok(_)) = ChannelConfig::parse(driver, &opaque.parameters.0) {
+                return None;
+            }
             let error = decode_config_value(&opaque.parameters.0).err()?;
             Some(ConfigProblem {
                 index,

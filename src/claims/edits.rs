@@ -156,8 +156,12 @@ pub(super) fn write_spec_with(
             (device.device.clone(), edits)
         })
         .collect();
+    let is_channel = |device: &PreparedDevice| {
+        crate::domains::channels::parse_device_name(&device.device).is_some()
+    };
     let mut common = match &driver.host {
-        Some(host) if !devices.iter().all(uses_toolkit) => host.clone(),
+        // A claim of IMEX channels alone needs none of the driver's files.
+        Some(host) if !devices.iter().all(|d| uses_toolkit(d) || is_channel(d)) => host.clone(),
         _ => ContainerEdits::default(),
     };
     // CUDA images set NVIDIA_VISIBLE_DEVICES=all; where the NVIDIA container runtime is the node's
@@ -180,6 +184,15 @@ pub(super) fn write_spec_with(
 /// without looking on the host, which has no file for a MIG capability or the fake backend's devices.
 pub fn container_edits(inventory: &Inventory, device: &PreparedDevice) -> ContainerEdits {
     let mut edits = ContainerEdits::default();
+    if let Some(channel) = crate::domains::channels::parse_device_name(&device.device) {
+        // An IMEX channel: its device file only, with the `nvidia-caps-imex-channels` major.
+        edits.device_nodes = vec![device_node(
+            inventory,
+            crate::domains::channels::device_file(channel),
+        )];
+        edits.env = vec![format!("{}={channel}", device_variable(&device.device))];
+        return edits;
+    }
     let Some(gpu) = find_gpu(inventory, &device.device) else {
         return edits;
     };

@@ -57,6 +57,8 @@ pub enum ClaimError {
     },
     #[error("ResourceClaim {claim}: sharing: {reason}")]
     Sharing { claim: String, reason: String },
+    #[error("ResourceClaim {claim}: ComputeDomain: {reason}")]
+    Domain { claim: String, reason: String },
     #[error("ResourceClaim {claim}: writing CDI spec: {source}")]
     Cdi {
         claim: String,

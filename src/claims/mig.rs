@@ -35,6 +35,10 @@ pub(super) struct MigTarget {
 /// Resolves a device name against the inventory: `Ok(None)` for a whole GPU that exists, the MIG
 /// target for a MIG device, or why the node has no such device.
 pub(super) fn resolve(inventory: &Inventory, device: &str) -> Result<Option<MigTarget>, String> {
+    if crate::domains::channels::parse_device_name(device).is_some() {
+        // An IMEX channel: published only where the node is in an NVLink clique.
+        return crate::domains::channels::node_clique(inventory).map(|_| None);
+    }
     let name = DeviceName::parse(device).ok_or("not a device name this driver publishes")?;
     let gpu = inventory
         .gpus

@@ -12,6 +12,7 @@
 //! each record of the earlier boot against the API server first (`recovery.rs`).
 
 mod allocation;
+mod channels;
 pub mod checkpoint;
 pub mod configs;
 mod edits;
@@ -137,6 +138,8 @@ pub struct ClaimsConfig {
     pub sharing_timeout: Duration,
     /// Under NVIDIA's driver name: where NVIDIA's plugin ran its MPS daemons' Deployments.
     pub nvidia_namespace: String,
+    /// This node's side of ComputeDomains; `None` refuses claims for IMEX channels.
+    pub domains: Option<Arc<crate::domains::membership::Membership>>,
 }
 
 /// The claim state machine of one plugin instance.
@@ -161,6 +164,9 @@ pub struct Preparer {
     /// The sharing mode last set on each GPU, with one lock per GPU held while its mode changes.
     gpu_modes: gpu_modes::GpuModes,
     nvidia_namespace: String,
+    domains: Option<Arc<crate::domains::membership::Membership>>,
+    /// The API groups of ComputeDomains this driver name serves.
+    domain_groups: Vec<crate::domains::api::DomainGroup>,
 }
 
 impl Preparer {
@@ -176,7 +182,7 @@ impl Preparer {
         metrics: Arc<Metrics>,
     ) -> Result<(Arc<Preparer>, Recovery), ClaimError> {
         let preparer = Arc::new(Preparer {
-            driver: config.driver_name,
+            driver: config.driver_name.clone(),
             pool: config.pool,
             client,
             cdi: config.cdi,
@@ -197,6 +203,8 @@ impl Preparer {
             mps: Arc::new(config.mps),
             gpu_modes: gpu_modes::GpuModes::new(config.sharing_timeout),
             nvidia_namespace: config.nvidia_namespace,
+            domain_groups: crate::domains::api::DomainGroup::served_by(&config.driver_name),
+            domains: config.domains,
         });
         let recovery = preparer.recover_at_start().await?;
         Ok((preparer, recovery))
@@ -273,13 +281,23 @@ impl Preparer {
         let fetched = self.fetch_within_budget(claim).await?;
         let inventory = self.inventory.borrow().clone();
         let mut devices = self.allocated_devices(claim, &fetched.claim, &inventory)?;
-        self.resolve_sharing(claim, &fetched, &inventory, &mut devices)?;
+        let channel = self.channel_request(claim, &fetched, &devices, &inventory)?;
+        if channel.is_none() {
+            self.resolve_sharing(claim, &fetched, &inventory, &mut devices)?;
+        }
 
         self.reserve(claim, &inventory, &devices)?;
         // No `started` record on disk: whatever reaches the node before the `completed` record is
         // cleaned up after a crash all the same, because recovery removes every spec, MPS daemon and
         // recorded (dynamic) MIG device that no completed claim owns.
-        if let Err(error) = self.make_devices(claim, &inventory, &mut devices).await {
+        let made = match &channel {
+            Some(request) => {
+                self.make_channel(claim, &inventory, request, &devices)
+                    .await
+            }
+            None => self.make_devices(claim, &inventory, &mut devices).await,
+        };
+        if let Err(error) = made {
             self.roll_back(claim, &devices).await;
             return Err(error);
         }
@@ -356,6 +374,32 @@ impl Preparer {
         })
     }
 
+    /// Joins the channel's domain on this node (its daemon ready), records it, writes the CDI spec.
+    async fn make_channel(
+        &self,
+        claim: &ClaimRef,
+        inventory: &Arc<Inventory>,
+        request: &channels::ChannelRequest,
+        devices: &[PreparedDevice],
+    ) -> Result<(), ClaimError> {
+        let member = self.join_domain(claim, request).await?;
+        if let Some(record) = lock(&self.state).data.claims.get_mut(&claim.uid) {
+            record.domain = Some(member);
+        }
+        write_spec_with(
+            &self.cdi,
+            &claim.uid,
+            devices,
+            inventory,
+            &self.driver_edits,
+            None,
+        )
+        .map_err(|source| ClaimError::Cdi {
+            claim: claim.to_string(),
+            source,
+        })
+    }
+
     async fn unprepare_one(&self, claim: &ClaimRef) -> Result<(), ClaimError> {
         check_ref(claim)?;
         let adopted = lock(&self.state)
@@ -381,6 +425,7 @@ impl Preparer {
             if let Some(held) = lock(&self.state).data.claims.get_mut(&claim.uid) {
                 held.mps = None;
             }
+            self.leave_domain(claim, &record).await?;
             if let Some(reason) = self.destroy_created(&devices).await {
                 return Err(ClaimError::Mig {
                     claim: claim.to_string(),

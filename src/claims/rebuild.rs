@@ -116,6 +116,7 @@ impl Preparer {
             // A rebuilt claim's MPS daemon is not known here; its directory is kept (see
             // `sweep_mps`) and the daemon goes with the next sweep after the claim is gone.
             mps: None,
+            domain: None,
         })
     }
 }

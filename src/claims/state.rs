@@ -94,6 +94,7 @@ impl Preparer {
                 state: ClaimState::Started,
                 devices: devices.to_vec(),
                 mps: None,
+                domain: None,
             },
         );
         // A spec left in place by a rebuild is this claim's again from here on.

@@ -80,6 +80,9 @@ pub struct DevicesArgs {
     /// 35 and later: counter sets in slices of their own).
     #[arg(long, default_value_t = 35)]
     kubernetes_minor: u32,
+    /// IMEX channels published where the node's GPUs joined an NVLink clique (as the plugin's flag).
+    #[arg(long, default_value_t = crate::domains::channels::DEFAULT_CHANNELS)]
+    imex_channels: u32,
 }
 
 #[derive(Subcommand)]
@@ -128,7 +131,8 @@ pub enum NvmlCommand {
 pub fn print_devices(args: DevicesArgs) -> Result<()> {
     let backend = crate::plugin::open_backend(&args.backend.choice(), &args.node_name)?;
     let inventory = backend.inventory()?;
-    let node = crate::devices::node_devices(&inventory, args.backend.mig_mode);
+    let mut node = crate::devices::node_devices(&inventory, args.backend.mig_mode);
+    node.channels = crate::domains::channels::channel_devices(&inventory, args.imex_channels);
     let version = crate::slices::ServerVersion {
         minor: args.kubernetes_minor,
     };

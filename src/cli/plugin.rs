@@ -68,6 +68,15 @@ pub struct PluginArgs {
     /// half of the node's memory when absent.
     #[arg(long, env = "MPS_SHM_SIZE")]
     mps_shm_size: Option<String>,
+    /// How many IMEX channels a node whose GPUs joined an NVLink clique publishes (ComputeDomains
+    /// placed on one clique at once); 0 publishes none.
+    #[arg(long, env = "IMEX_CHANNELS", default_value_t = crate::domains::channels::DEFAULT_CHANNELS,
+          value_parser = clap::value_parser!(u32).range(0..=crate::domains::channels::MAX_CHANNELS as i64))]
+    imex_channels: u32,
+    /// The address other nodes' IMEX daemons reach this node's at (the Pod's status.hostIP); the
+    /// Node's InternalIP when absent.
+    #[arg(long, env = "NODE_IP")]
+    node_ip: Option<String>,
     /// Where this node's boot id is read (a node reboot is told from a plugin restart by it); the
     /// kernel's when absent. For acting out a reboot on a host that does not reboot (e2e/day-two.sh).
     #[arg(long, env = "BOOT_ID_FILE")]
@@ -157,6 +166,10 @@ pub fn run_plugin(args: PluginArgs) -> Result<()> {
             nvidia_namespace: args.nvidia_namespace,
         },
         sharing_timeout: crate::claims::SHARING_TIMEOUT,
+        domains: crate::domains::membership::DomainsConfig {
+            imex_channels: args.imex_channels,
+            node_ip: args.node_ip,
+        },
     };
     use crate::plugin::preflight::{self, DriverRootSetting, Environment, Preflight};
     let preflight = Preflight::new(

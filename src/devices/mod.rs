@@ -65,20 +65,25 @@ pub struct GpuDevices {
     pub devices: Vec<Device>,
 }
 
-/// What a node publishes, GPU by GPU in minor order.
+/// What a node publishes, GPU by GPU in minor order, then its IMEX channels (on nodes of an NVLink
+/// clique; see [`crate::domains::channels`]).
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct NodeDevices {
     pub gpus: Vec<GpuDevices>,
+    pub channels: Vec<Device>,
 }
 
 impl NodeDevices {
     /// Every device, in publishing order.
     pub fn devices(&self) -> impl Iterator<Item = &Device> {
-        self.gpus.iter().flat_map(|g| g.devices.iter())
+        self.gpus
+            .iter()
+            .flat_map(|g| g.devices.iter())
+            .chain(self.channels.iter())
     }
 
     pub fn device_count(&self) -> usize {
-        self.gpus.iter().map(|g| g.devices.len()).sum()
+        self.gpus.iter().map(|g| g.devices.len()).sum::<usize>() + self.channels.len()
     }
 }
 
@@ -91,6 +96,7 @@ pub fn node_devices(inventory: &Inventory, mig_mode: MigMode) -> NodeDevices {
             .into_iter()
             .map(|gpu| gpu_devices(inventory, gpu, mig_mode))
             .collect(),
+        channels: Vec::new(),
     }
 }
 

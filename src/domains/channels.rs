@@ -17,7 +17,7 @@ pub const CHANNEL_TYPE: &str = "imex-channel";
 pub const CHANNEL_ATTRIBUTE: &str = "channel";
 pub const CLIQUE_ATTRIBUTE: &str = "nvlinkDomain";
 /// Where a container finds channel N, and the `/proc/devices` name of its major.
-pub const CHANNEL_DIR: &str = "/dev/nvidia-caps-imex-channels";
+pub use crate::gpu::device_files::IMEX_CHANNEL_DIR as CHANNEL_DIR;
 pub const PROC_DEVICES_NAME: &str = "nvidia-caps-imex-channels";
 /// How many channels a fabric node publishes by default: as many domains as a clique may hold at once.
 pub const DEFAULT_CHANNELS: u32 = 32;

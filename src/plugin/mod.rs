@@ -207,6 +207,11 @@ pub async fn start(
         &config.driver_name,
         &config.node_name,
     ));
+    let domains = claims_setup::domains(&config, &plugin_dir, &client).await;
+    let channel_taints = match &domains {
+        Some(domains) => domains.taints(),
+        None => watch::channel(Default::default()).1,
+    };
     let (preparer, recovery) = Preparer::start(
         ClaimsConfig {
             driver_name: config.driver_name.clone(),
@@ -220,6 +225,7 @@ pub async fn start(
             mps: claims_setup::mps_daemons(&config, &plugin_dir, &client).await,
             sharing_timeout: config.sharing_timeout,
             nvidia_namespace: config.mps.nvidia_namespace.clone(),
+            domains: domains.clone(),
         },
         client.clone(),
         backend.clone(),
@@ -264,6 +270,7 @@ pub async fn start(
         pool: config.node_name.clone(),
         default_mig_mode: config.mig_mode,
         metrics: metrics.clone(),
+        imex_channels: config.domains.imex_channels,
     };
     // The faults of the previous run taint the devices before the publisher first looks at them.
     let mut fault_store = startup::FaultStore::in_dir(&plugin_dir);
@@ -276,6 +283,7 @@ pub async fn start(
         health: health_tx,
         mig_mode: mig_mode_tx,
         kept_fields: publisher.kept_fields(),
+        channel_taints: channel_taints.clone(),
     };
     health_monitor.recompute(&fault_state, &monitor_channels);
     tasks.push(vital.spawn(
@@ -287,6 +295,15 @@ pub async fn start(
             shutdown_rx.clone(),
         ),
     ));
+
+    if let Some(domains) = domains.clone() {
+        tasks.push(tokio::spawn(claims_setup::follow_domains(
+            domains,
+            preparer.clone(),
+            inventory_tx.subscribe(),
+            shutdown_rx.clone(),
+        )));
+    }
 
     // Starts from what was read above, so the watcher's first answer is compared with it.
     let (selected_tx, selected_rx) = watch::channel(start_policy);

@@ -3,15 +3,18 @@
 //! and what the kubelet hears (device health). Every input change recomputes both outputs; a burst of
 //! events becomes one recomputation per wake-up, and the publisher coalesces further.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use k8s_openapi::api::resource::v1::{Device, DeviceTaint};
 use tokio::sync::{mpsc, watch};
 use tracing::{debug, info, warn};
 
 use crate::api::{self, EffectivePolicy};
 use crate::devices::{node_devices, share_for_mps, MemoryShares, MigMode, NodeDevices};
+use crate::domains::channels::channel_devices;
 use crate::gpu::{GpuBackend, GpuEvent, Inventory};
 use crate::health::{Fault, HealthPolicy, HealthState, TaintEffect};
 use crate::kubelet::DeviceHealthReport;
@@ -122,6 +125,8 @@ pub struct MonitorChannels {
     /// MIG falls back to whole GPUs without counters, faulty devices are withheld without taints, GPUs
     /// are published exclusive without the fields of shared devices.
     pub kept_fields: watch::Receiver<KeptFields>,
+    /// IMEX channel devices to taint (ComputeDomains whose daemon here is not ready), and why.
+    pub channel_taints: watch::Receiver<BTreeMap<String, String>>,
 }
 
 pub struct Monitor {
@@ -129,6 +134,8 @@ pub struct Monitor {
     pub pool: String,
     pub default_mig_mode: MigMode,
     pub metrics: Arc<Metrics>,
+    /// IMEX channels published where the node is in an NVLink clique.
+    pub imex_channels: u32,
 }
 
 /// Reads backend events until `stop` is set, forwarding them to `events`. Backends block in
@@ -196,6 +203,10 @@ impl Monitor {
                     if result.is_err() { return }
                     ch.policy.borrow_and_update();
                 }
+                result = ch.channel_taints.changed() => {
+                    if result.is_err() { return }
+                    ch.channel_taints.borrow_and_update();
+                }
                 result = ch.kept_fields.changed(), if kept_open => {
                     if result.is_err() {
                         kept_open = false;
@@ -230,6 +241,12 @@ impl Monitor {
         let kept = *ch.kept_fields.borrow();
         let mode = effective_mig_mode(policy.mig_mode.unwrap_or(self.default_mig_mode), kept);
         let mut node = node_devices(&inventory, mode);
+        node.channels = channel_devices(&inventory, self.imex_channels);
+        taint_channels(
+            &mut node.channels,
+            &ch.channel_taints.borrow(),
+            &self.driver,
+        );
         if let Some(shares) = effective_mps_shares(policy.mps_memory_shares, kept) {
             let too_small = share_for_mps(&mut node, shares);
             if !too_small.is_empty() {
@@ -297,5 +314,29 @@ fn fault_kind(fault: &Fault) -> String {
         Fault::RetirementPending => "retirement_pending".into(),
         Fault::RowRemapFailure => "row_remap_failure".into(),
         Fault::Lost => "gpu_lost".into(),
+    }
+}
+
+/// The taint key of an IMEX channel whose ComputeDomain is not ready on this node.
+pub const CHANNEL_TAINT_KEY: &str = "imex-daemon";
+
+/// Taints the channels of domains that are not ready here (NoSchedule: the domain's running pod
+/// stays, nothing new of it lands here), with a label-safe value; the reason is in the domain's status.
+fn taint_channels(channels: &mut [Device], taints: &BTreeMap<String, String>, driver: &str) {
+    for device in channels {
+        let Some(reason) = taints.get(&device.name) else {
+            continue;
+        };
+        let value = if reason.contains("left NVLink clique") {
+            "LeftClique"
+        } else {
+            "NotReady"
+        };
+        device.taints = Some(vec![DeviceTaint {
+            key: format!("{driver}/{CHANNEL_TAINT_KEY}"),
+            value: Some(value.to_string()),
+            effect: "NoSchedule".to_string(),
+            time_added: None,
+        }]);
     }
 }

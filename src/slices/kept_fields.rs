@@ -285,6 +285,7 @@ pub fn probe_devices(driver: &str) -> NodeDevices {
             }),
             devices: vec![device],
         }],
+        channels: Vec::new(),
     }
 }
 

@@ -116,6 +116,8 @@ pub fn plan(node: &NodeDevices, version: ServerVersion) -> Vec<PlannedSlice> {
     }
     let plain_devices: Vec<Device> = plain.iter().flat_map(|g| g.devices.clone()).collect();
     slices.extend(device_slices(&fitted(&plain_devices, version)));
+    // IMEX channels in slices of their own: they share no counters, and a GPU's slice stays as it was.
+    slices.extend(device_slices(&fitted(&node.channels, version)));
     if slices.is_empty() {
         slices.push(PlannedSlice::default());
     }
@@ -254,6 +256,7 @@ mod tests {
                     }],
                 })
                 .collect(),
+            channels: Vec::new(),
         }
     }
 

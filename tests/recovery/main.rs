@@ -33,6 +33,7 @@ fn record(name: &str, state: ClaimState, device: &str, uid: &str) -> ClaimRecord
             sharing: Default::default(),
         }],
         mps: None,
+        domain: None,
     }
 }
 

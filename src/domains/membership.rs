@@ -1,0 +1,602 @@
+//! The kubelet plugin's side of ComputeDomains: this node joining a domain when the first claim for
+//! one of the domain's channels is prepared here, and leaving when the last is unprepared.
+//!
+//! Joining writes this node's entry into the domain's `status.nodes` (address, clique, index,
+//! readiness), starts the domain's IMEX daemon here with the addresses of every node that joined as
+//! its peers, and waits (bounded) until it is ready: a prepare that finds it not ready fails for that
+//! claim with the daemon's reason, and the kubelet retries. While members are here, a loop keeps the
+//! peers in step with the domain's status and reports what goes wrong (a daemon that stops being
+//! ready, a node that leaves the domain's clique) as a taint on the domain's channel device, an Event
+//! on the domain and this node's entry in its status.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::future::BoxFuture;
+use k8s_openapi::api::core::v1::ObjectReference;
+use kube::api::{Api, DynamicObject, PostParams};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+use tracing::{info, warn};
+
+use super::api::{ComputeDomainNode, DomainGroup, DomainObject, NOT_READY, READY};
+
+/// How long a prepare waits for the domain's daemon on this node: inside the kubelet's 45 s.
+pub const READY_TIMEOUT: Duration = Duration::from_secs(20);
+const POLL: Duration = Duration::from_millis(250);
+/// How often the members' daemons and peers are looked at.
+pub const SYNC_PERIOD: Duration = Duration::from_secs(2);
+/// Conflicting writers of one domain's status (every member node and the controller) retry this often.
+const STATUS_ATTEMPTS: usize = 8;
+
+/// The plugin's settings for ComputeDomains.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DomainsConfig {
+    /// How many IMEX channels a node of an NVLink clique publishes; 0 publishes none.
+    pub imex_channels: u32,
+    /// The address other nodes' IMEX daemons reach this node's at (the Pod's `status.hostIP`).
+    pub node_ip: Option<String>,
+}
+
+impl Default for DomainsConfig {
+    fn default() -> Self {
+        DomainsConfig {
+            imex_channels: super::channels::DEFAULT_CHANNELS,
+            node_ip: None,
+        }
+    }
+}
+
+/// A prepared claim's channel, as the checkpoint keeps it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ChannelMembership {
+    pub domain_uid: String,
+    pub namespace: String,
+    /// The domain's name, found by its UID when the claim was prepared.
+    pub domain: String,
+    /// `nvidia` for NVIDIA's group, absent for ours.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub nvidia_group: bool,
+    pub channel: u32,
+    /// The clique the channel was published in.
+    pub clique: String,
+}
+
+impl ChannelMembership {
+    fn group(&self) -> DomainGroup {
+        if self.nvidia_group {
+            DomainGroup::Nvidia
+        } else {
+            DomainGroup::Ours
+        }
+    }
+
+    fn key(&self) -> String {
+        format!("{}/{}", self.namespace, self.domain)
+    }
+}
+
+/// What the daemon of one domain on this node is started with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DaemonSpec {
+    pub domain_uid: String,
+    /// `namespace/name`, for messages.
+    pub domain: String,
+    pub channel: u32,
+    /// Every joined node's address, this node's included.
+    pub peers: Vec<String>,
+}
+
+/// The IMEX daemons of this node, one per domain (`imex::ImexDaemons` on a node; a stand-in in unit
+/// tests). Errors are sentences for people.
+pub trait DomainDaemons: Send + Sync {
+    /// Writes the daemon's configuration and starts it where it does not run; does not wait.
+    fn ensure<'a>(&'a self, spec: &'a DaemonSpec) -> BoxFuture<'a, Result<(), String>>;
+    /// Gives a running daemon new peers; whether they changed.
+    fn set_peers(&self, domain_uid: &str, peers: &[String]) -> Result<bool, String>;
+    /// `Ok` when the daemon is ready, else why not.
+    fn state<'a>(&'a self, domain_uid: &'a str) -> BoxFuture<'a, Result<(), String>>;
+    /// Stops the daemon and removes what it had on the node; succeeds when there was none.
+    fn stop<'a>(&'a self, domain_uid: &'a str) -> BoxFuture<'a, Result<(), String>>;
+    /// Domains whose daemons run on this node.
+    fn running(&self) -> BoxFuture<'_, Vec<String>>;
+}
+
+/// What went wrong with one domain on this node, as last reported.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Health {
+    Ready,
+    NotReady(String),
+}
+
+pub struct Membership {
+    client: kube::Client,
+    node: String,
+    node_ip: String,
+    daemons: Arc<dyn DomainDaemons>,
+    ready_timeout: Duration,
+    reporter: Reporter,
+    /// Channel device → why it is tainted, for the slices.
+    taints: watch::Sender<BTreeMap<String, String>>,
+    /// Per domain UID, what was last reported, so Events go out on changes only.
+    reported: Mutex<BTreeMap<String, Health>>,
+    /// Per domain UID, when a prepare last tried to join it: a daemon still starting for a claim the
+    /// kubelet retries is not swept.
+    attempts: Mutex<BTreeMap<String, Instant>>,
+}
+
+impl Membership {
+    pub fn new(
+        client: kube::Client,
+        driver: &str,
+        node: &str,
+        node_ip: &str,
+        daemons: Arc<dyn DomainDaemons>,
+    ) -> Self {
+        Membership {
+            client,
+            node: node.to_string(),
+            node_ip: node_ip.to_string(),
+            daemons,
+            ready_timeout: READY_TIMEOUT,
+            reporter: Reporter {
+                controller: driver.to_string(),
+                instance: Some(node.to_string()),
+            },
+            taints: watch::channel(BTreeMap::new()).0,
+            reported: Mutex::new(BTreeMap::new()),
+            attempts: Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    /// A prepare is about to join this domain.
+    pub fn note_attempt(&self, domain_uid: &str) {
+        lock(&self.attempts).insert(domain_uid.to_string(), Instant::now());
+    }
+
+    /// For tests: a shorter wait for the daemon.
+    pub fn with_ready_timeout(mut self, timeout: Duration) -> Self {
+        self.ready_timeout = timeout;
+        self
+    }
+
+    /// The channel devices to taint and why; the monitor puts them into the slices.
+    pub fn taints(&self) -> watch::Receiver<BTreeMap<String, String>> {
+        self.taints.subscribe()
+    }
+
+    /// Finds the domain a channel config names (by UID, in the claim's namespace), and checks that
+    /// the channel the scheduler allocated is the one the domain was placed on.
+    pub async fn resolve(
+        &self,
+        groups: &[DomainGroup],
+        namespace: &str,
+        domain_uid: &str,
+        channel: u32,
+        clique: &str,
+    ) -> Result<ChannelMembership, String> {
+        let mut found = None;
+        for &group in groups {
+            let api: Api<DynamicObject> =
+                Api::namespaced_with(self.client.clone(), namespace, &group.api_resource());
+            let list = match api.list(&Default::default()).await {
+                Ok(list) => list,
+                // NVIDIA's CRD may not be installed.
+                Err(kube::Error::Api(e)) if e.code == 404 => continue,
+                Err(e) => return Err(format!("listing ComputeDomains in {namespace}: {e}")),
+            };
+            if let Some(object) = list
+                .items
+                .iter()
+                .find(|o| o.metadata.uid.as_deref() == Some(domain_uid))
+            {
+                found = Some(DomainObject::from_dynamic(group, object)?);
+                break;
+            }
+        }
+        let domain = found.ok_or_else(|| {
+            format!("no ComputeDomain with UID {domain_uid} in namespace {namespace} (deleted?)")
+        })?;
+        if domain.deleting {
+            return Err(format!("ComputeDomain {} is being deleted", domain.key()));
+        }
+        match domain.placement() {
+            Some((placed_clique, placed_channel))
+                if placed_clique == clique && placed_channel == channel => {}
+            Some((placed_clique, placed_channel)) => {
+                return Err(format!(
+                    "ComputeDomain {} is placed on channel {placed_channel} of NVLink clique {placed_clique}, but this claim was allocated channel {channel} of clique {clique}",
+                    domain.key()
+                ))
+            }
+            None => {
+                return Err(format!(
+                    "ComputeDomain {} is not placed on a clique yet",
+                    domain.key()
+                ))
+            }
+        }
+        Ok(ChannelMembership {
+            domain_uid: domain.uid,
+            namespace: domain.namespace,
+            domain: domain.name,
+            nvidia_group: domain.group == DomainGroup::Nvidia,
+            channel,
+            clique: clique.to_string(),
+        })
+    }
+
+    /// Joins the domain on this node: status entry, daemon, and a bounded wait until it is ready.
+    /// An error is the reason the claim cannot be prepared yet.
+    pub async fn join(&self, member: &ChannelMembership) -> Result<(), String> {
+        let entry = |status: &str, reason: Option<String>| ComputeDomainNode {
+            name: self.node.clone(),
+            ip_address: self.node_ip.clone(),
+            clique_id: member.clique.clone(),
+            index: 0,
+            status: status.to_string(),
+            reason,
+        };
+        let nodes = self
+            .set_entry(
+                member,
+                Some(entry(NOT_READY, Some("IMEX daemon starting".into()))),
+            )
+            .await?;
+        let spec = DaemonSpec {
+            domain_uid: member.domain_uid.clone(),
+            domain: member.key(),
+            channel: member.channel,
+            peers: peers_of(&nodes, &member.clique),
+        };
+        self.daemons.ensure(&spec).await?;
+        let deadline = Instant::now() + self.ready_timeout;
+        let state = loop {
+            let state = self.daemons.state(&member.domain_uid).await;
+            if state.is_ok() || Instant::now() >= deadline {
+                break state;
+            }
+            tokio::time::sleep(POLL).await;
+        };
+        match state {
+            Ok(()) => {
+                self.set_entry(member, Some(entry(READY, None))).await?;
+                self.note(member, Health::Ready).await;
+                info!(domain = %member.key(), channel = member.channel, "joined ComputeDomain");
+                Ok(())
+            }
+            Err(reason) => {
+                self.set_entry(member, Some(entry(NOT_READY, Some(reason.clone()))))
+                    .await?;
+                Err(format!(
+                    "the IMEX daemon of ComputeDomain {} on node {} is not ready after {:?}: {reason}",
+                    member.key(),
+                    self.node,
+                    self.ready_timeout
+                ))
+            }
+        }
+    }
+
+    /// Leaves the domain on this node (its last claim here was unprepared): stops the daemon, then
+    /// removes this node's entry. Succeeds when the domain is gone.
+    pub async fn leave(&self, member: &ChannelMembership) -> Result<(), String> {
+        self.daemons.stop(&member.domain_uid).await?;
+        self.set_entry(member, None).await?;
+        self.taints.send_modify(|taints| {
+            taints.remove(&super::channels::device_name(member.channel));
+        });
+        lock(&self.reported).remove(&member.domain_uid);
+        info!(domain = %member.key(), "left ComputeDomain");
+        Ok(())
+    }
+
+    /// One look at every domain with members here: peers in step with the status, the daemon's
+    /// readiness and this node's clique reported. `clique` is the node's clique now (`Err`: none).
+    pub async fn sync(&self, members: &[ChannelMembership], clique: &Result<String, String>) {
+        let mut seen = BTreeSet::new();
+        for member in members {
+            if !seen.insert(member.domain_uid.clone()) {
+                continue;
+            }
+            let nodes = match self.domain_status(member).await {
+                Ok(Some(nodes)) => nodes,
+                // Gone: its claims are unprepared next.
+                Ok(None) => continue,
+                Err(error) => {
+                    warn!(domain = %member.key(), %error, "reading ComputeDomain status");
+                    continue;
+                }
+            };
+            match self
+                .daemons
+                .set_peers(&member.domain_uid, &peers_of(&nodes, &member.clique))
+            {
+                Ok(true) => info!(domain = %member.key(), "IMEX daemon peers changed"),
+                Ok(false) => {}
+                Err(error) => warn!(domain = %member.key(), %error, "updating IMEX daemon peers"),
+            }
+            let health = match clique {
+                Ok(now) if *now == member.clique => {
+                    match self.daemons.state(&member.domain_uid).await {
+                        Ok(()) => Health::Ready,
+                        Err(reason) => Health::NotReady(format!("IMEX daemon not ready: {reason}")),
+                    }
+                }
+                Ok(now) => Health::NotReady(format!(
+                    "node {} left NVLink clique {} (now in {now})",
+                    self.node, member.clique
+                )),
+                Err(why) => Health::NotReady(format!(
+                    "node {} left NVLink clique {}: {why}",
+                    self.node, member.clique
+                )),
+            };
+            self.note(member, health).await;
+        }
+    }
+
+    /// Records a change of one domain's health on this node: taint, status entry and Event.
+    async fn note(&self, member: &ChannelMembership, health: Health) {
+        let changed = {
+            let mut reported = lock(&self.reported);
+            reported.insert(member.domain_uid.clone(), health.clone()) != Some(health.clone())
+        };
+        if !changed {
+            return;
+        }
+        let device = super::channels::device_name(member.channel);
+        let (status, reason, event_type, event_reason) = match &health {
+            Health::Ready => (READY, None, EventType::Normal, "IMEXDaemonReady"),
+            Health::NotReady(reason) => (
+                NOT_READY,
+                Some(reason.clone()),
+                EventType::Warning,
+                "IMEXDaemonNotReady",
+            ),
+        };
+        self.taints.send_modify(|taints| match &reason {
+            Some(reason) => {
+                taints.insert(device.clone(), reason.clone());
+            }
+            None => {
+                taints.remove(&device);
+            }
+        });
+        let entry = ComputeDomainNode {
+            name: self.node.clone(),
+            ip_address: self.node_ip.clone(),
+            clique_id: member.clique.clone(),
+            index: 0,
+            status: status.to_string(),
+            reason: reason.clone(),
+        };
+        if let Err(error) = self.set_entry(member, Some(entry)).await {
+            warn!(domain = %member.key(), %error, "writing this node's ComputeDomain status");
+        }
+        let note = match &reason {
+            Some(reason) => format!("node {}: {reason}", self.node),
+            None => format!("node {}: IMEX daemon ready", self.node),
+        };
+        self.event(member, event_type, event_reason, &note).await;
+        match reason {
+            Some(reason) => {
+                warn!(domain = %member.key(), %reason, "ComputeDomain not ready on this node")
+            }
+            None => info!(domain = %member.key(), "ComputeDomain ready on this node"),
+        }
+    }
+
+    async fn event(&self, member: &ChannelMembership, type_: EventType, reason: &str, note: &str) {
+        let resource = member.group().api_resource();
+        let reference = ObjectReference {
+            api_version: Some(resource.api_version),
+            kind: Some(resource.kind),
+            name: Some(member.domain.clone()),
+            namespace: Some(member.namespace.clone()),
+            uid: Some(member.domain_uid.clone()),
+            ..Default::default()
+        };
+        let recorder = Recorder::new(self.client.clone(), self.reporter.clone());
+        let event = Event {
+            type_,
+            reason: reason.to_string(),
+            note: Some(note.chars().take(1024).collect()),
+            action: "IMEXDaemon".into(),
+            secondary: None,
+        };
+        let publish = recorder.publish(&event, &reference);
+        match tokio::time::timeout(Duration::from_secs(5), publish).await {
+            Ok(Ok(())) => {}
+            Ok(Err(error)) => warn!(%error, "recording a ComputeDomain Event"),
+            Err(_) => warn!("recording a ComputeDomain Event timed out"),
+        }
+    }
+
+    /// The domain's `status.nodes`; `None` when the domain is gone.
+    async fn domain_status(
+        &self,
+        member: &ChannelMembership,
+    ) -> Result<Option<Vec<ComputeDomainNode>>, String> {
+        let api = self.api(member);
+        match api.get_opt(&member.domain).await {
+            Ok(Some(object)) if object.metadata.uid.as_deref() == Some(&member.domain_uid) => {
+                Ok(Some(
+                    DomainObject::from_dynamic(member.group(), &object)?
+                        .status
+                        .nodes,
+                ))
+            }
+            Ok(_) => Ok(None),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
+    fn api(&self, member: &ChannelMembership) -> Api<DynamicObject> {
+        Api::namespaced_with(
+            self.client.clone(),
+            &member.namespace,
+            &member.group().api_resource(),
+        )
+    }
+
+    /// Sets (or with `None` removes) this node's entry in the domain's status, keeping its index;
+    /// retried on conflicts with the other writers. Returns the entries after the write (empty
+    /// when the domain is gone).
+    async fn set_entry(
+        &self,
+        member: &ChannelMembership,
+        entry: Option<ComputeDomainNode>,
+    ) -> Result<Vec<ComputeDomainNode>, String> {
+        let api = self.api(member);
+        for _ in 0..STATUS_ATTEMPTS {
+            let object = match api.get_opt(&member.domain).await {
+                Ok(Some(object)) if object.metadata.uid.as_deref() == Some(&member.domain_uid) => {
+                    object
+                }
+                Ok(_) => return Ok(Vec::new()),
+                Err(e) => return Err(format!("reading ComputeDomain {}: {e}", member.key())),
+            };
+            let domain = DomainObject::from_dynamic(member.group(), &object)?;
+            let mut status = domain.status.clone();
+            let before = status.nodes.clone();
+            upsert(&mut status.nodes, &self.node, entry.clone());
+            if status.nodes == before {
+                return Ok(status.nodes);
+            }
+            let mut updated = object.clone();
+            updated.data["status"] = serde_json::to_value(&status).map_err(|e| e.to_string())?;
+            match api
+                .replace_status(&member.domain, &PostParams::default(), &updated)
+                .await
+            {
+                Ok(_) => return Ok(status.nodes),
+                Err(kube::Error::Api(e)) if e.code == 409 => continue,
+                Err(kube::Error::Api(e)) if e.code == 404 => return Ok(Vec::new()),
+                Err(e) => {
+                    return Err(format!(
+                        "writing the status of ComputeDomain {}: {e}",
+                        member.key()
+                    ))
+                }
+            }
+        }
+        Err(format!(
+            "writing the status of ComputeDomain {}: still conflicting after {STATUS_ATTEMPTS} attempts",
+            member.key()
+        ))
+    }
+
+    /// Stops the daemons of domains no prepared claim here holds and no prepare tried to join within
+    /// `grace` (a claim whose prepare failed and that the kubelet gave up on, or a restart that lost
+    /// them).
+    pub async fn sweep(&self, held: &BTreeSet<String>, grace: Duration) -> Vec<String> {
+        let mut stopped = Vec::new();
+        for uid in self.daemons.running().await {
+            let recent = lock(&self.attempts)
+                .get(&uid)
+                .is_some_and(|at| at.elapsed() < grace);
+            if held.contains(&uid) || recent {
+                continue;
+            }
+            match self.daemons.stop(&uid).await {
+                Ok(()) => {
+                    lock(&self.attempts).remove(&uid);
+                    stopped.push(uid)
+                }
+                Err(error) => {
+                    warn!(domain_uid = %uid, %error, "stopping an IMEX daemon no claim holds")
+                }
+            }
+        }
+        stopped
+    }
+}
+
+/// A poisoned lock still holds consistent data here: every write is one insert or remove.
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Sets this node's entry, keeping its index, or giving a new one the lowest index its clique does
+/// not use (NVIDIA's DNS-name index is unique per clique).
+fn upsert(nodes: &mut Vec<ComputeDomainNode>, node: &str, entry: Option<ComputeDomainNode>) {
+    let existing = nodes.iter().position(|n| n.name == node);
+    match (existing, entry) {
+        (Some(at), None) => {
+            nodes.remove(at);
+        }
+        (Some(at), Some(mut entry)) => {
+            entry.index = nodes[at].index;
+            nodes[at] = entry;
+        }
+        (None, Some(mut entry)) => {
+            let used: BTreeSet<u32> = nodes
+                .iter()
+                .filter(|n| n.clique_id == entry.clique_id)
+                .map(|n| n.index)
+                .collect();
+            entry.index = (0..).find(|i| !used.contains(i)).unwrap_or_default();
+            nodes.push(entry);
+            nodes.sort_by(|a, b| a.name.cmp(&b.name));
+        }
+        (None, None) => {}
+    }
+}
+
+/// The addresses of the joined nodes of one clique: a daemon's peers.
+fn peers_of(nodes: &[ComputeDomainNode], clique: &str) -> Vec<String> {
+    let peers: BTreeSet<String> = nodes
+        .iter()
+        .filter(|n| n.clique_id == clique && !n.ip_address.is_empty())
+        .map(|n| n.ip_address.clone())
+        .collect();
+    peers.into_iter().collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node(name: &str, clique: &str, ip: &str) -> ComputeDomainNode {
+        ComputeDomainNode {
+            name: name.into(),
+            ip_address: ip.into(),
+            clique_id: clique.into(),
+            index: 0,
+            status: NOT_READY.into(),
+            reason: None,
+        }
+    }
+
+    #[test]
+    fn entries_keep_their_index_and_new_ones_take_the_lowest_free_one() {
+        let mut nodes = Vec::new();
+        upsert(&mut nodes, "a", Some(node("a", "c.1", "10.0.0.1")));
+        upsert(&mut nodes, "b", Some(node("b", "c.1", "10.0.0.2")));
+        upsert(&mut nodes, "c", Some(node("c", "c.2", "10.0.0.3")));
+        let index = |nodes: &[ComputeDomainNode], name: &str| {
+            nodes.iter().find(|n| n.name == name).map(|n| n.index)
+        };
+        assert_eq!(
+            (index(&nodes, "a"), index(&nodes, "b"), index(&nodes, "c")),
+            (Some(0), Some(1), Some(0))
+        );
+        upsert(&mut nodes, "a", None);
+        upsert(&mut nodes, "d", Some(node("d", "c.1", "10.0.0.4")));
+        assert_eq!(index(&nodes, "d"), Some(0));
+        let mut ready = node("b", "c.1", "10.0.0.2");
+        ready.status = READY.into();
+        upsert(&mut nodes, "b", Some(ready));
+        assert_eq!(index(&nodes, "b"), Some(1));
+        assert_eq!(
+            peers_of(&nodes, "c.1"),
+            vec!["10.0.0.2".to_string(), "10.0.0.4".to_string()]
+        );
+    }
+}

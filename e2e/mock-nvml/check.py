@@ -37,6 +37,10 @@ PER_NODE = {"uuid", "minor", f"{K8S}/pciBusID", f"{K8S}/pcieRoot", f"{K8S}/numaN
 failures = 0
 
 
+# `gpu-dra devices --imex-channels`' default.
+DEFAULT_CHANNELS = 32
+
+
 def report(kind, text):
     global failures
     if kind == "FAIL":
@@ -211,6 +215,26 @@ def check_gpus(devices, system, gpus):
         report("FAIL", f"GPUs linked by NVLink have {len(domains)} NVLink domains: {sorted(domains)}")
 
 
+def check_channels(devices, gpus):
+    """IMEX channels: published (the plugin's default count) exactly where every GPU joined one fabric
+    clique, each carrying that clique and its number; none where any GPU has no completed fabric."""
+    channels = {n: d for n, d in devices.items() if attr(d, "type") == "imex-channel"}
+    cliques = {fabric_domain(g["fabric"]) for g in gpus}
+    if len(cliques) == 1 and None not in cliques:
+        clique = cliques.pop()
+        check("IMEX channels published", len(channels), DEFAULT_CHANNELS)
+        for n in range(DEFAULT_CHANNELS):
+            d = channels.get(f"imex-channel-{n}")
+            if d is None:
+                report("FAIL", f"imex-channel-{n}: not published")
+                continue
+            if attr(d, "channel") != n or attr(d, "nvlinkDomain") != clique:
+                report("FAIL", f"imex-channel-{n}: channel {attr(d, 'channel')!r}, nvlinkDomain {attr(d, 'nvlinkDomain')!r}; want {n}, {clique!r}")
+        report("PASS", f"IMEX channels 0..{DEFAULT_CHANNELS - 1} carry clique {clique!r}")
+    else:
+        check("IMEX channels (no single completed fabric clique)", len(channels), 0)
+
+
 def check_mig(static, dynamic, probe, gpus):
     for g in gpus:
         name = f"gpu-{g['minor']}"
@@ -307,6 +331,7 @@ def main(argv):
     system, gpus = expected_gpus(profile)
     check_probe(probe, system, gpus)
     check_gpus(static, system, gpus)
+    check_channels(static, gpus)
     check_mig(static, dynamic, probe, gpus)
     if len(argv) == 7:
         compare_with_fake(static, dynamic, load(argv[5]), load(argv[6]))

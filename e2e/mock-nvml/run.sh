@@ -16,6 +16,8 @@
 #   GO        the go binary (default: `go` on PATH); GOROOT is derived from it when unset
 #   MIG_ON=1  lay the profile out with MIG mode on (for GPUs the profile gives MIG instances): the mock
 #             then lists no MIG profile, and the GPU must be reported unreadable, not silently dropped
+#   FABRIC_STATE=in_progress|not_started|not_supported  the GPUs' NVLink fabric registration state
+#             (profiles with a fabric, GB200 / GB300): no fabric domain, and no IMEX channel, unless completed
 #   KEEP=1    keep the temp dirs (driver root, outputs) and print where they are
 #   PREPARE=1 also run tests/mock_nvml.rs: the plugin with --backend nvml against the API server and
 #             kubelet doubles, preparing a whole GPU and a dynamic MIG device (cargo test)
@@ -85,6 +87,17 @@ if mig.get("max_gpu_instances"):
 yaml.safe_dump(profile, open(path, "w"), sort_keys=False)
 EOF_PY
 fi
+if [ -n "${FABRIC_STATE:-}" ]; then
+  python3 - "$ROOT/config/config.yaml" "$FABRIC_STATE" <<'EOF_PY'
+import sys, yaml
+path, state = sys.argv[1], sys.argv[2]
+profile = yaml.safe_load(open(path))
+fabric = (profile.get("device_defaults") or {}).get("fabric")
+if fabric:
+    fabric["state"] = state
+yaml.safe_dump(profile, open(path, "w"), sort_keys=False)
+EOF_PY
+fi
 echo "NVRM version: NVIDIA UNIX x86_64 Kernel Module  $VERSION  (mock)" >"$ROOT/proc/driver/nvidia/version"
 export MOCK_NVML_CONFIG=$ROOT/config/config.yaml
 
@@ -107,6 +120,7 @@ case $PROFILE in
   h100) FAKE=dgx-h100 ;;
   a100) FAKE=dgx-a100 ;;
   l40s) FAKE=l40s-4 ;;
+  gb200) FAKE=gb200-nvl72 ;;
   *) FAKE= ;;
 esac
 args=("$ROOT/config/config.yaml" "$WORK/probe.txt" "$WORK/static.json" "$WORK/dynamic.json")

@@ -36,6 +36,7 @@ fn each_built_in_profile_is_labelled_as_gfd_labels_it() {
         ("dgx-h200", "NVIDIA-H200", "8", "143771", "true"),
         ("a100-pcie-4", "NVIDIA-A100-PCIE-40GB", "4", "40960", "true"),
         ("l40s-4", "NVIDIA-L40S", "4", "46068", "false"),
+        ("gb200-nvl72", "NVIDIA-GB200", "4", "196608", "false"),
     ];
     for (profile, product, count, memory, mig) in cases {
         let labelled = classic_labels(&inventory(profile));

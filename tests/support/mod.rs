@@ -14,4 +14,5 @@ pub mod kubelet_pods;
 pub mod packing;
 pub mod pod_runner;
 pub mod pods;
+pub mod rack;
 pub mod scheduler;

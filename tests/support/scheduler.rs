@@ -47,6 +47,52 @@ pub enum AllocationError {
     },
 }
 
+/// Whether a claim of `spec` could be allocated on `node` now (the scheduler's Filter for one claim):
+/// `Err` says why not, as [`allocate`] would.
+pub async fn fits(
+    client: &kube::Client,
+    label: &str,
+    spec: &ResourceClaimSpec,
+    node: &str,
+) -> Result<(), AllocationError> {
+    let slices = Api::<ResourceSlice>::all(client.clone())
+        .list(&ListParams::default())
+        .await?
+        .items;
+    let classes = Api::<DeviceClass>::all(client.clone())
+        .list(&ListParams::default())
+        .await?
+        .items;
+    let node_labels = Api::<Node>::all(client.clone())
+        .get_opt(node)
+        .await?
+        .and_then(|n| n.metadata.labels)
+        .unwrap_or_default();
+    let simulation = Simulation {
+        claim: NamedClaim {
+            name: label.to_string(),
+            spec: spec.clone(),
+        },
+        classes,
+        slices,
+        node: Some(node.to_string()),
+        node_labels,
+        in_use: allocated_devices(client).await?,
+    };
+    match simulate(&simulation) {
+        Ok(Decision::Allocated { .. }) => Ok(()),
+        Ok(Decision::Unallocatable { node, reason }) => Err(AllocationError::Unallocatable {
+            claim: label.to_string(),
+            node,
+            reason,
+        }),
+        Err(source) => Err(AllocationError::Aborted {
+            claim: label.to_string(),
+            source,
+        }),
+    }
+}
+
 /// Allocates the claim on `node` as the scheduler would (first fit in slice-name and device order, with
 /// counters, taints, selectors and constraints) and reserves it for a pod named `consumer`. Returns the
 /// updated claim.

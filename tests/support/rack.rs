@@ -1,0 +1,223 @@
+//! Several fake GPU nodes on one API server double, for ComputeDomains in the tests and the demo: GB200
+//! NVL72 compute trays whose GPUs joined NVLink cliques (and nodes without a fabric), each with its own
+//! plugin, kubelet double and pod runner (which runs the IMEX daemons' Pods the plugin makes). A pod
+//! goes to a node as the scheduler's Filter would choose one: the first node, in name order, on which
+//! every claim of the pod can be allocated; then its claims are allocated there ([`pods`]) and the
+//! node's kubelet prepares them ([`kubelet_pods`]).
+//!
+//! Not modelled: the scheduler's scoring (first fit by node name), pods that share a claim, a node that
+//! goes away (a node's plugin stops only when the rack is dropped).
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::resource::v1::ResourceClaimTemplate;
+use kube::api::Api;
+
+use super::apiserver::ApiServer;
+use super::kubelet::KubeletDouble;
+use super::kubelet_pods::{prepare_pod, PreparedPod};
+use super::pod_runner::PodRunner;
+use super::{pods, scheduler};
+use crate::gpu::FakeProfile;
+use crate::plugin::{PluginConfig, RunningPlugin};
+
+pub const DRIVER: &str = "gpu.dra.dev";
+
+/// What a node of the rack has: an NVLink clique of the GB200 cluster, or no fabric (a GPU node of
+/// another kind: four L40S).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fabric {
+    Clique(u32),
+    None,
+}
+
+pub struct RackNode {
+    pub name: String,
+    pub ip: String,
+    pub config: PluginConfig,
+    pub profile_path: PathBuf,
+    pub plugin: RunningPlugin,
+    pub kubelet: KubeletDouble,
+    _pods: PodRunner,
+}
+
+impl RackNode {
+    /// Moves the node's GPUs into another clique (or out of any fabric) by editing its fake profile:
+    /// what a node that leaves its NVLink partition reports.
+    pub fn set_fabric(&self, fabric: Fabric) {
+        write_profile(&self.profile_path, &profile(fabric));
+    }
+
+    /// Where the node's plugin keeps the IMEX daemon of a domain (its config, peers and state).
+    pub fn imex_dir(&self, domain_uid: &str) -> PathBuf {
+        self.config.plugin_dir().join("imex").join(domain_uid)
+    }
+}
+
+pub struct Rack {
+    pub nodes: Vec<RackNode>,
+    _dir: tempfile::TempDir,
+}
+
+fn profile(fabric: Fabric) -> FakeProfile {
+    match fabric {
+        Fabric::Clique(clique) => crate::gpu::gb200_tray(crate::gpu::GB200_CLUSTER_UUID, clique),
+        Fabric::None => crate::gpu::builtin_profile("l40s-4").expect("built-in profile"),
+    }
+}
+
+fn write_profile(path: &std::path::Path, profile: &FakeProfile) {
+    std::fs::write(path, serde_yaml::to_string(profile).expect("profile YAML"))
+        .expect("profile file written");
+}
+
+impl Rack {
+    /// Starts a plugin, a pod runner and a kubelet double for each node (Node objects made here, each
+    /// with its own loopback address `127.0.0.<10+i>` as the address its IMEX daemons use).
+    pub async fn start(api: &ApiServer, nodes: &[(&str, Fabric)], image: &str) -> Rack {
+        // Short: unix socket paths under it must fit 107 bytes.
+        let dir = tempfile::Builder::new()
+            .prefix("rk-")
+            .tempdir()
+            .expect("temp dir");
+        let mut started = Vec::new();
+        for (i, (name, fabric)) in nodes.iter().enumerate() {
+            let ip = format!("127.0.0.{}", 10 + i);
+            api.insert(
+                "nodes",
+                serde_json::json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name},
+                    "status": {"addresses": [{"type": "InternalIP", "address": ip}],
+                               "conditions": [{"type": "Ready", "status": "True"}]}}),
+            );
+            let root = dir.path().join(format!("n{i}"));
+            std::fs::create_dir_all(&root).expect("node dir");
+            let profile_path = root.join("profile.yaml");
+            write_profile(&profile_path, &profile(*fabric));
+            let config = PluginConfig {
+                rescan_interval: Duration::from_millis(200),
+                mps: crate::plugin::MpsConfig {
+                    image: Some(image.to_string()),
+                    ..Default::default()
+                },
+                domains: crate::domains::membership::DomainsConfig {
+                    node_ip: Some(ip.clone()),
+                    ..Default::default()
+                },
+                ..PluginConfig::fake_node_under(
+                    &root,
+                    DRIVER,
+                    name,
+                    &profile_path.display().to_string(),
+                )
+            };
+            let pods = PodRunner::start(api.handle(), name, PodRunner::binary());
+            let plugin = crate::plugin::start(config.clone(), api.client())
+                .await
+                .expect("plugin starts");
+            let kubelet = KubeletDouble::register(
+                &config.registry_dir,
+                &config.driver_name,
+                Duration::from_secs(10),
+            )
+            .await
+            .expect("kubelet registers the plugin");
+            started.push(RackNode {
+                name: name.to_string(),
+                ip,
+                config,
+                profile_path,
+                plugin,
+                kubelet,
+                _pods: pods,
+            });
+        }
+        Rack {
+            nodes: started,
+            _dir: dir,
+        }
+    }
+
+    pub fn node(&self, name: &str) -> &RackNode {
+        self.nodes
+            .iter()
+            .find(|n| n.name == name)
+            .unwrap_or_else(|| panic!("no node {name} in the rack"))
+    }
+
+    /// Places the pod: the first node on which each of its claims (templates included) can be
+    /// allocated now; its claims are then made, allocated there and reserved for it. The pod is not
+    /// bound (the pod runners would run it): the node's name is returned. `Err` lists why each node
+    /// was passed over.
+    pub async fn schedule(
+        &self,
+        client: &kube::Client,
+        namespace: &str,
+        pod: &str,
+    ) -> Result<String, String> {
+        let pods_api: Api<Pod> = Api::namespaced(client.clone(), namespace);
+        let spec = pods_api
+            .get(pod)
+            .await
+            .map_err(|e| e.to_string())?
+            .spec
+            .unwrap_or_default();
+        let templates: Api<ResourceClaimTemplate> = Api::namespaced(client.clone(), namespace);
+        let claims: Api<k8s_openapi::api::resource::v1::ResourceClaim> =
+            Api::namespaced(client.clone(), namespace);
+        let mut specs = Vec::new();
+        for pod_claim in spec.resource_claims.iter().flatten() {
+            let claim_spec = match (
+                &pod_claim.resource_claim_template_name,
+                &pod_claim.resource_claim_name,
+            ) {
+                (Some(template), _) => templates
+                    .get(template)
+                    .await
+                    .map_err(|e| {
+                        format!("pod {namespace}/{pod}: ResourceClaimTemplate {template}: {e}")
+                    })?
+                    .spec
+                    .and_then(|s| s.spec)
+                    .unwrap_or_default(),
+                (None, Some(name)) => claims
+                    .get(name)
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .spec
+                    .unwrap_or_default(),
+                (None, None) => continue,
+            };
+            specs.push((pod_claim.name.clone(), claim_spec));
+        }
+        let mut passed_over = Vec::new();
+        'nodes: for node in &self.nodes {
+            for (name, claim_spec) in &specs {
+                let label = format!("{namespace}/{pod}/{name}");
+                if let Err(error) = scheduler::fits(client, &label, claim_spec, &node.name).await {
+                    passed_over.push(format!("{}: {error}", node.name));
+                    continue 'nodes;
+                }
+            }
+            pods::schedule_pod(client, namespace, pod, &node.name)
+                .await
+                .map_err(|e| e.to_string())?;
+            return Ok(node.name.clone());
+        }
+        Err(passed_over.join("; "))
+    }
+
+    /// The kubelet's part on the pod's node: prepares its claims.
+    pub async fn start_pod(
+        &self,
+        client: &kube::Client,
+        namespace: &str,
+        pod: &str,
+        node: &str,
+    ) -> Result<PreparedPod, String> {
+        prepare_pod(&self.node(node).kubelet, client, namespace, pod, false)
+            .await
+            .map_err(|e| e.to_string())
+    }
+}

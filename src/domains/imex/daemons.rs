@@ -113,7 +113,7 @@ impl ImexDaemons {
             let path = dir.join(name);
             write_if_changed(&path, text).map_err(io("writing", &path))?;
         }
-        let name = ImexPodTemplate::pod_name(&spec.domain_uid);
+        let name = self.template.pod_name(&spec.domain_uid);
         match self.api.get_opt(&name).await {
             Ok(Some(pod)) if pod.metadata.deletion_timestamp.is_none() => return Ok(()),
             // A Pod of a stop that has not finished: its successor takes its name once it is gone.
@@ -175,7 +175,7 @@ impl ImexDaemons {
                 }
             }
         };
-        let name = ImexPodTemplate::pod_name(domain_uid);
+        let name = self.template.pod_name(domain_uid);
         let pod_name = format!("Pod {}/{name}", self.template.namespace);
         let pod_reason = match self.api.get_opt(&name).await {
             Ok(Some(pod)) if pod.metadata.deletion_timestamp.is_some() => {
@@ -184,7 +184,9 @@ impl ImexDaemons {
             Ok(Some(pod)) if is_ready(&pod) && dir.join(READY_FILE).is_file() => {
                 return DaemonState::Ready
             }
-            Ok(Some(pod)) if is_ready(&pod) => format!("{pod_name} Ready, the daemon no more"),
+            Ok(Some(pod)) if is_ready(&pod) => format!(
+                "{pod_name} is Ready, its daemon no longer (the readiness probe has yet to see it)"
+            ),
             Ok(Some(pod)) => format!("{pod_name}: {}", not_ready_reason(&pod)),
             Ok(None) => format!("no daemon Pod {}/{name}", self.template.namespace),
             Err(e) => format!("reading {pod_name}: {e}"),
@@ -216,7 +218,7 @@ impl ImexDaemons {
     /// directory. A Pod or directory already gone is fine; so is a repeat.
     pub async fn stop(&self, domain_uid: &str) -> Result<(), ImexError> {
         let dir = self.domain_dir(domain_uid)?;
-        let name = ImexPodTemplate::pod_name(domain_uid);
+        let name = self.template.pod_name(domain_uid);
         match self.api.delete(&name, &DeleteParams::default()).await {
             Ok(_) => self.wait_gone(domain_uid, &name).await?,
             Err(kube::Error::Api(status)) if status.code == 404 => {}

@@ -61,9 +61,19 @@ pub struct ImexPodTemplate {
 }
 
 impl ImexPodTemplate {
-    /// One Pod per domain UID (a UUID, so the name stays a DNS subdomain).
-    pub fn pod_name(domain_uid: &str) -> String {
-        format!("gpu-dra-imex-{domain_uid}")
+    /// One Pod per domain UID and node: every node of a domain runs one, and the plugins of all
+    /// nodes share a namespace. The node's name where it fits the 253 characters of a Pod name (a
+    /// UUID and a node name are DNS subdomains, so the name is one), a hash of it where not.
+    pub fn pod_name(&self, domain_uid: &str) -> String {
+        let name = format!("gpu-dra-imex-{domain_uid}-{}", self.node);
+        if name.len() <= 253 {
+            return name;
+        }
+        // FNV-1a: stable across releases, unlike std's hasher.
+        let hash = self.node.bytes().fold(0xcbf29ce484222325_u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x100000001b3)
+        });
+        format!("gpu-dra-imex-{domain_uid}-{hash:016x}")
     }
 
     /// Where the daemon sees the domain's directory whose host path is `host_dir`.
@@ -138,7 +148,7 @@ impl ImexPodTemplate {
             "apiVersion": "v1",
             "kind": "Pod",
             "metadata": {
-                "name": Self::pod_name(&spec.domain_uid),
+                "name": self.pod_name(&spec.domain_uid),
                 "namespace": self.namespace,
                 "labels": {
                     "app.kubernetes.io/name": "gpu-dra",
@@ -275,7 +285,10 @@ mod tests {
     #[test]
     fn the_pod_is_bound_to_the_node_on_its_network_and_labelled_with_its_domain() {
         let pod = pod_json(&template(ImexProgram::StandIn, None));
-        assert_eq!(pod["metadata"]["name"], format!("gpu-dra-imex-{UID}"));
+        assert_eq!(
+            pod["metadata"]["name"],
+            format!("gpu-dra-imex-{UID}-node-a")
+        );
         assert_eq!(pod["metadata"]["namespace"], "gpu-dra");
         let labels = &pod["metadata"]["labels"];
         assert_eq!(labels["app.kubernetes.io/component"], "imex-daemon");
@@ -399,6 +412,18 @@ mod tests {
             assert!(args.contains(&expected), "{expected} in {args:?}");
         }
         assert!(!args.iter().any(|a| a.starts_with("--driver-root")));
+    }
+
+    #[test]
+    fn the_pod_name_holds_the_node_or_a_hash_of_a_long_one() {
+        let mut long = template(ImexProgram::StandIn, None);
+        long.node = format!("{}.example.com", "n".repeat(230));
+        let name = long.pod_name(UID);
+        assert_eq!(name.len(), "gpu-dra-imex-".len() + UID.len() + 17);
+        assert!(crate::claims::names::is_dns_subdomain(&name, 253), "{name}");
+        assert_eq!(name, long.pod_name(UID), "stable");
+        long.node.push('x');
+        assert_ne!(name, long.pod_name(UID));
     }
 
     #[test]

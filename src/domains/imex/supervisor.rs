@@ -350,7 +350,15 @@ async fn query_ready(args: &SupervisorArgs) -> Result<(), String> {
         "{answer} {}",
         String::from_utf8_lossy(&output.stderr).trim()
     );
-    Err(format!("nvidia-imex-ctl -q: {}", said.trim()))
+    if output.status.success() {
+        Err(format!("nvidia-imex-ctl -q: {}", said.trim()))
+    } else {
+        Err(format!(
+            "nvidia-imex-ctl -q ({}): {}",
+            output.status,
+            said.trim()
+        ))
+    }
 }
 
 /// The readiness probe: the ready file exists.

@@ -73,7 +73,8 @@ impl ImexPodTemplate {
         let hash = self.node.bytes().fold(0xcbf29ce484222325_u64, |h, b| {
             (h ^ u64::from(b)).wrapping_mul(0x100000001b3)
         });
-        format!("gpu-dra-imex-{domain_uid}-{hash:016x}")
+        // 12 hex digits keep the name one DNS label (63 characters).
+        format!("gpu-dra-imex-{domain_uid}-{:012x}", hash >> 16)
     }
 
     /// Where the daemon sees the domain's directory whose host path is `host_dir`.
@@ -419,8 +420,8 @@ mod tests {
         let mut long = template(ImexProgram::StandIn, None);
         long.node = format!("{}.example.com", "n".repeat(230));
         let name = long.pod_name(UID);
-        assert_eq!(name.len(), "gpu-dra-imex-".len() + UID.len() + 17);
-        assert!(crate::claims::names::is_dns_subdomain(&name, 253), "{name}");
+        assert_eq!(name.len(), "gpu-dra-imex-".len() + UID.len() + 13);
+        assert!(crate::claims::names::is_dns_label(&name), "{name}");
         assert_eq!(name, long.pod_name(UID), "stable");
         long.node.push('x');
         assert_ne!(name, long.pod_name(UID));

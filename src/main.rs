@@ -10,6 +10,7 @@ fn main() -> Result<()> {
     match Cli::from_env().command {
         Command::Plugin(args) => cli::plugin::run_plugin(*args),
         Command::MpsDaemon(args) => cli::plugin::mps_daemon(args),
+        Command::ImexDaemon(args) => cli::plugin::imex_daemon(args),
         Command::Devices(args) => cli::backend::print_devices(args),
         Command::Fake { command } => cli::backend::fake(command),
         Command::Nvml { command } => cli::backend::nvml(command),

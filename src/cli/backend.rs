@@ -109,6 +109,26 @@ pub enum FakeCommand {
         #[arg(short = 'M')]
         multi_user: bool,
     },
+    /// Stand-in for NVIDIA's nvidia-imex (ComputeDomains with the fake backend): runs in the
+    /// foreground with the config given.
+    #[cfg(feature = "doubles")]
+    #[command(hide = true)]
+    ImexDaemon {
+        /// The daemon's config.cfg.
+        #[arg(short = 'c')]
+        config: PathBuf,
+    },
+    /// Stand-in for NVIDIA's nvidia-imex-ctl: `-q` prints READY when the daemon of the config answers.
+    #[cfg(feature = "doubles")]
+    #[command(hide = true)]
+    ImexCtl {
+        /// Query the daemon's state once.
+        #[arg(short = 'q', required = true)]
+        query: bool,
+        /// The daemon's config.cfg.
+        #[arg(short = 'c')]
+        config: PathBuf,
+    },
 }
 
 #[derive(Subcommand)]
@@ -184,6 +204,14 @@ pub fn fake(command: FakeCommand) -> Result<()> {
                 _ => Mode::Client,
             };
             std::process::exit(run(mode)?)
+        }
+        #[cfg(feature = "doubles")]
+        FakeCommand::ImexDaemon { config } => {
+            std::process::exit(crate::domains::imex::stand_in::daemon(&config))
+        }
+        #[cfg(feature = "doubles")]
+        FakeCommand::ImexCtl { query: _, config } => {
+            std::process::exit(crate::domains::imex::stand_in::ctl_query(&config))
         }
     }
 }

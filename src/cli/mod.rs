@@ -14,7 +14,7 @@ use clap::{CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 use backend::{DevicesArgs, FakeCommand, NvmlCommand};
 use cel::{CelCommand, SelectorsCommand};
 use explain::ExplainArgs;
-use plugin::{MpsDaemonArgs, PluginArgs};
+use plugin::{ImexDaemonArgs, MpsDaemonArgs, PluginArgs};
 
 // No doc comments on the clap types themselves: clap would show them in `--help` as about texts.
 #[derive(Parser)]
@@ -63,6 +63,10 @@ pub enum Command {
     /// applies the claim's limits.
     #[command(hide = true)]
     MpsDaemon(MpsDaemonArgs),
+    /// PID 1 of a ComputeDomain's IMEX daemon Pod, which the plugin creates: runs nvidia-imex,
+    /// reports whether it is ready and restarts it when the domain's peers change.
+    #[command(hide = true)]
+    ImexDaemon(ImexDaemonArgs),
     /// NVML tools, for checking a node with real GPUs.
     Nvml {
         #[command(subcommand)]

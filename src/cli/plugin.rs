@@ -1,5 +1,6 @@
 //! The node's long-running processes: `gpu-dra plugin` (flags and environment → [`PluginConfig`], the
-//! preflight, signals) and `gpu-dra mps-daemon`, PID 1 of the MPS daemon Pods the plugin creates.
+//! preflight, signals), `gpu-dra mps-daemon` and `gpu-dra imex-daemon`, PID 1 of the MPS and IMEX
+//! daemon Pods the plugin creates.
 //! Where either is PID 1 of its container, it first splits off a reaper of orphans (`plugin::reaper`).
 
 use std::net::SocketAddr;
@@ -117,6 +118,27 @@ pub struct MpsDaemonArgs {
     /// Start the control daemon in multi-user mode (`-M`).
     #[arg(long)]
     multi_user: bool,
+}
+
+#[derive(Args)]
+pub struct ImexDaemonArgs {
+    /// The readiness probe: exit 0 when this ready file exists, 1 otherwise.
+    #[arg(long, value_name = "READY_FILE", conflicts_with_all = ["dir", "program", "ctl_program"])]
+    check_ready: Option<PathBuf>,
+    /// The domain's directory (config.cfg, nodes_config.cfg) as the daemon sees it.
+    #[arg(long, required_unless_present = "check_ready")]
+    dir: Option<PathBuf>,
+    /// nvidia-imex (its path inside the driver root with --driver-root), or `stand-in`.
+    #[arg(long, required_unless_present = "check_ready")]
+    program: Option<String>,
+    /// nvidia-imex-ctl (its path inside the driver root with --driver-root), or `stand-in`.
+    #[arg(long, required_unless_present = "check_ready")]
+    ctl_program: Option<String>,
+    /// Enter this root (chroot) before starting the daemon.
+    #[arg(long)]
+    driver_root: Option<PathBuf>,
+    #[arg(long)]
+    library_path: Option<PathBuf>,
 }
 
 /// `gpu-dra plugin`: runs until SIGTERM or SIGINT; a failed preflight exits with its own code.
@@ -237,6 +259,34 @@ pub fn mps_daemon(args: MpsDaemonArgs) -> Result<()> {
         library_path: args.library_path,
         commands: args.commands,
         multi_user: args.multi_user,
+    };
+    let code = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?
+        .block_on(supervise(supervisor))?;
+    std::process::exit(code)
+}
+
+/// `gpu-dra imex-daemon`: exits with the readiness check's or the supervised daemon's code.
+pub fn imex_daemon(args: ImexDaemonArgs) -> Result<()> {
+    use crate::domains::imex::supervisor::{check_ready, supervise, SupervisorArgs};
+    if let Some(ready) = args.check_ready {
+        std::process::exit(check_ready(&ready));
+    }
+    init_logging(LogFormat::Text, "info");
+    // PID 1 of the daemon's Pod: whatever the daemon leaves behind is handed to it.
+    if crate::plugin::reaper::adopts_orphans() {
+        std::process::exit(crate::plugin::reaper::supervise_this_program()?);
+    }
+    crate::plugin::reaper::unblock_forwarded_signals()?;
+    let missing = |flag: &str| anyhow::anyhow!("--{flag} is required");
+    let supervisor = SupervisorArgs {
+        dir: args.dir.ok_or_else(|| missing("dir"))?,
+        program: args.program.ok_or_else(|| missing("program"))?,
+        ctl_program: args.ctl_program.ok_or_else(|| missing("ctl-program"))?,
+        driver_root: args.driver_root,
+        library_path: args.library_path,
     };
     let code = tokio::runtime::Builder::new_current_thread()
         .enable_all()

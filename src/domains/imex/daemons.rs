@@ -1,0 +1,410 @@
+//! The plugin's handle on this node's IMEX daemons: each domain's directory
+//! (`<plugin-dir>/imex/<domainUID>/`) with the daemon's config and peers, and its Pod, created,
+//! asked whether it is Ready (with the kubelet's and the daemon's reason when not) and deleted. Every
+//! call on `Api<Pod>` stays in this file, beside the field that types it: tests/manifests/rbac.rs
+//! tells a call's kind by the binding in its own file.
+
+use std::fs;
+use std::io;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use tracing::{info, warn};
+
+use super::config::{render_config, render_peers, CONFIG_FILE, NODES_CONFIG_FILE};
+use super::pod::COMPONENT;
+use super::{
+    check_domain_uid, DaemonState, ImexDaemonSpec, ImexError, ImexPodTemplate, ImexProgram,
+    GONE_TIMEOUT, NOT_READY_FILE, POLL, READY_FILE,
+};
+use crate::claims::mps::pod::{COMPONENT_LABEL, DRIVER_LABEL};
+use crate::domains::api::DOMAIN_LABEL;
+use crate::fsutil::write_for_this_boot;
+
+/// This node's IMEX daemons, one per domain with a channel prepared here.
+#[derive(Clone)]
+pub struct ImexDaemons {
+    api: Api<Pod>,
+    /// `<plugin-dir>/imex` as this process sees it.
+    root: PathBuf,
+    /// The same directory as the host (and so the daemon's Pod) sees it.
+    host_root: PathBuf,
+    template: ImexPodTemplate,
+}
+
+impl std::fmt::Debug for ImexDaemons {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ImexDaemons")
+            .field("root", &self.root)
+            .field("host_root", &self.host_root)
+            .field("template", &self.template)
+            .finish()
+    }
+}
+
+impl ImexDaemons {
+    /// `root` is `<plugin-dir>/imex` as this process sees it; the host sees it at the same path unless
+    /// [`with_host_root`](Self::with_host_root) says otherwise. The Pods go into the template's
+    /// namespace.
+    pub fn new(client: kube::Client, root: PathBuf, template: ImexPodTemplate) -> Self {
+        Self {
+            api: Api::namespaced(client, &template.namespace),
+            host_root: root.clone(),
+            root,
+            template,
+        }
+    }
+
+    /// Where the host sees `root` (the hostPath of the daemons' Pods).
+    pub fn with_host_root(mut self, host_root: PathBuf) -> Self {
+        self.host_root = host_root;
+        self
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// The domain's directory as this process sees it.
+    pub fn domain_dir(&self, domain_uid: &str) -> Result<PathBuf, ImexError> {
+        check_domain_uid(domain_uid)?;
+        Ok(self.root.join(domain_uid))
+    }
+
+    /// Writes the config and peers files and creates the daemon's Pod when it is absent (after a
+    /// Pod still being deleted is gone); does not wait for it to be Ready.
+    pub async fn ensure(&self, spec: &ImexDaemonSpec) -> Result<(), ImexError> {
+        let dir = self.domain_dir(&spec.domain_uid)?;
+        if self.template.program == ImexProgram::StandIn && !cfg!(feature = "doubles") {
+            return Err(ImexError::NoStandIn {
+                domain: spec.domain.clone(),
+            });
+        }
+        let host_dir = self.host_root.join(&spec.domain_uid);
+        let config_error = |source| ImexError::Config {
+            domain: spec.domain.clone(),
+            source,
+        };
+        let peers = render_peers(&spec.peers).map_err(config_error)?;
+        let config = render_config(
+            &spec.domain,
+            spec.channel,
+            &self.template.nodes_config_path(&host_dir),
+        )
+        .map_err(config_error)?;
+        let io = |action, path: &Path| {
+            let (domain, path) = (spec.domain.clone(), path.to_path_buf());
+            move |source| ImexError::Io {
+                domain,
+                action,
+                path,
+                source,
+            }
+        };
+        for dir in [&self.root, &dir] {
+            fs::create_dir_all(dir).map_err(io("creating", dir))?;
+            fs::set_permissions(dir, fs::Permissions::from_mode(0o755))
+                .map_err(io("setting the mode of", dir))?;
+        }
+        for (name, text) in [(NODES_CONFIG_FILE, &peers), (CONFIG_FILE, &config)] {
+            let path = dir.join(name);
+            write_if_changed(&path, text).map_err(io("writing", &path))?;
+        }
+        let name = self.template.pod_name(&spec.domain_uid);
+        match self.api.get_opt(&name).await {
+            Ok(Some(pod)) if pod.metadata.deletion_timestamp.is_none() => return Ok(()),
+            // A Pod of a stop that has not finished: its successor takes its name once it is gone.
+            Ok(Some(_)) => self.wait_gone(&spec.domain, &name).await?,
+            Ok(None) => {}
+            Err(e) => return Err(self.api_error(&spec.domain, &name, "reading", e)),
+        }
+        let pod = self.template.pod(spec, &host_dir)?;
+        match self.api.create(&PostParams::default(), &pod).await {
+            Ok(_) => {
+                info!(domain = %spec.domain, domain_uid = %spec.domain_uid, pod = %name, channel = spec.channel, "IMEX daemon Pod created");
+                Ok(())
+            }
+            // Another ensure of the same domain created it first.
+            Err(kube::Error::Api(status)) if status.code == 409 => Ok(()),
+            Err(e) => Err(self.api_error(&spec.domain, &name, "creating", e)),
+        }
+    }
+
+    /// Rewrites the domain's peers file when the peers changed (atomically: a temporary file, then
+    /// a rename), which makes the daemon's supervisor restart it. Returns whether they changed.
+    pub fn set_peers(&self, domain_uid: &str, peers: &[String]) -> Result<bool, ImexError> {
+        let dir = self.domain_dir(domain_uid)?;
+        let text = render_peers(peers).map_err(|source| ImexError::Config {
+            domain: domain_uid.to_string(),
+            source,
+        })?;
+        let path = dir.join(NODES_CONFIG_FILE);
+        let io = |action| {
+            let path = path.clone();
+            move |source| ImexError::Io {
+                domain: domain_uid.to_string(),
+                action,
+                path,
+                source,
+            }
+        };
+        if !dir.is_dir() {
+            return Err(io("writing")(io::Error::new(
+                io::ErrorKind::NotFound,
+                "the domain has no daemon on this node (ensure it first)",
+            )));
+        }
+        let changed = write_if_changed(&path, &text).map_err(io("writing"))?;
+        if changed {
+            info!(domain_uid, peers = %text.trim().replace('\n', ","), "IMEX daemon peers changed");
+        }
+        Ok(changed)
+    }
+
+    /// Ready when the daemon's Pod is Ready and its supervisor's ready file exists; otherwise why
+    /// not, in the kubelet's words (waiting reason, last exit) and the supervisor's.
+    pub async fn state(&self, domain_uid: &str) -> DaemonState {
+        let dir = match self.domain_dir(domain_uid) {
+            Ok(dir) => dir,
+            Err(e) => {
+                return DaemonState::NotReady {
+                    reason: e.to_string(),
+                }
+            }
+        };
+        let name = self.template.pod_name(domain_uid);
+        let pod_name = format!("Pod {}/{name}", self.template.namespace);
+        let pod_reason = match self.api.get_opt(&name).await {
+            Ok(Some(pod)) if pod.metadata.deletion_timestamp.is_some() => {
+                format!("{pod_name} is being deleted")
+            }
+            Ok(Some(pod)) if is_ready(&pod) && dir.join(READY_FILE).is_file() => {
+                return DaemonState::Ready
+            }
+            Ok(Some(pod)) if is_ready(&pod) => format!(
+                "{pod_name} is Ready, its daemon no longer (the readiness probe has yet to see it)"
+            ),
+            Ok(Some(pod)) => format!("{pod_name}: {}", not_ready_reason(&pod)),
+            Ok(None) => format!("no daemon Pod {}/{name}", self.template.namespace),
+            Err(e) => format!("reading {pod_name}: {e}"),
+        };
+        let daemon_reason = fs::read_to_string(dir.join(NOT_READY_FILE))
+            .map(|text| text.trim().to_string())
+            .unwrap_or_default();
+        let reason = if daemon_reason.is_empty() {
+            pod_reason
+        } else {
+            format!("{pod_reason}; daemon: {daemon_reason}")
+        };
+        DaemonState::NotReady { reason }
+    }
+
+    /// Waits up to `timeout` for the daemon to be Ready; returns the last state seen.
+    pub async fn wait_ready(&self, domain_uid: &str, timeout: Duration) -> DaemonState {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let state = self.state(domain_uid).await;
+            if state == DaemonState::Ready || Instant::now() >= deadline {
+                return state;
+            }
+            tokio::time::sleep(POLL).await;
+        }
+    }
+
+    /// Deletes the daemon's Pod, waits until it is gone (bounded), then removes the domain's
+    /// directory. A Pod or directory already gone is fine; so is a repeat.
+    pub async fn stop(&self, domain_uid: &str) -> Result<(), ImexError> {
+        let dir = self.domain_dir(domain_uid)?;
+        let name = self.template.pod_name(domain_uid);
+        match self.api.delete(&name, &DeleteParams::default()).await {
+            Ok(_) => self.wait_gone(domain_uid, &name).await?,
+            Err(kube::Error::Api(status)) if status.code == 404 => {}
+            Err(e) => return Err(self.api_error(domain_uid, &name, "deleting", e)),
+        }
+        match fs::remove_dir_all(&dir) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => Err(ImexError::Io {
+                domain: domain_uid.to_string(),
+                action: "removing",
+                path: dir,
+                source: e,
+            }),
+            _ => {
+                info!(domain_uid, pod = %name, "IMEX daemon stopped");
+                Ok(())
+            }
+        }
+    }
+
+    /// The domain UIDs whose daemon Pods this plugin runs on this node (for the sweep at start).
+    /// A failed list is logged and reads as none.
+    pub async fn on_this_node(&self) -> Vec<String> {
+        let params = ListParams::default()
+            .labels(&format!(
+                "{COMPONENT_LABEL}={COMPONENT},{DRIVER_LABEL}={}",
+                self.template.driver
+            ))
+            .fields(&format!("spec.nodeName={}", self.template.node));
+        let pods = match self.api.list(&params).await {
+            Ok(list) => list.items,
+            Err(e) => {
+                warn!(error = %e, "listing this node's IMEX daemon Pods failed");
+                return Vec::new();
+            }
+        };
+        let mut uids: Vec<String> = pods
+            .iter()
+            .filter_map(|pod| pod.metadata.labels.as_ref()?.get(DOMAIN_LABEL).cloned())
+            .filter(|uid| check_domain_uid(uid).is_ok())
+            .collect();
+        uids.sort();
+        uids.dedup();
+        uids
+    }
+
+    async fn wait_gone(&self, domain: &str, name: &str) -> Result<(), ImexError> {
+        let deadline = Instant::now() + GONE_TIMEOUT;
+        loop {
+            match self.api.get_opt(name).await {
+                Ok(None) => return Ok(()),
+                Ok(Some(_)) | Err(_) if Instant::now() < deadline => tokio::time::sleep(POLL).await,
+                Ok(Some(_)) | Err(_) => {
+                    return Err(ImexError::StillRunning {
+                        domain: domain.to_string(),
+                        namespace: self.template.namespace.clone(),
+                        pod: name.to_string(),
+                        waited: GONE_TIMEOUT,
+                    })
+                }
+            }
+        }
+    }
+
+    fn api_error(
+        &self,
+        domain: &str,
+        pod: &str,
+        action: &'static str,
+        e: kube::Error,
+    ) -> ImexError {
+        ImexError::Api {
+            domain: domain.to_string(),
+            namespace: self.template.namespace.clone(),
+            pod: pod.to_string(),
+            action,
+            source: Box::new(e),
+        }
+    }
+}
+
+/// Replaces `path` with `text` unless it holds it already; whether it wrote.
+fn write_if_changed(path: &Path, text: &str) -> io::Result<bool> {
+    if fs::read_to_string(path).ok().as_deref() == Some(text) {
+        return Ok(false);
+    }
+    write_for_this_boot(path, text.as_bytes(), 0o644)?;
+    Ok(true)
+}
+
+fn is_ready(pod: &Pod) -> bool {
+    pod.metadata.deletion_timestamp.is_none()
+        && pod
+            .status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
+/// Why a Pod is not Ready, in the kubelet's words: the container's waiting reason, then its last
+/// exit (code, reason, termination message).
+fn not_ready_reason(pod: &Pod) -> String {
+    let status = pod.status.as_ref();
+    let container = status
+        .and_then(|s| s.container_statuses.as_ref())
+        .and_then(|c| c.first());
+    let mut parts = Vec::new();
+    if let Some(waiting) = container
+        .and_then(|c| c.state.as_ref())
+        .and_then(|s| s.waiting.as_ref())
+    {
+        parts.push(
+            format!(
+                "container waiting: {} {}",
+                waiting.reason.as_deref().unwrap_or_default(),
+                waiting.message.as_deref().unwrap_or_default()
+            )
+            .trim()
+            .to_string(),
+        );
+    }
+    if let Some(terminated) = container
+        .and_then(|c| c.last_state.as_ref())
+        .and_then(|s| s.terminated.as_ref())
+    {
+        let mut exit = format!(
+            "last exit code {} ({})",
+            terminated.exit_code,
+            terminated.reason.as_deref().unwrap_or("no reason")
+        );
+        if let Some(message) = terminated.message.as_deref().map(str::trim) {
+            if !message.is_empty() {
+                exit.push_str(&format!(": {message}"));
+            }
+        }
+        parts.push(exit);
+    }
+    if parts.is_empty() {
+        let phase = status.and_then(|s| s.phase.as_deref()).unwrap_or("Pending");
+        parts.push(format!("phase {phase}, not Ready yet"));
+    }
+    parts.join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(status: serde_json::Value) -> Pod {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "p"}, "status": status,
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn a_crash_looping_daemon_says_the_kubelets_reason_and_its_last_exit() {
+        let pod = pod(serde_json::json!({
+            "phase": "Running",
+            "conditions": [{"type": "Ready", "status": "False"}],
+            "containerStatuses": [{
+                "name": "imex-daemon", "ready": false, "restartCount": 3, "image": "", "imageID": "",
+                "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s"}},
+                "lastState": {"terminated": {"exitCode": 1, "reason": "Error",
+                                             "message": "IMEX: fabric manager not running\n"}},
+            }],
+        }));
+        assert!(!is_ready(&pod));
+        assert_eq!(
+            not_ready_reason(&pod),
+            "container waiting: CrashLoopBackOff back-off 40s, last exit code 1 (Error): IMEX: fabric manager not running"
+        );
+    }
+
+    #[test]
+    fn a_pod_not_started_yet_says_its_phase() {
+        let pod = pod(serde_json::json!({"phase": "Pending"}));
+        assert_eq!(not_ready_reason(&pod), "phase Pending, not Ready yet");
+    }
+
+    #[test]
+    fn files_are_rewritten_only_when_their_content_changes() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(NODES_CONFIG_FILE);
+        assert!(write_if_changed(&path, "10.0.0.1\n").unwrap());
+        assert!(!write_if_changed(&path, "10.0.0.1\n").unwrap());
+        assert!(write_if_changed(&path, "10.0.0.1\n10.0.0.2\n").unwrap());
+        assert_eq!(fs::read_to_string(&path).unwrap(), "10.0.0.1\n10.0.0.2\n");
+    }
+}

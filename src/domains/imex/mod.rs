@@ -1,0 +1,100 @@
+//! The IMEX daemon of one ComputeDomain on one node. Memory shared over NVLink between nodes is
+//! brokered by NVIDIA's `nvidia-imex`, one daemon per domain on every node of the domain, each knowing
+//! all the others' addresses. The plugin calls [`ImexDaemons`] when it prepares a domain's channel:
+//! it writes the daemon's config and peers into `<plugin-dir>/imex/<domainUID>/` (`config.rs`) and
+//! creates a Pod of the daemon's own (`pod.rs`), so the daemon outlives plugin restarts and upgrades.
+//! In the Pod, `gpu-dra imex-daemon` (`supervisor.rs`) runs `nvidia-imex`, asks `nvidia-imex-ctl`
+//! whether it is ready, and restarts it when the peers change. The fake backend runs a stand-in for
+//! both programs (`stand_in.rs`, only with the `doubles` feature).
+//!
+//! A domain's directory holds `config.cfg`, `nodes_config.cfg` (the plugin's), and the supervisor's
+//! `ready` (present while the daemon answers READY) and `not-ready` (why not, for the plugin to report).
+
+use std::io;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use thiserror::Error;
+
+pub mod config;
+mod daemons;
+pub mod pod;
+#[cfg(feature = "doubles")]
+pub mod stand_in;
+pub mod supervisor;
+
+pub use config::ConfigError;
+pub use daemons::ImexDaemons;
+pub use pod::{ImexPodTemplate, ImexProgram};
+
+/// The file the supervisor keeps in the domain's directory while the daemon answers READY.
+pub const READY_FILE: &str = "ready";
+/// The file the supervisor keeps there while it does not: why, in one line.
+pub const NOT_READY_FILE: &str = "not-ready";
+
+/// How long [`ImexDaemons::stop`] waits for the daemon's Pod to be gone (its grace period is 15 s).
+const GONE_TIMEOUT: Duration = Duration::from_secs(25);
+const POLL: Duration = Duration::from_millis(200);
+
+/// The daemon one node runs for one domain.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImexDaemonSpec {
+    /// The domain's UID: its directory and Pod are named by it.
+    pub domain_uid: String,
+    /// `namespace/name`, for messages.
+    pub domain: String,
+    /// The domain's IMEX channel, which gives the daemon its ports (`config.rs`).
+    pub channel: u32,
+    /// Every node of the domain, this one included: IP addresses.
+    pub peers: Vec<String>,
+}
+
+/// Whether a domain's daemon on this node brokers memory now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DaemonState {
+    Ready,
+    /// Why not, in the kubelet's and the daemon's words, for people (domain status, events).
+    NotReady {
+        reason: String,
+    },
+}
+
+#[derive(Debug, Error)]
+pub enum ImexError {
+    #[error("IMEX daemon of ComputeDomain UID {uid:?}: {reason}")]
+    InvalidDomainUid { uid: String, reason: String },
+    #[error("IMEX daemon of ComputeDomain {domain}: {source}")]
+    Config { domain: String, source: ConfigError },
+    #[error("IMEX daemon of ComputeDomain {domain}: {}", supervisor::NO_STAND_IN)]
+    NoStandIn { domain: String },
+    #[error("IMEX daemon of ComputeDomain {domain}: {action} {}: {source}", path.display())]
+    Io {
+        domain: String,
+        action: &'static str,
+        path: PathBuf,
+        source: io::Error,
+    },
+    #[error("IMEX daemon of ComputeDomain {domain}: Pod {namespace}/{pod}: {action}: {source}")]
+    Api {
+        domain: String,
+        namespace: String,
+        pod: String,
+        action: &'static str,
+        source: Box<kube::Error>,
+    },
+    #[error("IMEX daemon of ComputeDomain {domain}: Pod {namespace}/{pod} still there {waited:?} after its deletion")]
+    StillRunning {
+        domain: String,
+        namespace: String,
+        pod: String,
+        waited: Duration,
+    },
+}
+
+/// A domain UID is a Kubernetes UID (a lowercase UUID) before it names a directory or a Pod.
+pub(crate) fn check_domain_uid(uid: &str) -> Result<(), ImexError> {
+    crate::claims::names::check_uid(uid).map_err(|_| ImexError::InvalidDomainUid {
+        uid: crate::claims::names::truncated(uid),
+        reason: "not a lowercase UUID, as the API server makes UIDs".into(),
+    })
+}

@@ -1,0 +1,315 @@
+//! The IMEX daemon of a ComputeDomain as a node runs it: a Pod of its own, which the plugin creates
+//! through the API server (double) and the kubelet (the pod runner double) runs as a process, with the
+//! fake backend's stand-in for `nvidia-imex`. Ready, given new peers, crashed, refused, stopped; two
+//! nodes of one domain on one machine.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use gpu_dra::domains::imex::stand_in::{StandInState, FAIL_FILE};
+use gpu_dra::domains::imex::{
+    DaemonState, ImexDaemonSpec, ImexDaemons, ImexError, ImexPodTemplate, ImexProgram,
+};
+use gpu_dra::support::apiserver::ApiServer;
+use gpu_dra::support::pod_runner::PodRunner;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::Api;
+
+const DOMAIN_UID: &str = "7a1e5c3d-1111-4b2c-9d8e-0f1a2b3c4d5e";
+const NAMESPACE: &str = "gpu-dra";
+/// Generous: the kubelet double's back-off and the supervisor's 1 s checks, on a busy machine.
+const READY_WITHIN: Duration = Duration::from_secs(30);
+
+/// A node: its kubelet (running the Pods bound to it) and its plugin directory.
+struct Node {
+    name: &'static str,
+    ip: &'static str,
+    _runner: PodRunner,
+    root: PathBuf,
+}
+
+/// An API server and a scratch directory that the nodes share, as fake nodes on one machine do.
+struct Cluster {
+    api: ApiServer,
+    dir: tempfile::TempDir,
+}
+
+impl Cluster {
+    async fn new() -> Cluster {
+        let api = ApiServer::start().await.expect("API server double");
+        // Short: the stand-in's command socket path must fit a unix socket address.
+        let dir = tempfile::Builder::new()
+            .prefix("imex")
+            .tempdir_in("/tmp")
+            .unwrap();
+        Cluster { api, dir }
+    }
+
+    fn node(&self, name: &'static str, ip: &'static str) -> Node {
+        Node {
+            name,
+            ip,
+            _runner: PodRunner::start(
+                self.api.handle(),
+                name,
+                env!("CARGO_BIN_EXE_gpu-dra").into(),
+            ),
+            root: self.dir.path().join(name).join("imex"),
+        }
+    }
+
+    /// The plugin's view on `node`.
+    fn daemons(&self, node: &Node) -> ImexDaemons {
+        ImexDaemons::new(
+            self.api.client(),
+            node.root.clone(),
+            ImexPodTemplate {
+                namespace: NAMESPACE.into(),
+                node: node.name.into(),
+                driver: "gpu.dra.dev".into(),
+                image: "gpu-dra:test".into(),
+                host_driver_root: "/".into(),
+                program: ImexProgram::StandIn,
+                node_ip: Some(node.ip.into()),
+            },
+        )
+    }
+
+    async fn pod(&self, node: &Node) -> Option<Pod> {
+        Api::<Pod>::namespaced(self.api.client(), NAMESPACE)
+            .get_opt(&format!("gpu-dra-imex-{DOMAIN_UID}-{}", node.name))
+            .await
+            .unwrap()
+    }
+}
+
+fn spec(peers: &[&str]) -> ImexDaemonSpec {
+    ImexDaemonSpec {
+        domain_uid: DOMAIN_UID.into(),
+        domain: "team/training".into(),
+        channel: 5,
+        peers: peers.iter().map(|p| p.to_string()).collect(),
+    }
+}
+
+async fn wait_until(what: &str, condition: impl AsyncFn() -> bool) {
+    let deadline = Instant::now() + READY_WITHIN;
+    while !condition().await {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Waits until the daemon is not Ready for a reason that says `expected`; the reason.
+async fn wait_for_reason(daemons: &ImexDaemons, expected: &str) -> String {
+    let deadline = Instant::now() + READY_WITHIN;
+    loop {
+        let state = daemons.state(DOMAIN_UID).await;
+        match &state {
+            DaemonState::NotReady { reason } if reason.contains(expected) => return reason.clone(),
+            _ => assert!(
+                Instant::now() < deadline,
+                "timed out waiting for a reason with {expected:?}; the last state: {state:?}"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn not_ready_reason(state: DaemonState) -> String {
+    match state {
+        DaemonState::NotReady { reason } => reason,
+        DaemonState::Ready => panic!("Ready, where not Ready was expected"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_domains_daemon_runs_in_a_pod_of_its_own_and_stops_with_nothing_left() {
+    let cluster = Cluster::new().await;
+    let node = cluster.node("node-a", "10.0.0.1");
+    let daemons = cluster.daemons(&node);
+    daemons
+        .ensure(&spec(&["10.0.0.2", "10.0.0.1"]))
+        .await
+        .expect("ensure");
+    assert_eq!(
+        daemons.wait_ready(DOMAIN_UID, READY_WITHIN).await,
+        DaemonState::Ready
+    );
+
+    // A Pod bound to this node on the node's network runs it, with the domain's ports and peers.
+    let pod = cluster.pod(&node).await.expect("the daemon's Pod");
+    let pod_spec = pod.spec.as_ref().unwrap();
+    assert_eq!(pod_spec.node_name.as_deref(), Some("node-a"));
+    assert_eq!(pod_spec.host_network, Some(true));
+    let dir = daemons.domain_dir(DOMAIN_UID).unwrap();
+    let daemon = StandInState::read(&dir).expect("the stand-in's state");
+    assert_eq!(daemon.address, "10.0.0.1");
+    assert_eq!(daemon.peers, ["10.0.0.1", "10.0.0.2"]);
+    assert_eq!((daemon.server_port, daemon.cmd_port), (50005, 52053));
+    assert_eq!(daemons.on_this_node().await, [DOMAIN_UID]);
+
+    // Ensuring again changes nothing: the same Pod runs on.
+    daemons
+        .ensure(&spec(&["10.0.0.1", "10.0.0.2"]))
+        .await
+        .unwrap();
+    let again = cluster.pod(&node).await.unwrap();
+    assert_eq!(again.metadata.uid, pod.metadata.uid);
+
+    daemons.stop(DOMAIN_UID).await.expect("stop");
+    assert!(cluster.pod(&node).await.is_none(), "the Pod is gone");
+    assert!(!dir.exists(), "the domain's directory is removed");
+    assert!(daemons.on_this_node().await.is_empty());
+    daemons.stop(DOMAIN_UID).await.expect("stop again");
+    let reason = not_ready_reason(daemons.state(DOMAIN_UID).await);
+    assert!(reason.contains("no daemon Pod"), "{reason}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn new_peers_reach_the_daemon_which_is_ready_again_with_them() {
+    let cluster = Cluster::new().await;
+    let node = cluster.node("node-a", "10.0.0.1");
+    let daemons = cluster.daemons(&node);
+    daemons.ensure(&spec(&["10.0.0.1"])).await.unwrap();
+    assert_eq!(
+        daemons.wait_ready(DOMAIN_UID, READY_WITHIN).await,
+        DaemonState::Ready
+    );
+    let dir = daemons.domain_dir(DOMAIN_UID).unwrap();
+    let first = StandInState::read(&dir).unwrap();
+
+    let peers = ["10.0.0.3".to_string(), "10.0.0.1".into()];
+    assert!(daemons.set_peers(DOMAIN_UID, &peers).unwrap(), "changed");
+    assert!(!daemons.set_peers(DOMAIN_UID, &peers).unwrap(), "unchanged");
+    wait_until("the daemon to run with the new peers", async || {
+        StandInState::read(&dir).is_some_and(|s| s.peers == ["10.0.0.1", "10.0.0.3"])
+    })
+    .await;
+    // Restarted to read them (as NVIDIA's daemon is), in the same Pod.
+    assert_ne!(StandInState::read(&dir).unwrap().pid, first.pid);
+    assert_eq!(
+        daemons.wait_ready(DOMAIN_UID, READY_WITHIN).await,
+        DaemonState::Ready
+    );
+    daemons.stop(DOMAIN_UID).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_daemon_that_dies_is_not_ready_with_its_reason_until_it_runs_again() {
+    let cluster = Cluster::new().await;
+    let node = cluster.node("node-a", "10.0.0.1");
+    let daemons = cluster.daemons(&node);
+    daemons
+        .ensure(&spec(&["10.0.0.1", "10.0.0.2"]))
+        .await
+        .unwrap();
+    assert_eq!(
+        daemons.wait_ready(DOMAIN_UID, READY_WITHIN).await,
+        DaemonState::Ready
+    );
+    let dir = daemons.domain_dir(DOMAIN_UID).unwrap();
+    std::fs::write(dir.join(FAIL_FILE), "lost the NVLink fabric\n").unwrap();
+    let last = wait_for_reason(&daemons, "lost the NVLink fabric").await;
+    assert!(last.contains("exited with exit status: 1"), "{last}");
+
+    // The kubelet starts it again; once it stays up, it is Ready.
+    std::fs::remove_file(dir.join(FAIL_FILE)).unwrap();
+    assert_eq!(
+        daemons.wait_ready(DOMAIN_UID, READY_WITHIN).await,
+        DaemonState::Ready
+    );
+    let restarts = cluster
+        .pod(&node)
+        .await
+        .unwrap()
+        .status
+        .unwrap()
+        .container_statuses
+        .unwrap()[0]
+        .restart_count;
+    assert!(restarts >= 1, "restarted by the kubelet: {restarts}");
+    daemons.stop(DOMAIN_UID).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_peer_list_or_domain_uid_is_refused_before_anything_starts() {
+    let cluster = Cluster::new().await;
+    let node = cluster.node("node-a", "10.0.0.1");
+    let daemons = cluster.daemons(&node);
+
+    let error = daemons
+        .ensure(&spec(&["10.0.0.1", "node-b.example"]))
+        .await
+        .unwrap_err();
+    assert!(matches!(error, ImexError::Config { .. }), "{error:?}");
+    let message = error.to_string();
+    assert!(
+        message.contains("team/training") && message.contains("\"node-b.example\""),
+        "{message}"
+    );
+    let message = daemons.ensure(&spec(&[])).await.unwrap_err().to_string();
+    assert!(message.contains("no peers"), "{message}");
+    assert!(
+        cluster.pod(&node).await.is_none(),
+        "no Pod for a refused spec"
+    );
+
+    let mut bad_uid = spec(&["10.0.0.1"]);
+    bad_uid.domain_uid = "../../etc".into();
+    let message = daemons.ensure(&bad_uid).await.unwrap_err().to_string();
+    assert!(message.contains("not a lowercase UUID"), "{message}");
+    assert!(daemons.stop("../../etc").await.is_err());
+
+    // Peers for a domain without a daemon here: nothing to give them to.
+    let message = daemons
+        .set_peers(DOMAIN_UID, &["10.0.0.1".to_string()])
+        .unwrap_err()
+        .to_string();
+    assert!(message.contains("ensure it first"), "{message}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_missing_from_its_peers_is_not_ready_and_says_so() {
+    let cluster = Cluster::new().await;
+    let node = cluster.node("node-a", "10.0.0.9");
+    let daemons = cluster.daemons(&node);
+    daemons
+        .ensure(&spec(&["10.0.0.1", "10.0.0.2"]))
+        .await
+        .unwrap();
+    wait_for_reason(
+        &daemons,
+        "this node's address 10.0.0.9 is not in the node config",
+    )
+    .await;
+    daemons.stop(DOMAIN_UID).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_nodes_of_one_domain_on_one_machine_each_run_their_daemon() {
+    let cluster = Cluster::new().await;
+    let (a, b) = (
+        cluster.node("node-a", "10.0.0.1"),
+        cluster.node("node-b", "10.0.0.2"),
+    );
+    let peers = spec(&["10.0.0.1", "10.0.0.2"]);
+    let (on_a, on_b) = (cluster.daemons(&a), cluster.daemons(&b));
+    on_a.ensure(&peers).await.unwrap();
+    on_b.ensure(&peers).await.unwrap();
+    for daemons in [&on_a, &on_b] {
+        assert_eq!(
+            daemons.wait_ready(DOMAIN_UID, READY_WITHIN).await,
+            DaemonState::Ready
+        );
+    }
+    let address = |daemons: &ImexDaemons| {
+        StandInState::read(&daemons.domain_dir(DOMAIN_UID).unwrap())
+            .unwrap()
+            .address
+    };
+    assert_eq!(address(&on_a), "10.0.0.1");
+    assert_eq!(address(&on_b), "10.0.0.2");
+    on_a.stop(DOMAIN_UID).await.unwrap();
+    on_b.stop(DOMAIN_UID).await.unwrap();
+}

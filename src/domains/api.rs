@@ -42,6 +42,8 @@ pub const CHANNEL_DEVICE_CLASS: &str = "imex-channel.gpu.dra.dev";
 
 /// A set of GPUs on several nodes that share NVLink memory: how many nodes, and the name of the
 /// ResourceClaimTemplate its workload pods use for their IMEX channel.
+// Clippy reads two printcolumns with `type_ = "string"` as a duplicated attribute.
+#[allow(clippy::duplicated_attributes)]
 #[derive(CustomResource, Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[kube(
     group = "gpu.dra.dev",

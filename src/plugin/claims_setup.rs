@@ -120,8 +120,47 @@ pub(super) async fn domains(
             }
         },
     };
-    let _ = (plugin_dir, node_ip);
-    None
+    use crate::domains::imex::pod::program_for_root;
+    use crate::domains::imex::{ImexDaemons, ImexPodTemplate, ImexProgram};
+    let (program, host_driver_root) = match &config.backend {
+        BackendChoice::Nvml {
+            driver_root,
+            host_driver_root,
+        } => (program_for_root(driver_root), host_driver_root.clone()),
+        BackendChoice::Fake { .. } => (ImexProgram::StandIn, PathBuf::from("/")),
+    };
+    // The daemons run this plugin's image, as the MPS daemons do.
+    let image = match (&config.mps.image, &config.mps.own_pod) {
+        (Some(image), _) => Some(image.clone()),
+        (None, Some(pod)) => own_image(client, &config.mps.namespace, pod).await,
+        (None, None) => None,
+    };
+    let Some(image) = image else {
+        warn!("no image for IMEX daemon Pods (not running in a Pod, and no --mps-daemon-image): IMEX channel claims will fail at prepare");
+        return None;
+    };
+    let daemons = ImexDaemons::new(
+        client.clone(),
+        plugin_dir.join("imex"),
+        ImexPodTemplate {
+            namespace: config.mps.namespace.clone(),
+            node: config.node_name.clone(),
+            driver: config.driver_name.clone(),
+            image,
+            host_driver_root,
+            program,
+            node_ip: Some(node_ip.clone()),
+        },
+    );
+    Some(std::sync::Arc::new(
+        crate::domains::membership::Membership::new(
+            client.clone(),
+            &config.driver_name,
+            &config.node_name,
+            &node_ip,
+            std::sync::Arc::new(daemons),
+        ),
+    ))
 }
 
 /// The Node's first InternalIP.

@@ -37,6 +37,33 @@ fn daemon_pod(node: &str) -> Json {
     serde_json::to_value(template.pod(&spec, dir).unwrap()).unwrap()
 }
 
+/// An IMEX daemon Pod exactly as the plugin on `node` makes it for a ComputeDomain.
+fn imex_pod(node: &str) -> Json {
+    use gpu_dra::domains::imex::{ImexDaemonSpec, ImexPodTemplate, ImexProgram};
+    let template = ImexPodTemplate {
+        namespace: "gpu-dra".into(),
+        node: node.into(),
+        driver: "gpu.dra.dev".into(),
+        image: "gpu-dra:dev".into(),
+        host_driver_root: "/".into(),
+        program: ImexProgram::Chroot {
+            daemon: "/usr/bin/nvidia-imex".into(),
+            ctl: "/usr/bin/nvidia-imex-ctl".into(),
+        },
+        node_ip: Some("10.0.0.1".into()),
+    };
+    let spec = ImexDaemonSpec {
+        domain_uid: "5b1d0c3a-0000-4a8e-9f00-1d2c3b4a5e6f".into(),
+        domain: "team/job".into(),
+        channel: 0,
+        peers: vec!["10.0.0.1".into(), "10.0.0.2".into()],
+    };
+    let dir = Path::new(
+        "/var/lib/kubelet/plugins/gpu.dra.dev/imex/5b1d0c3a-0000-4a8e-9f00-1d2c3b4a5e6f",
+    );
+    serde_json::to_value(template.pod(&spec, dir).unwrap()).unwrap()
+}
+
 fn with(mut value: Json, pointer: &str, new: Json) -> Json {
     *value
         .pointer_mut(pointer)
@@ -62,7 +89,33 @@ fn cases(plugin: &str) -> Vec<(&'static str, Request, bool)> {
         old_object: pod,
     };
     let own = daemon_pod("node-1");
+    let imex = imex_pod("node-1");
     vec![
+        ("create an IMEX daemon Pod on its node", create(imex.clone()), true),
+        ("delete an IMEX daemon Pod on its node", delete(imex.clone()), true),
+        (
+            "create an IMEX daemon Pod on another node",
+            create(imex_pod("node-2")),
+            false,
+        ),
+        (
+            "create a Pod labelled an IMEX daemon that runs the MPS program",
+            create(with(
+                imex.clone(),
+                "/spec/containers/0/args/0",
+                json!("mps-daemon"),
+            )),
+            false,
+        ),
+        (
+            "create a Pod labelled an MPS daemon that runs the IMEX program",
+            create(with(
+                own.clone(),
+                "/spec/containers/0/args/0",
+                json!("imex-daemon"),
+            )),
+            false,
+        ),
         ("create a daemon Pod on its node", create(own.clone()), true),
         ("delete a daemon Pod on its node", delete(own.clone()), true),
         (

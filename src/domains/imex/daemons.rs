@@ -408,3 +408,48 @@ mod tests {
         assert_eq!(fs::read_to_string(&path).unwrap(), "10.0.0.1\n10.0.0.2\n");
     }
 }
+
+/// The plugin's membership code drives the daemons through this trait (a stand-in in its unit tests).
+impl crate::domains::membership::DomainDaemons for ImexDaemons {
+    fn ensure<'a>(
+        &'a self,
+        spec: &'a crate::domains::membership::DaemonSpec,
+    ) -> futures::future::BoxFuture<'a, Result<(), String>> {
+        Box::pin(async move {
+            let spec = ImexDaemonSpec {
+                domain_uid: spec.domain_uid.clone(),
+                domain: spec.domain.clone(),
+                channel: spec.channel,
+                peers: spec.peers.clone(),
+            };
+            ImexDaemons::ensure(self, &spec)
+                .await
+                .map_err(|e| e.to_string())
+        })
+    }
+
+    fn set_peers(&self, domain_uid: &str, peers: &[String]) -> Result<bool, String> {
+        ImexDaemons::set_peers(self, domain_uid, peers).map_err(|e| e.to_string())
+    }
+
+    fn state<'a>(&'a self, domain_uid: &'a str) -> futures::future::BoxFuture<'a, Result<(), String>> {
+        Box::pin(async move {
+            match ImexDaemons::state(self, domain_uid).await {
+                DaemonState::Ready => Ok(()),
+                DaemonState::NotReady { reason } => Err(reason),
+            }
+        })
+    }
+
+    fn stop<'a>(&'a self, domain_uid: &'a str) -> futures::future::BoxFuture<'a, Result<(), String>> {
+        Box::pin(async move {
+            ImexDaemons::stop(self, domain_uid)
+                .await
+                .map_err(|e| e.to_string())
+        })
+    }
+
+    fn running(&self) -> futures::future::BoxFuture<'_, Vec<String>> {
+        Box::pin(self.on_this_node())
+    }
+}

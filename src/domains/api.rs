@@ -301,7 +301,13 @@ mod tests {
         let domain = DomainObject::from_dynamic(DomainGroup::Nvidia, &object).unwrap();
         assert_eq!(domain.spec.num_nodes, 4);
         assert_eq!(
-            domain.spec.channel.unwrap().resource_claim_template.name,
+            domain
+                .spec
+                .channel
+                .as_ref()
+                .unwrap()
+                .resource_claim_template
+                .name,
             "imex-channel"
         );
         assert_eq!(domain.key(), "team/imex");

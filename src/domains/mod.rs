@@ -14,3 +14,4 @@
 
 pub mod api;
 pub mod channels;
+pub mod placement;

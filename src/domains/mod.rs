@@ -14,4 +14,5 @@
 
 pub mod api;
 pub mod channels;
+pub mod controller;
 pub mod placement;

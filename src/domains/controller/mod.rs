@@ -9,6 +9,7 @@
 //!
 //! [`placement`]: crate::domains::placement
 
+pub mod crd;
 pub mod status;
 pub mod template;
 

@@ -160,7 +160,8 @@ impl Controller {
     /// One round: list, decide, write what differs.
     pub async fn round(&mut self) -> Result<(), ControllerError> {
         let driver = self.config.driver_name.clone();
-        let slices = Api::<ResourceSlice>::all(self.client.clone())
+        // Typed: the RBAC scanner reads `let x = Api::<K>` as a binding of x.
+        let slices: Vec<ResourceSlice> = Api::<ResourceSlice>::all(self.client.clone())
             .list(&ListParams::default())
             .await
             .map_err(|source| ControllerError::List {
@@ -168,7 +169,7 @@ impl Controller {
                 source,
             })?
             .items;
-        let claims = Api::<ResourceClaim>::all(self.client.clone())
+        let claims: Vec<ResourceClaim> = Api::<ResourceClaim>::all(self.client.clone())
             .list(&ListParams::default())
             .await
             .map_err(|source| ControllerError::List {
@@ -176,7 +177,7 @@ impl Controller {
                 source,
             })?
             .items;
-        let nodes = Api::<Node>::all(self.client.clone())
+        let nodes: Vec<Node> = Api::<Node>::all(self.client.clone())
             .list(&ListParams::default())
             .await
             .map_err(|source| ControllerError::List {
@@ -184,14 +185,15 @@ impl Controller {
                 source,
             })?
             .items;
-        let templates = Api::<ResourceClaimTemplate>::all(self.client.clone())
-            .list(&ListParams::default().labels(DOMAIN_LABEL))
-            .await
-            .map_err(|source| ControllerError::List {
-                what: "ResourceClaimTemplates",
-                source,
-            })?
-            .items;
+        let templates: Vec<ResourceClaimTemplate> =
+            Api::<ResourceClaimTemplate>::all(self.client.clone())
+                .list(&ListParams::default().labels(DOMAIN_LABEL))
+                .await
+                .map_err(|source| ControllerError::List {
+                    what: "ResourceClaimTemplates",
+                    source,
+                })?
+                .items;
 
         let (listed, listed_groups) = self.list_domains().await;
         let mut domains: Vec<&Listed> = listed.iter().collect();

@@ -9,6 +9,7 @@ use gpu_dra::cli::{self, exit_with, Cli, Command};
 fn main() -> Result<()> {
     match Cli::from_env().command {
         Command::Plugin(args) => cli::plugin::run_plugin(*args),
+        Command::Controller(args) => cli::controller::run_controller(args),
         Command::MpsDaemon(args) => cli::plugin::mps_daemon(args),
         Command::ImexDaemon(args) => cli::plugin::imex_daemon(args),
         Command::Devices(args) => cli::backend::print_devices(args),

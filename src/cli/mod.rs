@@ -4,6 +4,7 @@
 
 pub mod backend;
 pub mod cel;
+pub mod controller;
 pub mod explain;
 pub mod plugin;
 pub mod pod_devices;
@@ -32,6 +33,9 @@ pub struct Cli {
 pub enum Command {
     /// Run the kubelet plugin on this node.
     Plugin(Box<PluginArgs>),
+    /// Run the ComputeDomain controller (one per cluster): places domains on NVLink cliques and
+    /// writes their IMEX channel claim templates and status.
+    Controller(controller::ControllerArgs),
     /// Print the ResourceSlices this node would publish.
     Devices(DevicesArgs),
     /// Evaluate CEL selectors offline, with the scheduler's semantics.

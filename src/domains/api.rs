@@ -306,7 +306,7 @@ mod tests {
             domain
                 .spec
                 .channel
-                .clone()
+                .as_ref()
                 .unwrap()
                 .resource_claim_template
                 .name,

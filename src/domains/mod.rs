@@ -14,5 +14,7 @@
 
 pub mod api;
 pub mod channels;
+pub mod controller;
 pub mod imex;
 pub mod membership;
+pub mod placement;

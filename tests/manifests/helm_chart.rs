@@ -496,7 +496,11 @@ fn other_settings_render_like_a_kustomize_overlay_that_patches_them() {
 patches:
   - target: {{kind: DaemonSet, name: gpu-dra-plugin}}
     patch: |-
-{patch}"
+{patch}  # The controller runs the same image with the same pull policy.
+  - target: {{kind: Deployment, name: gpu-dra-controller}}
+    patch: |-
+      - {{op: replace, path: /spec/template/spec/containers/0/imagePullPolicy, value: Always}}
+"
     );
     assert_same(
         &format!("{values}"),

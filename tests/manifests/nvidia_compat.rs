@@ -76,7 +76,17 @@ fn the_component_runs_the_plugin_as_gpu_nvidia_com_with_nvidias_classes() {
             .map(|c| c.metadata.name.clone().unwrap())
             .collect();
         names.sort();
-        assert_eq!(names, ["gpu.nvidia.com", "mig.nvidia.com"], "{overlay}");
+        // The IMEX channel class keeps its name (the controller's templates name it) and selects
+        // gpu.nvidia.com's channels.
+        assert_eq!(
+            names,
+            [
+                "gpu.nvidia.com",
+                "imex-channel.gpu.dra.dev",
+                "mig.nvidia.com"
+            ],
+            "{overlay}"
+        );
         // As NVIDIA's chart renders them for resource.k8s.io/v1.
         let gpu = device_classes(&with)
             .into_iter()
@@ -688,7 +698,15 @@ fn the_script_installs_the_component_as_a_user_does() {
         .map(|c| c.metadata.name.clone().unwrap())
         .collect();
     names.sort();
-    assert_eq!(names, NVIDIA_CLASSES);
+    // NVIDIA's classes, and the IMEX channel class of the ComputeDomain controller's templates.
+    assert_eq!(
+        names,
+        [
+            "gpu.nvidia.com",
+            "imex-channel.gpu.dra.dev",
+            "mig.nvidia.com"
+        ]
+    );
     let ds: DaemonSet = one(&installed, "DaemonSet", "gpu-dra-plugin").typed();
     let spec = ds.spec.template.spec.unwrap();
     assert_eq!(

@@ -38,7 +38,11 @@ impl std::fmt::Display for Grant {
 /// `gpu-dra explain` runs with its user's credentials (the `gpu-dra-explain` ClusterRole). The calls
 /// of taking over NVIDIA's claims are granted by `deploy/components/nvidia-migration` instead, in
 /// NVIDIA's namespace.
-const NOT_THE_PLUGIN: &[&str] = &["src/demo/", EXPLAIN, NVIDIA_MIGRATION];
+/// The ComputeDomain controller runs as its own service account (`deploy/base/controller.yaml`).
+const NOT_THE_PLUGIN: &[&str] = &["src/demo/", EXPLAIN, NVIDIA_MIGRATION, CONTROLLER];
+
+/// The source of `gpu-dra controller`, whose calls the ClusterRole `gpu-dra-controller` must allow exactly.
+const CONTROLLER: &str = "src/domains/controller/";
 
 /// What unprepares the claims taken over from NVIDIA's plugin (`deploy/components/nvidia-migration`).
 const NVIDIA_MIGRATION: &str = "src/claims/nvidia_adoption.rs";
@@ -370,4 +374,33 @@ fn the_nvidia_migration_role_allows_exactly_the_calls_of_taking_over_nvidias_cla
         "the scanner found no call in {NVIDIA_MIGRATION}"
     );
     assert_eq!(granted, used);
+}
+
+#[test]
+fn the_controller_role_allows_exactly_the_calls_of_the_controller() {
+    let (objects, _) = manifests();
+    let granted = role_grants(&objects, "gpu-dra-controller");
+    let used: BTreeSet<Grant> = grants_used_by(|origin| origin.starts_with(CONTROLLER))
+        .into_keys()
+        .collect();
+    assert!(
+        !used.is_empty(),
+        "the scanner found no call in {CONTROLLER}"
+    );
+    let unused: BTreeSet<&Grant> = granted.iter().filter(|g| !used.contains(g)).collect();
+    let missing: BTreeSet<&Grant> = used.iter().filter(|g| !granted.contains(g)).collect();
+    assert!(
+        unused.is_empty() && missing.is_empty(),
+        "deploy/base/controller.yaml grants what no call in {CONTROLLER} uses:\n{}\nand does not grant:\n{}",
+        list(&unused),
+        list(&missing)
+    );
+    let binding =
+        one(&objects, "ClusterRoleBinding", "gpu-dra-controller").typed::<ClusterRoleBinding>();
+    assert_eq!(binding.role_ref.name, "gpu-dra-controller");
+    assert!(binding
+        .subjects
+        .iter()
+        .flatten()
+        .any(|s| s.kind == "ServiceAccount" && s.name == "gpu-dra-controller"));
 }

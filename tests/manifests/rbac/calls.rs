@@ -276,25 +276,45 @@ pub(super) fn grants_used_by(selected: impl Fn(&str) -> bool) -> BTreeMap<Grant,
         match calls_in(&origin, &text) {
             Ok(calls) => {
                 for call in calls {
-                    let Some((group, resource)) = resource_of(&call.kind) else {
+                    // The only dynamic Api is the ComputeDomain controller's, over both groups.
+                    let resources = if call.kind == "DynamicObject" {
+                        if !call.origin.starts_with("src/domains/") {
+                            errors.push(format!(
+                                "{}: an Api<DynamicObject> outside src/domains/: the scanner cannot tell its resource",
+                                call.origin
+                            ));
+                            continue;
+                        }
+                        vec![
+                            ("gpu.dra.dev".to_string(), "computedomains".to_string()),
+                            (
+                                "resource.nvidia.com".to_string(),
+                                "computedomains".to_string(),
+                            ),
+                        ]
+                    } else if let Some(resource) = resource_of(&call.kind) {
+                        vec![resource]
+                    } else {
                         errors.push(format!(
                             "{}: API group and resource of kind {} unknown; add it to resource_of",
                             call.origin, call.kind
                         ));
                         continue;
                     };
-                    let resource = match call.subresource {
-                        Some(sub) => format!("{resource}/{sub}"),
-                        None => resource,
-                    };
-                    for verb in call.verbs {
-                        used.entry(Grant {
-                            group: group.clone(),
-                            resource: resource.clone(),
-                            verb: verb.to_string(),
-                        })
-                        .or_default()
-                        .push(call.origin.clone());
+                    for (group, resource) in resources {
+                        let resource = match call.subresource {
+                            Some(sub) => format!("{resource}/{sub}"),
+                            None => resource,
+                        };
+                        for verb in call.verbs {
+                            used.entry(Grant {
+                                group: group.clone(),
+                                resource: resource.clone(),
+                                verb: verb.to_string(),
+                            })
+                            .or_default()
+                            .push(call.origin.clone());
+                        }
                     }
                 }
             }

@@ -79,7 +79,7 @@ impl ApiError {
             ApiError::NotFound { def, name }
             | ApiError::AlreadyExists { def, name }
             | ApiError::Conflict { def, name, .. } => {
-                Some(json!({"name": name, "group": def.group, "kind": def.plural}))
+                Some(json!({"name": name, "group": def.group, "kind": def.path_plural()}))
             }
             ApiError::Invalid { def, name, errors } => Some(json!({
                 "name": name,

@@ -47,7 +47,7 @@ pub use hangs::HangSpec;
 pub use identity::NODE_NAME_CLAIM;
 pub use store::ApiHandle;
 
-use resources::{hook_resource, resource_def, ResourceDef};
+use resources::{hook_resource, ResourceDef};
 use store::{
     fill_system_meta, fill_type_meta, meta, meta_str, now_timestamp, remove_meta, set_meta,
     EventType, ObjectKey, Store, StoreEvent,

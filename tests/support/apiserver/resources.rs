@@ -4,7 +4,11 @@
 /// A kind of object the server stores.
 #[derive(Debug, PartialEq, Eq)]
 pub(super) struct ResourceDef {
+    /// How the double's hooks and records name the resource, and its key in the store: the plural,
+    /// or `plural.group` where two groups serve one plural (ComputeDomains).
     pub(super) plural: &'static str,
+    /// The plural in request paths, where it differs from `plural`.
+    pub(super) path_plural: Option<&'static str>,
     pub(super) kind: &'static str,
     pub(super) group: &'static str,
     pub(super) version: &'static str,
@@ -25,12 +29,17 @@ impl ResourceDef {
         }
     }
 
+    /// The plural as request paths and the real server name it.
+    pub(super) fn path_plural(&self) -> &'static str {
+        self.path_plural.unwrap_or(self.plural)
+    }
+
     /// `resourceslices.resource.k8s.io`, as error messages name a resource.
     pub(super) fn qualified_plural(&self) -> String {
         if self.group.is_empty() {
-            self.plural.to_string()
+            self.path_plural().to_string()
         } else {
-            format!("{}.{}", self.plural, self.group)
+            format!("{}.{}", self.path_plural(), self.group)
         }
     }
 
@@ -44,13 +53,14 @@ impl ResourceDef {
     }
 }
 
-const RESOURCES: [ResourceDef; 9] = [
+const RESOURCES: [ResourceDef; 11] = [
     ResourceDef {
         plural: "nodes",
         kind: "Node",
         group: "",
         version: "v1",
         namespaced: false,
+        path_plural: None,
         status_subresource: true,
         status_on_create: true,
     },
@@ -60,6 +70,7 @@ const RESOURCES: [ResourceDef; 9] = [
         group: "resource.k8s.io",
         version: "v1",
         namespaced: false,
+        path_plural: None,
         status_subresource: false,
         status_on_create: false,
     },
@@ -69,6 +80,7 @@ const RESOURCES: [ResourceDef; 9] = [
         group: "resource.k8s.io",
         version: "v1",
         namespaced: true,
+        path_plural: None,
         status_subresource: true,
         status_on_create: false,
     },
@@ -78,6 +90,7 @@ const RESOURCES: [ResourceDef; 9] = [
         group: "resource.k8s.io",
         version: "v1",
         namespaced: true,
+        path_plural: None,
         status_subresource: false,
         status_on_create: false,
     },
@@ -89,6 +102,7 @@ const RESOURCES: [ResourceDef; 9] = [
         group: "",
         version: "v1",
         namespaced: true,
+        path_plural: None,
         status_subresource: true,
         status_on_create: false,
     },
@@ -98,6 +112,7 @@ const RESOURCES: [ResourceDef; 9] = [
         group: "resource.k8s.io",
         version: "v1",
         namespaced: false,
+        path_plural: None,
         status_subresource: false,
         status_on_create: false,
     },
@@ -108,6 +123,7 @@ const RESOURCES: [ResourceDef; 9] = [
         group: "events.k8s.io",
         version: "v1",
         namespaced: true,
+        path_plural: None,
         status_subresource: false,
         status_on_create: false,
     },
@@ -119,6 +135,7 @@ const RESOURCES: [ResourceDef; 9] = [
         group: "apps",
         version: "v1",
         namespaced: true,
+        path_plural: None,
         status_subresource: true,
         status_on_create: false,
     },
@@ -129,13 +146,45 @@ const RESOURCES: [ResourceDef; 9] = [
         group: "gpu.dra.dev",
         version: "v1alpha1",
         namespaced: false,
+        path_plural: None,
+        status_subresource: true,
+        status_on_create: false,
+    },
+    // ComputeDomains: ours (crd/gpu.dra.dev_computedomains.yaml) and NVIDIA's, served in NVIDIA
+    // compatibility mode; namespaced, with a status subresource, as both CRDs declare. Like the other
+    // custom resources here, their schemas are not checked.
+    ResourceDef {
+        plural: "computedomains",
+        kind: "ComputeDomain",
+        group: "gpu.dra.dev",
+        version: "v1alpha1",
+        namespaced: true,
+        path_plural: None,
+        status_subresource: true,
+        status_on_create: false,
+    },
+    ResourceDef {
+        plural: "computedomains.resource.nvidia.com",
+        kind: "ComputeDomain",
+        group: "resource.nvidia.com",
+        version: "v1beta1",
+        namespaced: true,
+        path_plural: Some("computedomains"),
         status_subresource: true,
         status_on_create: false,
     },
 ];
 
+/// The resource a hook names (its `plural`).
 pub(super) fn resource_def(plural: &str) -> Option<&'static ResourceDef> {
     RESOURCES.iter().find(|def| def.plural == plural)
+}
+
+/// The resource a request path names.
+pub(super) fn routed_def(group: &str, version: &str, plural: &str) -> Option<&'static ResourceDef> {
+    RESOURCES
+        .iter()
+        .find(|def| def.path_plural() == plural && def.group == group && def.version == version)
 }
 
 /// The resource a test hook names; naming one the server does not serve is a bug in the test.

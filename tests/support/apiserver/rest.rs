@@ -15,7 +15,7 @@ use serde_json::{json, Value};
 use super::errors::{json_response, ApiError};
 use super::selectors::Selection;
 use super::writes::{create, delete, patch, update};
-use super::{lock, resource_def, ObjectKey, RequestRecord, ResourceDef, Shared, Store, Verb};
+use super::{lock, ObjectKey, RequestRecord, ResourceDef, Shared, Store, Verb};
 
 pub(super) fn router(shared: Arc<Shared>) -> Router {
     Router::new().fallback(handle).with_state(shared)
@@ -51,9 +51,7 @@ impl Request {
             [plural, name, sub] => (*plural, Some(name.to_string()), Some(*sub)),
             _ => return Err(ApiError::NoRoute),
         };
-        let def = resource_def(plural)
-            .filter(|def| def.group == group && def.version == version)
-            .ok_or(ApiError::NoRoute)?;
+        let def = super::resources::routed_def(group, version, plural).ok_or(ApiError::NoRoute)?;
         let scoped_right = if def.namespaced {
             namespace.is_some() || name.is_none()
         } else {

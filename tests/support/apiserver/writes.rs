@@ -360,7 +360,7 @@ pub(super) fn delete(shared: &Shared, request: &Request, body: &[u8]) -> Answer 
             "details": {
                 "name": request.name(),
                 "group": request.def.group,
-                "kind": request.def.plural,
+                "kind": request.def.path_plural(),
                 "uid": meta_str(&old, "uid").unwrap_or_default(),
             },
         }),

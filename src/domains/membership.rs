@@ -126,6 +126,8 @@ pub struct Membership {
     /// Per domain UID, when a prepare last tried to join it: a daemon still starting for a claim the
     /// kubelet retries is not swept.
     attempts: Mutex<BTreeMap<String, Instant>>,
+    /// Per domain UID, when its daemon was first seen not ready since it was last ready.
+    not_ready_since: Mutex<BTreeMap<String, Instant>>,
 }
 
 impl Membership {
@@ -149,7 +151,18 @@ impl Membership {
             taints: watch::channel(BTreeMap::new()).0,
             reported: Mutex::new(BTreeMap::new()),
             attempts: Mutex::new(BTreeMap::new()),
+            not_ready_since: Mutex::new(BTreeMap::new()),
         }
+    }
+
+    /// Whether the daemon of `domain_uid` has been not ready for less than a sync period (and notes
+    /// when it was first seen so).
+    fn first_not_ready(&self, domain_uid: &str) -> bool {
+        let mut since = lock(&self.not_ready_since);
+        let first = since
+            .entry(domain_uid.to_string())
+            .or_insert_with(Instant::now);
+        first.elapsed() < SYNC_PERIOD
     }
 
     /// A prepare is about to join this domain.
@@ -322,7 +335,13 @@ impl Membership {
             let health = match clique {
                 Ok(now) if *now == member.clique => {
                     match self.daemons.state(&member.domain_uid).await {
-                        Ok(()) => Health::Ready,
+                        Ok(()) => {
+                            lock(&self.not_ready_since).remove(&member.domain_uid);
+                            Health::Ready
+                        }
+                        // A daemon restarting for new peers is briefly not ready: only a state
+                        // that outlasts one sync period is reported.
+                        Err(_) if self.first_not_ready(&member.domain_uid) => continue,
                         Err(reason) => Health::NotReady(format!("IMEX daemon not ready: {reason}")),
                     }
                 }

@@ -58,9 +58,8 @@ fn imex_pod(node: &str) -> Json {
         channel: 0,
         peers: vec!["10.0.0.1".into(), "10.0.0.2".into()],
     };
-    let dir = Path::new(
-        "/var/lib/kubelet/plugins/gpu.dra.dev/imex/5b1d0c3a-0000-4a8e-9f00-1d2c3b4a5e6f",
-    );
+    let dir =
+        Path::new("/var/lib/kubelet/plugins/gpu.dra.dev/imex/5b1d0c3a-0000-4a8e-9f00-1d2c3b4a5e6f");
     serde_json::to_value(template.pod(&spec, dir).unwrap()).unwrap()
 }
 
@@ -91,8 +90,16 @@ fn cases(plugin: &str) -> Vec<(&'static str, Request, bool)> {
     let own = daemon_pod("node-1");
     let imex = imex_pod("node-1");
     vec![
-        ("create an IMEX daemon Pod on its node", create(imex.clone()), true),
-        ("delete an IMEX daemon Pod on its node", delete(imex.clone()), true),
+        (
+            "create an IMEX daemon Pod on its node",
+            create(imex.clone()),
+            true,
+        ),
+        (
+            "delete an IMEX daemon Pod on its node",
+            delete(imex.clone()),
+            true,
+        ),
         (
             "create an IMEX daemon Pod on another node",
             create(imex_pod("node-2")),

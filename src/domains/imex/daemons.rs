@@ -432,7 +432,10 @@ impl crate::domains::membership::DomainDaemons for ImexDaemons {
         ImexDaemons::set_peers(self, domain_uid, peers).map_err(|e| e.to_string())
     }
 
-    fn state<'a>(&'a self, domain_uid: &'a str) -> futures::future::BoxFuture<'a, Result<(), String>> {
+    fn state<'a>(
+        &'a self,
+        domain_uid: &'a str,
+    ) -> futures::future::BoxFuture<'a, Result<(), String>> {
         Box::pin(async move {
             match ImexDaemons::state(self, domain_uid).await {
                 DaemonState::Ready => Ok(()),
@@ -441,7 +444,10 @@ impl crate::domains::membership::DomainDaemons for ImexDaemons {
         })
     }
 
-    fn stop<'a>(&'a self, domain_uid: &'a str) -> futures::future::BoxFuture<'a, Result<(), String>> {
+    fn stop<'a>(
+        &'a self,
+        domain_uid: &'a str,
+    ) -> futures::future::BoxFuture<'a, Result<(), String>> {
         Box::pin(async move {
             ImexDaemons::stop(self, domain_uid)
                 .await

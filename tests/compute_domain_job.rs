@@ -157,7 +157,7 @@ async fn a_four_node_job_gets_one_clique_a_channel_everywhere_and_its_faults_rep
     let api = ApiServer::start().await.expect("API server double");
     install_device_classes(&api);
     let client = api.client();
-    let rack = Rack::start(
+    let mut rack = Rack::start(
         &api,
         &[
             // First in name order, so a first-fit that ignored the clique would pick them.
@@ -330,6 +330,33 @@ async fn a_four_node_job_gets_one_clique_a_channel_everywhere_and_its_faults_rep
         )
         .await;
     }
+
+    // The plugin of n1 and the controller restart (an upgrade): the daemon Pod keeps running, the
+    // domain keeps its placement and stays Ready.
+    let daemon_pods: Api<Pod> = Api::namespaced(client.clone(), "gpu-dra");
+    let n1_daemon = |pods: Vec<Pod>| {
+        pods.into_iter()
+            .find(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some("n1"))
+            .and_then(|p| p.metadata.uid)
+    };
+    let before = n1_daemon(daemon_pods.list(&ListParams::default()).await.unwrap().items);
+    assert!(before.is_some(), "n1 runs an IMEX daemon Pod");
+    let _ = stop.send(());
+    let _ = controller.await;
+    rack.restart_plugin("n1").await;
+    let mut config = ControllerConfig::new(DRIVER);
+    config.resync = Duration::from_millis(500);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let controller = tokio::spawn(Controller::new(client.clone(), config).run(async move {
+        let _ = stopped.await;
+    }));
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let after = n1_daemon(daemon_pods.list(&ListParams::default()).await.unwrap().items);
+    assert_eq!(after, before, "the restarted plugin keeps n1's daemon Pod");
+    let kept = domain(&client, "job").await;
+    assert_eq!(kept.placement(), Some((CLIQUE_0.to_string(), 0)));
+    assert_eq!(kept.status.status, "Ready", "{:?}", kept.status);
+    assert_eq!(status_of(&kept, "n1").map(|s| s.0), Some("Ready".to_string()));
 
     // Mid-job, n2's IMEX daemon dies.
     let uid = domain(&client, "job").await.uid;

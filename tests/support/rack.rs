@@ -58,6 +58,7 @@ impl RackNode {
 
 pub struct Rack {
     pub nodes: Vec<RackNode>,
+    client: kube::Client,
     _dir: tempfile::TempDir,
 }
 
@@ -135,8 +136,51 @@ impl Rack {
         }
         Rack {
             nodes: started,
+            client: api.client(),
             _dir: dir,
         }
+    }
+
+    /// Stops a node's plugin and starts it again on the same directories (its checkpoint, CDI specs
+    /// and IMEX daemons' files), as a DaemonSet upgrade does; the node's daemon Pods keep running.
+    pub async fn restart_plugin(&mut self, name: &str) {
+        let at = self
+            .nodes
+            .iter()
+            .position(|n| n.name == name)
+            .unwrap_or_else(|| panic!("no node {name} in the rack"));
+        let RackNode {
+            name,
+            ip,
+            config,
+            profile_path,
+            plugin,
+            kubelet: _,
+            _pods,
+        } = self.nodes.remove(at);
+        plugin.shutdown().await;
+        let plugin = crate::plugin::start(config.clone(), self.client.clone())
+            .await
+            .expect("plugin starts again");
+        let kubelet = KubeletDouble::register(
+            &config.registry_dir,
+            &config.driver_name,
+            Duration::from_secs(10),
+        )
+        .await
+        .expect("kubelet registers the plugin again");
+        self.nodes.insert(
+            at,
+            RackNode {
+                name,
+                ip,
+                config,
+                profile_path,
+                plugin,
+                kubelet,
+                _pods,
+            },
+        );
     }
 
     pub fn node(&self, name: &str) -> &RackNode {

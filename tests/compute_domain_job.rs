@@ -8,77 +8,32 @@
 //! node's channel, an Event on the domain and the node's entry in its status. Finishing the job stops
 //! the daemons and empties the status.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use gpu_dra::domains::api::{ComputeDomainStatus, DomainGroup, DomainObject, CLIQUE_ANNOTATION};
+use gpu_dra::domains::api::{ComputeDomainStatus, DomainObject, CLIQUE_ANNOTATION};
 use gpu_dra::domains::controller::{Controller, ControllerConfig};
 use gpu_dra::support::apiserver::ApiServer;
 use gpu_dra::support::harness::install_device_classes;
 use gpu_dra::support::kubelet::ClaimRef;
-use gpu_dra::support::rack::{Fabric, Rack, DRIVER};
+use gpu_dra::support::rack::{self, wait_for, Fabric, Rack, DRIVER};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceClaimTemplate, ResourceSlice};
-use kube::api::{Api, DynamicObject, ListParams, PostParams};
-use serde_json::{json, Value};
+use kube::api::{Api, DynamicObject, ListParams};
+use serde_json::Value;
 
 const NAMESPACE: &str = "team";
 const CLIQUE_0: &str = "00000000-0000-0000-0000-000000000001.0";
 
-async fn wait_for<T>(
-    what: &str,
-    timeout: Duration,
-    mut check: impl AsyncFnMut() -> Option<T>,
-) -> T {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(value) = check().await {
-            return value;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-}
-
-fn domains(client: &kube::Client) -> Api<DynamicObject> {
-    Api::namespaced_with(client.clone(), NAMESPACE, &DomainGroup::Ours.api_resource())
-}
-
 async fn domain(client: &kube::Client, name: &str) -> DomainObject {
-    let object = domains(client).get(name).await.expect("domain exists");
-    DomainObject::from_dynamic(DomainGroup::Ours, &object).expect("domain parses")
+    rack::domain(client, NAMESPACE, name).await
 }
 
 async fn create_domain(client: &kube::Client, name: &str, nodes: u32) {
-    let object: DynamicObject = serde_json::from_value(json!({
-        "apiVersion": "gpu.dra.dev/v1alpha1", "kind": "ComputeDomain",
-        "metadata": {"name": name, "namespace": NAMESPACE},
-        "spec": {"numNodes": nodes, "channel": {"resourceClaimTemplate": {"name": format!("{name}-channel")}}},
-    }))
-    .unwrap();
-    domains(client)
-        .create(&PostParams::default(), &object)
-        .await
-        .expect("domain created");
+    rack::create_domain(client, NAMESPACE, name, nodes).await
 }
 
 async fn create_worker(client: &kube::Client, name: &str, channel_template: &str) {
-    let pod: Pod = serde_json::from_value(json!({
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": name, "namespace": NAMESPACE},
-        "spec": {
-            "containers": [{"name": "worker", "image": "nvbandwidth",
-                "resources": {"claims": [{"name": "gpus"}, {"name": "channel"}]}}],
-            "resourceClaims": [
-                {"name": "gpus", "resourceClaimTemplateName": "four-gpus"},
-                {"name": "channel", "resourceClaimTemplateName": channel_template},
-            ],
-        },
-    }))
-    .unwrap();
-    Api::<Pod>::namespaced(client.clone(), NAMESPACE)
-        .create(&PostParams::default(), &pod)
-        .await
-        .expect("pod created");
+    rack::create_worker(client, NAMESPACE, name, "four-gpus", channel_template).await
 }
 
 /// The slices of one node's pool, once all of them are there.
@@ -194,17 +149,7 @@ async fn a_four_node_job_gets_one_clique_a_channel_everywhere_and_its_faults_rep
     }));
 
     // Every pod of the job wants a whole tray: four GPUs.
-    let gpus: ResourceClaimTemplate = serde_json::from_value(json!({
-        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
-        "metadata": {"name": "four-gpus", "namespace": NAMESPACE},
-        "spec": {"spec": {"devices": {"requests": [{"name": "gpus", "exactly": {
-            "deviceClassName": "gpu.dra.dev", "allocationMode": "ExactCount", "count": 4}}]}}},
-    }))
-    .unwrap();
-    Api::<ResourceClaimTemplate>::namespaced(client.clone(), NAMESPACE)
-        .create(&PostParams::default(), &gpus)
-        .await
-        .unwrap();
+    rack::create_gpus_template(&client, NAMESPACE, "four-gpus", 4).await;
     create_domain(&client, "job", 4).await;
     let placed = wait_for(
         "the domain's placement",
@@ -339,7 +284,13 @@ async fn a_four_node_job_gets_one_clique_a_channel_everywhere_and_its_faults_rep
             .find(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some("n1"))
             .and_then(|p| p.metadata.uid)
     };
-    let before = n1_daemon(daemon_pods.list(&ListParams::default()).await.unwrap().items);
+    let before = n1_daemon(
+        daemon_pods
+            .list(&ListParams::default())
+            .await
+            .unwrap()
+            .items,
+    );
     assert!(before.is_some(), "n1 runs an IMEX daemon Pod");
     let _ = stop.send(());
     let _ = controller.await;
@@ -351,12 +302,21 @@ async fn a_four_node_job_gets_one_clique_a_channel_everywhere_and_its_faults_rep
         let _ = stopped.await;
     }));
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let after = n1_daemon(daemon_pods.list(&ListParams::default()).await.unwrap().items);
+    let after = n1_daemon(
+        daemon_pods
+            .list(&ListParams::default())
+            .await
+            .unwrap()
+            .items,
+    );
     assert_eq!(after, before, "the restarted plugin keeps n1's daemon Pod");
     let kept = domain(&client, "job").await;
     assert_eq!(kept.placement(), Some((CLIQUE_0.to_string(), 0)));
     assert_eq!(kept.status.status, "Ready", "{:?}", kept.status);
-    assert_eq!(status_of(&kept, "n1").map(|s| s.0), Some("Ready".to_string()));
+    assert_eq!(
+        status_of(&kept, "n1").map(|s| s.0),
+        Some("Ready".to_string())
+    );
 
     // Mid-job, n2's IMEX daemon dies.
     let uid = domain(&client, "job").await.uid;

@@ -265,3 +265,101 @@ impl Rack {
             .map_err(|e| e.to_string())
     }
 }
+
+/// Waits (polling every 200 ms) until `check` gives a value; panics naming `what` after `timeout`.
+pub async fn wait_for<T>(
+    what: &str,
+    timeout: Duration,
+    mut check: impl AsyncFnMut() -> Option<T>,
+) -> T {
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        if let Some(value) = check().await {
+            return value;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+fn domains(client: &kube::Client, namespace: &str) -> Api<kube::api::DynamicObject> {
+    Api::namespaced_with(
+        client.clone(),
+        namespace,
+        &crate::domains::api::DomainGroup::Ours.api_resource(),
+    )
+}
+
+/// A ComputeDomain of our group as the controller and plugins see it now.
+pub async fn domain(
+    client: &kube::Client,
+    namespace: &str,
+    name: &str,
+) -> crate::domains::api::DomainObject {
+    let object = domains(client, namespace)
+        .get(name)
+        .await
+        .expect("domain exists");
+    crate::domains::api::DomainObject::from_dynamic(crate::domains::api::DomainGroup::Ours, &object)
+        .expect("domain parses")
+}
+
+/// Creates ComputeDomain `name` of `nodes` nodes, whose channel template is `<name>-channel`.
+pub async fn create_domain(client: &kube::Client, namespace: &str, name: &str, nodes: u32) {
+    let object: kube::api::DynamicObject = serde_json::from_value(serde_json::json!({
+        "apiVersion": "gpu.dra.dev/v1alpha1", "kind": "ComputeDomain",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"numNodes": nodes,
+                 "channel": {"resourceClaimTemplate": {"name": format!("{name}-channel")}}},
+    }))
+    .expect("domain object");
+    domains(client, namespace)
+        .create(&kube::api::PostParams::default(), &object)
+        .await
+        .expect("domain created");
+}
+
+/// A worker of a job: container `worker` gets the claims of `gpus_template` and `channel_template`.
+pub async fn create_worker(
+    client: &kube::Client,
+    namespace: &str,
+    name: &str,
+    gpus_template: &str,
+    channel_template: &str,
+) {
+    let pod: Pod = serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "containers": [{"name": "worker", "image": "nvbandwidth",
+                "resources": {"claims": [{"name": "gpus"}, {"name": "channel"}]}}],
+            "resourceClaims": [
+                {"name": "gpus", "resourceClaimTemplateName": gpus_template},
+                {"name": "channel", "resourceClaimTemplateName": channel_template},
+            ],
+        },
+    }))
+    .expect("pod object");
+    Api::<Pod>::namespaced(client.clone(), namespace)
+        .create(&kube::api::PostParams::default(), &pod)
+        .await
+        .expect("pod created");
+}
+
+/// A template of `count` whole GPUs of our driver.
+pub async fn create_gpus_template(client: &kube::Client, namespace: &str, name: &str, count: u32) {
+    let template: ResourceClaimTemplate = serde_json::from_value(serde_json::json!({
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"spec": {"devices": {"requests": [{"name": "gpus", "exactly": {
+            "deviceClassName": "gpu.dra.dev", "allocationMode": "ExactCount", "count": count}}]}}},
+    }))
+    .expect("template object");
+    Api::<ResourceClaimTemplate>::namespaced(client.clone(), namespace)
+        .create(&kube::api::PostParams::default(), &template)
+        .await
+        .expect("template created");
+}

@@ -461,4 +461,5 @@ async fn a_four_node_job_gets_one_clique_a_channel_everywhere_and_its_faults_rep
     .await;
     let _ = stop.send(());
     let _ = controller.await;
+    rack.shutdown().await;
 }

@@ -2,10 +2,12 @@
 //! API server double, the plugin with the fake backend and dynamic MIG, and the kubelet double, then
 //! walks a whole-GPU claim and a MIG claim through publish → allocate → prepare (the MIG device is
 //! created) → CDI spec → unprepare (it is destroyed), shows a time-sliced and an MPS claim, injects a GPU fault (taints, health stream) and
-//! clears it, and ends with a pod that cannot fit and what `gpu-dra explain` says about it, saying
-//! what happens at each step.
+//! clears it, shows a pod that cannot fit and what `gpu-dra explain` says about it, and ends with a
+//! ComputeDomain job on a small rack of GB200 trays in two NVLink cliques (`domains.rs`), saying what
+//! happens at each step.
 
 mod claims;
+mod domains;
 
 use std::io::Write;
 use std::time::Duration;
@@ -311,11 +313,13 @@ pub async fn run(out: &mut impl Write) -> Result<()> {
 
     demo_explain(out, &api).await?;
 
+    domains::demo_compute_domain(out, &api, 15).await?;
+
     let sockets = [config.registration_socket(), config.dra_socket()];
     plugin.shutdown().await;
     step(
         out,
-        15,
+        21,
         &format!(
             "Plugin stopped; sockets removed: {}",
             sockets.iter().all(|s| !s.exists())

@@ -181,6 +181,7 @@ impl Monitor {
         faults.save(&state);
         // A publisher that is gone leaves what it last learned in force; it does not stop the monitor.
         let mut kept_open = true;
+        let mut taints_open = true;
         loop {
             tokio::select! {
                 event = ch.events.recv() => {
@@ -203,8 +204,12 @@ impl Monitor {
                     if result.is_err() { return }
                     ch.policy.borrow_and_update();
                 }
-                result = ch.channel_taints.changed() => {
-                    if result.is_err() { return }
+                result = ch.channel_taints.changed(), if taints_open => {
+                    // Without ComputeDomains on this node nothing sends; the last taints stay.
+                    if result.is_err() {
+                        taints_open = false;
+                        continue;
+                    }
                     ch.channel_taints.borrow_and_update();
                 }
                 result = ch.kept_fields.changed(), if kept_open => {

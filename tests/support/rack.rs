@@ -183,6 +183,13 @@ impl Rack {
         );
     }
 
+    /// Stops every node's plugin as a node shutdown does (the daemons' Pods stay in the API).
+    pub async fn shutdown(self) {
+        for node in self.nodes {
+            node.plugin.shutdown().await;
+        }
+    }
+
     pub fn node(&self, name: &str) -> &RackNode {
         self.nodes
             .iter()

@@ -66,23 +66,102 @@ impl Drop for Running {
     }
 }
 
+/// Where the runner finds its Pods and reports their status: the API server double's store, or a real
+/// API server (for checks against a real control plane, where these nodes have no kubelet).
+#[derive(Clone)]
+enum PodStore {
+    Double(ApiHandle),
+    Live {
+        client: kube::Client,
+        /// Only Pods of this namespace are run (the plugin's daemons); workloads bound to the node
+        /// are the test's to prepare, not to run.
+        namespace: String,
+    },
+}
+
+impl PodStore {
+    async fn pods_on(&self, node: &str) -> Vec<Pod> {
+        match self {
+            PodStore::Double(api) => api
+                .list("pods")
+                .into_iter()
+                .filter(|p| p.pointer("/spec/nodeName").and_then(Value::as_str) == Some(node))
+                .filter_map(|p| serde_json::from_value(p).ok())
+                .collect(),
+            PodStore::Live { client, namespace } => {
+                let pods: kube::Api<Pod> = kube::Api::namespaced(client.clone(), namespace);
+                let on_node = kube::api::ListParams::default().fields(&format!("spec.nodeName={node}"));
+                pods.list(&on_node).await.map(|l| l.items).unwrap_or_default()
+            }
+        }
+    }
+
+    /// The kubelet's final delete, with a grace period of 0.
+    fn remove(&self, namespace: &str, name: &str) {
+        match self {
+            PodStore::Double(api) => {
+                api.remove("pods", Some(namespace), name);
+            }
+            PodStore::Live { client, .. } => {
+                let pods: kube::Api<Pod> = kube::Api::namespaced(client.clone(), namespace);
+                let now = kube::api::DeleteParams {
+                    grace_period_seconds: Some(0),
+                    ..Default::default()
+                };
+                let _ = tokio::runtime::Handle::current().block_on(pods.delete(name, &now));
+            }
+        }
+    }
+
+    /// Writes the Pod's status; whether it was written.
+    fn set_status(&self, namespace: &str, name: &str, status: &Value) -> bool {
+        match self {
+            PodStore::Double(api) => match api.get("pods", Some(namespace), name) {
+                Some(mut stored) => {
+                    stored["status"] = status.clone();
+                    api.insert("pods", stored);
+                    true
+                }
+                None => false,
+            },
+            PodStore::Live { client, .. } => {
+                let pods: kube::Api<Pod> = kube::Api::namespaced(client.clone(), namespace);
+                let patch = serde_json::json!({"status": status});
+                tokio::runtime::Handle::current()
+                    .block_on(pods.patch_status(
+                        name,
+                        &kube::api::PatchParams::default(),
+                        &kube::api::Patch::Merge(&patch),
+                    ))
+                    .is_ok()
+            }
+        }
+    }
+}
+
 impl PodRunner {
     /// Starts running the Pods bound to `node`, with `binary` as the image's `gpu-dra`. It reads and
     /// writes the API server's store directly (see [`ApiHandle`]), so a test of the plugin's own
     /// requests does not see the kubelet's.
     pub fn start(api: ApiHandle, node: &str, binary: PathBuf) -> PodRunner {
+        Self::start_with(PodStore::Double(api), node, binary)
+    }
+
+    /// [`PodRunner::start`] against a real API server: the Pods of `namespace` bound to `node`.
+    pub fn start_live(client: kube::Client, namespace: &str, node: &str, binary: PathBuf) -> PodRunner {
+        let store = PodStore::Live {
+            client,
+            namespace: namespace.to_string(),
+        };
+        Self::start_with(store, node, binary)
+    }
+
+    fn start_with(store: PodStore, node: &str, binary: PathBuf) -> PodRunner {
         let node = node.to_string();
         let task = tokio::spawn(async move {
             let mut running: HashMap<String, Running> = HashMap::new();
             loop {
-                let pods: Vec<Pod> = api
-                    .list("pods")
-                    .into_iter()
-                    .filter(|p| {
-                        p.pointer("/spec/nodeName").and_then(Value::as_str) == Some(node.as_str())
-                    })
-                    .filter_map(|p| serde_json::from_value(p).ok())
-                    .collect();
+                let pods = store.pods_on(&node).await;
                 if pods.is_empty() && running.is_empty() {
                     // Nothing to run: no thread hop, so an idle runner costs the tests nothing.
                     tokio::time::sleep(IDLE_SYNC).await;
@@ -90,10 +169,10 @@ impl PodRunner {
                 }
                 // Blocking (process starts, probes run to completion): off the runtime's workers.
                 let binary = binary.clone();
-                let api = api.clone();
+                let store = store.clone();
                 let mut state = std::mem::take(&mut running);
                 running = tokio::task::spawn_blocking(move || {
-                    sync(&api, &binary, pods, &mut state);
+                    sync(&store, &binary, pods, &mut state);
                     state
                 })
                 .await
@@ -119,7 +198,7 @@ impl PodRunner {
     }
 }
 
-fn sync(api: &ApiHandle, binary: &Path, pods: Vec<Pod>, running: &mut HashMap<String, Running>) {
+fn sync(store: &PodStore, binary: &Path, pods: Vec<Pod>, running: &mut HashMap<String, Running>) {
     let seen: Vec<String> = pods.iter().filter_map(|p| p.metadata.uid.clone()).collect();
     // A Pod removed from the API (deleted with grace 0) ends at once.
     running.retain(|uid, _| seen.contains(uid));
@@ -143,19 +222,14 @@ fn sync(api: &ApiHandle, binary: &Path, pods: Vec<Pod>, running: &mut HashMap<St
         });
         if pod.metadata.deletion_timestamp.is_some() {
             if terminate(entry, &pod) {
-                // The kubelet's final delete, with a grace period of 0.
-                api.remove("pods", Some(&namespace), &entry.name);
+                store.remove(&namespace, &entry.name);
             }
             continue;
         }
         step(entry, &pod, binary);
         let status = status_of(entry);
-        if status != entry.reported {
-            if let Some(mut stored) = api.get("pods", Some(&namespace), &entry.name) {
-                stored["status"] = status.clone();
-                api.insert("pods", stored);
-                entry.reported = status;
-            }
+        if status != entry.reported && store.set_status(&namespace, &entry.name, &status) {
+            entry.reported = status;
         }
     }
 }

@@ -10,7 +10,7 @@ use std::process::Command;
 use serde_json::{json, Value};
 
 use gpu_dra::devices::MigMode;
-use gpu_dra::gpu::builtin_profile;
+use gpu_dra::gpu::{builtin_profile, gb200_tray, GB200_CLUSTER_UUID};
 use gpu_dra::support::apiserver::{ApiServer, Verb};
 use gpu_dra::support::cluster::{self as fixture, DRIVER};
 
@@ -110,6 +110,40 @@ async fn cluster() -> Cluster {
     }
 }
 
+/// A rack of fake GB200 trays: NVLink clique 0 of four nodes (gb-a0..gb-a3), clique 1 of two
+/// (gb-b0, gb-b1), each publishing four IMEX channels.
+async fn fabric_cluster() -> Cluster {
+    let api = ApiServer::start().await.expect("API server double");
+    let mut devices = 0;
+    for (node, clique) in [
+        ("gb-a0", 0),
+        ("gb-a1", 0),
+        ("gb-a2", 0),
+        ("gb-a3", 0),
+        ("gb-b0", 1),
+        ("gb-b1", 1),
+    ] {
+        let profile = gb200_tray(GB200_CLUSTER_UUID, clique);
+        for slice in fixture::fabric_node_slices(DRIVER, node, &profile, 4) {
+            devices += slice.spec.devices.as_ref().map_or(0, Vec::len);
+            api.insert("resourceslices", serde_json::to_value(&slice).unwrap());
+        }
+        api.insert("nodes", fixture::node(node, &[], &[], false));
+    }
+    for class in fixture::device_classes() {
+        api.insert("deviceclasses", class);
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = dir.path().join("kubeconfig");
+    api.write_kubeconfig(&kubeconfig).unwrap();
+    Cluster {
+        api,
+        dir,
+        kubeconfig,
+        devices,
+    }
+}
+
 fn gpus(count: usize, selectors: &[&str], nvlink: bool) -> Value {
     let selectors: Vec<Value> = selectors
         .iter()
@@ -151,6 +185,8 @@ impl Cluster {
             "deviceclasses",
             "resourceslices",
             "nodes",
+            "computedomains",
+            "computedomains.resource.nvidia.com",
         ] {
             items.extend(self.api.list(resource));
         }
@@ -432,6 +468,60 @@ async fn a_dump_gives_the_same_answer_as_the_cluster() {
     let report: Value = serde_yaml::from_str(&out.stdout).unwrap();
     assert_eq!(report["subject"]["kind"], "file");
     assert_eq!(report["fittingNodes"], 6, "{}", out.stdout);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pod_of_a_compute_domain_that_is_not_placed_waits_for_it_live_and_from_a_dump() {
+    let cluster = fabric_cluster().await;
+    assert_eq!(cluster.devices, 6 * (4 + 4));
+    // Five nodes: more than either clique has. A domain of NVIDIA's group elsewhere is listed too.
+    cluster.api.insert(
+        "computedomains",
+        fixture::compute_domain("gpu.dra.dev/v1alpha1", NS, "imex", 5),
+    );
+    cluster.api.insert(
+        "computedomains.resource.nvidia.com",
+        fixture::compute_domain("resource.nvidia.com/v1beta1", "other", "theirs", 1),
+    );
+    cluster.api.insert(
+        "pods",
+        fixture::pod(
+            NS,
+            "worker-0",
+            json!([{"name": "channel", "resourceClaimTemplateName": "imex-channel"}]),
+            json!({}),
+        ),
+    );
+    let live = cluster.live(&["explain", "pod", "ml/worker-0"]).await;
+    assert_eq!(live.code, 1, "{live:?}");
+    let first = live.stdout.lines().next().unwrap();
+    assert_eq!(
+        first,
+        format!(
+            "Pod ml/worker-0: waits for ComputeDomain ml/imex: not placed: no NVLink clique has 5 free \
+             nodes: {GB200_CLUSTER_UUID}.0 has 4 (of 4), {GB200_CLUSTER_UUID}.1 has 2 (of 2); nodes \
+             without an NVLink fabric are never used (explain's own placement from the ResourceSlices \
+             and claims: the domain has no gpu.dra.dev/placement annotation)"
+        )
+    );
+    assert_eq!(
+        live.line("gb-b1"),
+        "pod claim channel waits for ComputeDomain ml/imex (ResourceClaimTemplate ml/imex-channel does not exist yet)"
+    );
+
+    // A dump with the ComputeDomains (`kubectl get ...,computedomains.gpu.dra.dev,... -A -o yaml`)
+    // gives the same answer. The README's example comes from this dump: EXPLAIN_DOMAIN_DUMP_TO keeps it.
+    let dump = cluster.dump();
+    if let Ok(keep) = std::env::var("EXPLAIN_DOMAIN_DUMP_TO") {
+        std::fs::copy(&dump, keep).expect("copying the dump");
+    }
+    let offline = offline_run(&dump, &["explain", "pod", "ml/worker-0"]).await;
+    assert_eq!((offline.code, &offline.stdout), (1, &live.stdout));
+    assert!(
+        !offline.stdout.contains("ignored"),
+        "ComputeDomains are read, not ignored: {}",
+        offline.stdout
+    );
 }
 
 async fn offline_run(dump: &Path, args: &[&str]) -> Run {

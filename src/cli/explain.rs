@@ -27,7 +27,9 @@ pub struct ExplainArgs {
     #[arg(short = 'n', long, default_value = "default")]
     namespace: String,
     /// Read the cluster from a dump instead of the API server (`kubectl get pods,resourceclaims,
-    /// resourceclaimtemplates,deviceclasses,resourceslices,nodes -A -o yaml`). Repeatable.
+    /// resourceclaimtemplates,deviceclasses,resourceslices,nodes -A -o yaml`; for pods of ComputeDomains
+    /// also `kubectl get computedomains.gpu.dra.dev,computedomains.resource.nvidia.com -A -o yaml`).
+    /// Repeatable.
     #[arg(long = "from", value_name = "DUMP")]
     from: Vec<PathBuf>,
     /// Kubeconfig file; else as kubectl finds one ($KUBECONFIG, ~/.kube/config, in-cluster).

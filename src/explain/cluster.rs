@@ -1,8 +1,11 @@
 //! The objects the scheduler's decision depends on: Pods, ResourceClaims, ResourceClaimTemplates,
-//! DeviceClasses, ResourceSlices and Nodes. They come from the API server, found through the kubeconfig
-//! as kubectl finds it, or from a dump of
+//! DeviceClasses, ResourceSlices and Nodes, and the ComputeDomains whose controller writes the
+//! templates of their pods. They come from the API server, found through the kubeconfig as kubectl
+//! finds it, or from a dump of
 //! `kubectl get pods,resourceclaims,resourceclaimtemplates,deviceclasses,resourceslices,nodes -A -o yaml`
-//! (a `List` of mixed kinds; several YAML documents and JSON are read too), for support cases.
+//! (a `List` of mixed kinds; several YAML documents and JSON are read too), for support cases, with
+//! `kubectl get computedomains.gpu.dra.dev,computedomains.resource.nvidia.com -A -o yaml` where pods of
+//! ComputeDomains are Pending.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -11,7 +14,7 @@ use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::api::resource::v1::{
     DeviceClass, ResourceClaim, ResourceClaimTemplate, ResourceSlice,
 };
-use kube::api::{Api, ListParams};
+use kube::api::{Api, DynamicObject, ListParams};
 use serde::de::DeserializeSeed;
 use serde::Deserialize;
 use serde_json::Value;
@@ -20,6 +23,7 @@ use super::dump::{self, Document, Items, Object};
 use super::subject::Target;
 use super::ExplainError;
 use crate::apiclient::ApiTimeouts;
+use crate::domains::api::{DomainGroup, DomainObject};
 
 /// What `explain` reads. Objects keep the order they came in.
 #[derive(Debug, Clone, Default)]
@@ -30,6 +34,8 @@ pub struct Cluster {
     pub classes: Vec<DeviceClass>,
     pub slices: Vec<ResourceSlice>,
     pub nodes: Vec<Node>,
+    /// ComputeDomains of both groups (ours and NVIDIA's).
+    pub domains: Vec<DomainObject>,
     /// Objects of other kinds in a dump, counted by kind and otherwise ignored.
     pub ignored: BTreeMap<String, usize>,
 }
@@ -98,6 +104,7 @@ impl Cluster {
             Object::Template(template) => self.templates.push(*template),
             Object::Class(class) => self.classes.push(*class),
             Object::Slice(slice) => self.slices.push(*slice),
+            Object::Domain(domain) => self.domains.push(*domain),
             Object::Other(kind) => *self.ignored.entry(kind).or_default() += 1,
         }
     }
@@ -116,7 +123,8 @@ impl Cluster {
 
     /// Reads what `target` needs from the API server: the pod (if any) and the templates its claims
     /// name, every ResourceClaim (for the devices they hold), DeviceClass, ResourceSlice and Node; and
-    /// every Pod when the pod requests extended resources (for what device plugins have left).
+    /// every Pod when the pod requests extended resources (for what device plugins have left); and for a
+    /// pod, the ComputeDomains of both groups (a pod of one waits for it).
     pub async fn fetch(client: &kube::Client, target: &Target) -> Result<Cluster, ExplainError> {
         let api_error = |what: String| {
             move |error| ExplainError::Api {
@@ -161,6 +169,7 @@ impl Cluster {
                 cluster.pods.retain(|p| !same(p));
             }
             cluster.pods.push(pod);
+            cluster.domains = fetch_domains(client).await?;
         }
         let all = ListParams::default();
         let claims: Api<ResourceClaim> = Api::all(client.clone());
@@ -190,6 +199,35 @@ impl Cluster {
         cluster.sort_slices();
         Ok(cluster)
     }
+}
+
+/// The ComputeDomains of both groups. A group whose CRD is not installed answers 404: it has none.
+async fn fetch_domains(client: &kube::Client) -> Result<Vec<DomainObject>, ExplainError> {
+    let mut found = Vec::new();
+    for group in [DomainGroup::Ours, DomainGroup::Nvidia] {
+        let resource = group.api_resource();
+        let domains: Api<DynamicObject> = Api::all_with(client.clone(), &resource);
+        let listed = match domains.list(&ListParams::default()).await {
+            Ok(list) => list.items,
+            Err(kube::Error::Api(status)) if status.code == 404 => continue,
+            Err(error) => {
+                return Err(ExplainError::Api {
+                    what: format!("listing ComputeDomains ({})", resource.api_version),
+                    error: Box::new(error),
+                })
+            }
+        };
+        for object in &listed {
+            let domain = DomainObject::from_dynamic(group, object).map_err(|message| {
+                ExplainError::Input {
+                    origin: "API server".into(),
+                    message,
+                }
+            })?;
+            found.push(domain);
+        }
+    }
+    Ok(found)
 }
 
 /// A client as kubectl would build one: `kubeconfig` if given, else `$KUBECONFIG` (a list of files

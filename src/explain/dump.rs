@@ -16,6 +16,7 @@ use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::api::resource::v1::{
     DeviceClass, ResourceClaim, ResourceClaimTemplate, ResourceSlice,
 };
+use kube::api::DynamicObject;
 use serde::de::value::MapAccessDeserializer;
 use serde::de::{
     self, DeserializeOwned, DeserializeSeed, Deserializer, IgnoredAny, IntoDeserializer, MapAccess,
@@ -23,6 +24,8 @@ use serde::de::{
 };
 use serde::Deserialize;
 use serde_json::Value;
+
+use crate::domains::api::{DomainGroup, DomainObject, KIND as DOMAIN_KIND};
 
 const RESOURCE_API: &str = "resource.k8s.io/v1";
 
@@ -35,6 +38,8 @@ pub(super) enum Object {
     Template(Box<ResourceClaimTemplate>),
     Class(Box<DeviceClass>),
     Slice(Box<ResourceSlice>),
+    /// A ComputeDomain of either group (`gpu.dra.dev/v1alpha1`, `resource.nvidia.com/v1beta1`).
+    Domain(Box<DomainObject>),
     Other(String),
 }
 
@@ -286,6 +291,9 @@ where
     F: Rest<'de, E>,
     E: de::Error,
 {
+    if kind == DOMAIN_KIND {
+        return domain(from, api_version, kind);
+    }
     let expected = match kind.as_str() {
         "Pod" | "Node" => "v1",
         "ResourceClaim" | "ResourceClaimTemplate" | "DeviceClass" | "ResourceSlice" => RESOURCE_API,
@@ -324,6 +332,28 @@ where
             Object::Slice(slice)
         }
     })
+}
+
+/// A ComputeDomain of one of the groups the driver serves; one of another group is not ours to read
+/// (counted among the ignored kinds, under its apiVersion).
+fn domain<'de, F, E>(from: F, api_version: String, kind: String) -> Result<Object, E>
+where
+    F: Rest<'de, E>,
+    E: de::Error,
+{
+    let group = [DomainGroup::Ours, DomainGroup::Nvidia]
+        .into_iter()
+        .find(|group| group.api_resource().api_version == api_version);
+    let Some(group) = group else {
+        from.skip()?;
+        return Ok(Object::Other(format!("{kind} ({api_version})")));
+    };
+    let object: Box<DynamicObject> = from
+        .read(&api_version, &kind)
+        .map_err(|e| E::custom(format!("invalid {kind}: {e}")))?;
+    DomainObject::from_dynamic(group, &object)
+        .map(|domain| Object::Domain(Box::new(domain)))
+        .map_err(E::custom)
 }
 
 /// What an object is read from once its kind is known: the rest of a map, or a whole value.

@@ -10,6 +10,8 @@
 //! - [`extended`]: a pod's extended resources (`nvidia.com/gpu: 2`): the device plugin's count, or
 //!   the claim the scheduler makes for them per node;
 //! - [`decide`]: one verdict per node, from the allocator, with [`reasons`] breaking a "no" down;
+//! - [`domains`]: for a pod of a ComputeDomain, what the domain says: not placed (the pod waits for
+//!   it), its clique full, or not Ready;
 //! - [`report`]: the summary and the per-node lines as a table, JSON or YAML, and the exit code.
 //!
 //! ```ignore
@@ -21,6 +23,7 @@
 
 pub mod cluster;
 pub mod decide;
+mod domains;
 mod dump;
 pub mod extended;
 mod index;
@@ -32,6 +35,8 @@ pub mod subject;
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_domains;
 #[cfg(test)]
 mod tests_extended;
 
@@ -99,7 +104,8 @@ impl ExplainError {
 /// Decides `target` against `cluster`: resolves the claims, then runs every node.
 pub fn explain(cluster: &Cluster, target: &Target) -> Result<Report, ExplainError> {
     let subject = Subject::resolve(cluster, target)?;
-    decide::decide(cluster, &subject)
+    let report = decide::decide(cluster, &subject)?;
+    Ok(domains::apply(cluster, &subject, report))
 }
 
 /// Where the cluster is read from.

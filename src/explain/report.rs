@@ -48,6 +48,9 @@ pub enum ReasonKind {
     StaleClaim,
     /// A claim of the pod is allocated, and its allocation's node selector does not select the node.
     ClaimElsewhere,
+    /// A claim of the pod comes from the channel template of a ComputeDomain that is not placed:
+    /// the template, and so the claim, do not exist yet.
+    DomainNotPlaced,
     /// No device of any driver is published for the node.
     NoDevices,
     /// A pool of the node is being updated: not all its slices of the newest generation are there.
@@ -79,6 +82,7 @@ impl ReasonKind {
             ReasonKind::UnservedResource => "not advertised, no DeviceClass maps it",
             ReasonKind::StaleClaim => "extended resource claim of an earlier attempt",
             ReasonKind::ClaimElsewhere => "a claim is allocated elsewhere",
+            ReasonKind::DomainNotPlaced => "ComputeDomain not placed",
             ReasonKind::NoDevices => "no devices",
             ReasonKind::PoolIncomplete => "pool incomplete",
             ReasonKind::PoolInvalid => "pool invalid",

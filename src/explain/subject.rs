@@ -98,6 +98,19 @@ pub struct Subject {
     pub notes: Vec<String>,
     /// The pod's extended resources (`nvidia.com/gpu: 2`), when it requests any.
     pub extended: Option<PodExtended>,
+    /// Pod claims whose template does not exist yet because it is the channel template of a
+    /// ComputeDomain that is not placed: the pod waits for the domain.
+    pub domain_waits: Vec<DomainWait>,
+}
+
+/// A pod claim from the channel template of a ComputeDomain that its controller has not written yet.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DomainWait {
+    pub pod_claim: String,
+    /// `namespace/name` of the template.
+    pub template: String,
+    /// `namespace/name` of the domain.
+    pub domain: String,
 }
 
 /// The templates of `pod` whose claim is not named in its status yet.
@@ -156,6 +169,7 @@ impl Subject {
                     replaces: Vec::new(),
                     notes: Vec::new(),
                     extended: None,
+                    domain_waits: Vec::new(),
                 })
             }
             Target::Claims { origin, claims } => Self::file(origin, claims),
@@ -178,6 +192,7 @@ impl Subject {
         let statuses = claim_statuses(pod);
         let mut claims = Vec::new();
         let mut notes = Vec::new();
+        let mut domain_waits = Vec::new();
         for entry in spec.resource_claims.iter().flatten() {
             let invalid = |message: String| ExplainError::Subject {
                 subject: format!("Pod {wanted}"),
@@ -210,14 +225,22 @@ impl Subject {
                         continue;
                     }
                     let full = format!("{namespace}/{template}");
-                    let found = cluster
-                        .templates
-                        .iter()
-                        .find(|t| {
-                            name_of(t.metadata.namespace.as_deref(), t.metadata.name.as_deref())
-                                == full
-                        })
-                        .ok_or(ExplainError::NotFound {
+                    let found = cluster.templates.iter().find(|t| {
+                        name_of(t.metadata.namespace.as_deref(), t.metadata.name.as_deref())
+                            == full
+                    });
+                    // The controller writes a ComputeDomain's channel template only once it placed
+                    // the domain: until then the pod waits for the domain, which is not an error.
+                    let domain = super::domains::channel_domain(cluster, namespace, template);
+                    if let (None, Some(domain)) = (found, domain) {
+                        domain_waits.push(DomainWait {
+                            pod_claim: entry.name.clone(),
+                            template: full,
+                            domain: domain.key(),
+                        });
+                        continue;
+                    }
+                    let found = found.ok_or(ExplainError::NotFound {
                             kind: "ResourceClaimTemplate",
                             name: full.clone(),
                         })?;
@@ -252,7 +275,7 @@ impl Subject {
             }
         }
         let extended = PodExtended::resolve(cluster, pod, &mut claims, &mut notes);
-        if claims.is_empty() && extended.is_none() {
+        if claims.is_empty() && extended.is_none() && domain_waits.is_empty() {
             notes.push("the pod has no resource claims: only the node filters apply".into());
         }
         let affinity = spec
@@ -276,11 +299,16 @@ impl Subject {
             replaces: Vec::new(),
             notes,
             extended,
+            domain_waits,
         })
     }
 
     fn file(origin: &str, file: &Cluster) -> Result<Subject, ExplainError> {
-        let others = file.pods.len() + file.classes.len() + file.slices.len() + file.nodes.len();
+        let others = file.pods.len()
+            + file.classes.len()
+            + file.slices.len()
+            + file.nodes.len()
+            + file.domains.len();
         if others > 0 || !file.ignored.is_empty() {
             return Err(ExplainError::Input {
                 origin: origin.to_string(),
@@ -333,6 +361,7 @@ impl Subject {
             replaces,
             notes: Vec::new(),
             extended: None,
+            domain_waits: Vec::new(),
         })
     }
 }

@@ -295,8 +295,8 @@ fn the_explain_role_allows_every_call_of_explain_and_only_reads() {
         "deploy/base/explain-role.yaml does not grant what these calls of gpu-dra explain need:\n{}",
         missing.join("\n")
     );
-    // Get and list on the six kinds of a dump (kubectl get ... -A needs list; get a single object),
-    // and nothing else.
+    // Get and list on the six kinds of a dump and the ComputeDomains of both groups (kubectl get ...
+    // -A needs list; get a single object), and nothing else.
     let kinds = [
         ("", "pods"),
         ("", "nodes"),
@@ -304,6 +304,8 @@ fn the_explain_role_allows_every_call_of_explain_and_only_reads() {
         ("resource.k8s.io", "resourceclaimtemplates"),
         ("resource.k8s.io", "deviceclasses"),
         ("resource.k8s.io", "resourceslices"),
+        ("gpu.dra.dev", "computedomains"),
+        ("resource.nvidia.com", "computedomains"),
     ];
     let expected: BTreeSet<Grant> = kinds
         .iter()

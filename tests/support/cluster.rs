@@ -25,6 +25,27 @@ pub fn node_slices_as(
     profile: &FakeProfile,
     mig: MigMode,
 ) -> Vec<ResourceSlice> {
+    published_slices(driver, node, profile, mig, 0)
+}
+
+/// The slices of a node on an NVLink fabric (a GB200 tray, `crate::gpu::gb200_tray`): its GPUs and
+/// `channels` IMEX channel devices, as a plugin started with `--imex-channels <channels>` publishes.
+pub fn fabric_node_slices(
+    driver: &str,
+    node: &str,
+    profile: &FakeProfile,
+    channels: u32,
+) -> Vec<ResourceSlice> {
+    published_slices(driver, node, profile, MigMode::None, channels)
+}
+
+fn published_slices(
+    driver: &str,
+    node: &str,
+    profile: &FakeProfile,
+    mig: MigMode,
+    channels: u32,
+) -> Vec<ResourceSlice> {
     // The fake backend reads a profile from a built-in name or a file; a custom one goes to a file.
     let dir = tempfile::tempdir().expect("temp dir");
     let path = dir.path().join("profile.yaml");
@@ -33,7 +54,8 @@ pub fn node_slices_as(
     let backend = crate::gpu::FakeBackend::new(node, &path.display().to_string())
         .expect("fake profile loads");
     let inventory = backend.inventory().expect("fake inventory");
-    let devices = node_devices(&inventory, mig);
+    let mut devices = node_devices(&inventory, mig);
+    devices.channels = crate::domains::channels::channel_devices(&inventory, channels);
     let mut slices = desired_slices(driver, node, "", &devices, ServerVersion { minor: 35 });
     for (i, slice) in slices.iter_mut().enumerate() {
         slice.metadata.name = Some(format!("{node}-{driver}-{i}"));
@@ -258,4 +280,15 @@ pub fn extended_resource_claim(
     claim["metadata"]["ownerReferences"] = json!([{"apiVersion": "v1", "kind": "Pod", "name": pod,
         "uid": format!("uid-{namespace}-{pod}"), "controller": true, "blockOwnerDeletion": true}]);
     claim
+}
+
+/// A ComputeDomain of `api_version` (`gpu.dra.dev/v1alpha1` or NVIDIA's `resource.nvidia.com/v1beta1`)
+/// of `num_nodes` nodes, whose channel template is `<name>-channel`; not placed yet.
+pub fn compute_domain(api_version: &str, namespace: &str, name: &str, num_nodes: u32) -> Value {
+    json!({
+        "apiVersion": api_version, "kind": "ComputeDomain",
+        "metadata": {"namespace": namespace, "name": name, "uid": format!("uid-{namespace}-{name}")},
+        "spec": {"numNodes": num_nodes,
+                 "channel": {"resourceClaimTemplate": {"name": format!("{name}-channel")}}}
+    })
 }

@@ -115,7 +115,9 @@ enum Health {
 pub struct Membership {
     client: kube::Client,
     node: String,
-    node_ip: String,
+    /// This node's address for its domains' peers: given (`--node-ip`), else the Node's InternalIP,
+    /// read at the first join (never at start, where the API server may be slow).
+    node_ip: Mutex<Option<String>>,
     daemons: Arc<dyn DomainDaemons>,
     ready_timeout: Duration,
     reporter: Reporter,
@@ -135,13 +137,13 @@ impl Membership {
         client: kube::Client,
         driver: &str,
         node: &str,
-        node_ip: &str,
+        node_ip: Option<&str>,
         daemons: Arc<dyn DomainDaemons>,
     ) -> Self {
         Membership {
             client,
             node: node.to_string(),
-            node_ip: node_ip.to_string(),
+            node_ip: Mutex::new(node_ip.map(str::to_string)),
             daemons,
             ready_timeout: READY_TIMEOUT,
             reporter: Reporter {
@@ -168,6 +170,33 @@ impl Membership {
     /// A prepare is about to join this domain.
     pub fn note_attempt(&self, domain_uid: &str) {
         lock(&self.attempts).insert(domain_uid.to_string(), Instant::now());
+    }
+
+    /// This node's address: the one given, else its Node's InternalIP (remembered once read).
+    async fn address(&self) -> Result<String, String> {
+        if let Some(ip) = lock(&self.node_ip).clone() {
+            return Ok(ip);
+        }
+        let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(self.client.clone());
+        let node = nodes
+            .get(&self.node)
+            .await
+            .map_err(|e| format!("reading Node {} for its address: {e}", self.node))?;
+        let ip = node
+            .status
+            .and_then(|s| s.addresses)
+            .into_iter()
+            .flatten()
+            .find(|a| a.type_ == "InternalIP")
+            .map(|a| a.address)
+            .ok_or_else(|| {
+                format!(
+                    "this node's address is not known: Node {} has no InternalIP and --node-ip (NODE_IP; the DaemonSet sets status.hostIP) is not set",
+                    self.node
+                )
+            })?;
+        *lock(&self.node_ip) = Some(ip.clone());
+        Ok(ip)
     }
 
     /// For tests: a shorter wait for the daemon.
@@ -245,9 +274,10 @@ impl Membership {
     /// Joins the domain on this node: status entry, daemon, and a bounded wait until it is ready.
     /// An error is the reason the claim cannot be prepared yet.
     pub async fn join(&self, member: &ChannelMembership) -> Result<(), String> {
+        let ip = self.address().await?;
         let entry = |status: &str, reason: Option<String>| ComputeDomainNode {
             name: self.node.clone(),
-            ip_address: self.node_ip.clone(),
+            ip_address: ip.clone(),
             clique_id: member.clique.clone(),
             index: 0,
             status: status.to_string(),
@@ -387,7 +417,7 @@ impl Membership {
         });
         let entry = ComputeDomainNode {
             name: self.node.clone(),
-            ip_address: self.node_ip.clone(),
+            ip_address: lock(&self.node_ip).clone().unwrap_or_default(),
             clique_id: member.clique.clone(),
             index: 0,
             status: status.to_string(),

@@ -34,10 +34,11 @@ pub(super) fn driver_edits(
 /// directory at the host's own path, so the CDI mounts and the daemons' hostPath volumes name the same
 /// path), each run by a Pod of this plugin's image. Without an image (the plugin runs outside a Pod
 /// and none is configured) MPS claims fail at prepare with a clear error; nothing else is affected.
-pub(super) async fn mps_daemons(
+pub(super) fn mps_daemons(
     config: &PluginConfig,
     plugin_dir: &std::path::Path,
     client: &kube::Client,
+    image: Option<String>,
 ) -> claims::mps::MpsDaemons {
     use claims::mps::{DaemonPodTemplate, DaemonPods, DaemonProgram, MpsDaemons};
     let daemons = MpsDaemons::new(plugin_dir.join("mps"), config.mps.shm_size);
@@ -57,11 +58,6 @@ pub(super) async fn mps_daemons(
             claims::mps::supervisor::NO_STAND_IN
         );
     }
-    let image = match (&config.mps.image, &config.mps.own_pod) {
-        (Some(image), _) => Some(image.clone()),
-        (None, Some(pod)) => own_image(client, &config.mps.namespace, pod).await,
-        (None, None) => None,
-    };
     let Some(image) = image else {
         warn!("no image for MPS daemon Pods (not running in a Pod, and no --mps-daemon-image): MPS claims will fail at prepare");
         return daemons;
@@ -77,6 +73,15 @@ pub(super) async fn mps_daemons(
             program,
         },
     ))
+}
+
+/// The image of the daemons' Pods (MPS and IMEX): `--mps-daemon-image`, else the plugin's own.
+pub(super) async fn daemon_image(config: &PluginConfig, client: &kube::Client) -> Option<String> {
+    match (&config.mps.image, &config.mps.own_pod) {
+        (Some(image), _) => Some(image.clone()),
+        (None, Some(pod)) => own_image(client, &config.mps.namespace, pod).await,
+        (None, None) => None,
+    }
 }
 
 /// The image of the plugin's own container: an upgrade of the DaemonSet then also upgrades the
@@ -101,25 +106,17 @@ async fn own_image(client: &kube::Client, namespace: &str, pod: &str) -> Option<
 
 /// This node's side of ComputeDomains: its IMEX daemons run in Pods of this plugin's image, with
 /// their files under `<plugin-dir>/imex`. `None` (IMEX channel claims then fail at prepare with a
-/// reason) where the node publishes no channels or its address is not known.
-pub(super) async fn domains(
+/// reason) where the node publishes no channels or no image is known for the daemons.
+pub(super) fn domains(
     config: &PluginConfig,
     plugin_dir: &std::path::Path,
     client: &kube::Client,
+    image: Option<String>,
 ) -> Option<std::sync::Arc<crate::domains::membership::Membership>> {
     if config.domains.imex_channels == 0 {
         return None;
     }
-    let node_ip = match &config.domains.node_ip {
-        Some(ip) => ip.clone(),
-        None => match node_internal_ip(client, &config.node_name).await {
-            Some(ip) => ip,
-            None => {
-                warn!("this node's address is not known (no --node-ip and no InternalIP on its Node): IMEX channel claims will fail at prepare");
-                return None;
-            }
-        },
-    };
+    let node_ip = config.domains.node_ip.clone();
     use crate::domains::imex::pod::program_for_root;
     use crate::domains::imex::{ImexDaemons, ImexPodTemplate, ImexProgram};
     let (program, host_driver_root) = match &config.backend {
@@ -130,11 +127,6 @@ pub(super) async fn domains(
         BackendChoice::Fake { .. } => (ImexProgram::StandIn, PathBuf::from("/")),
     };
     // The daemons run this plugin's image, as the MPS daemons do.
-    let image = match (&config.mps.image, &config.mps.own_pod) {
-        (Some(image), _) => Some(image.clone()),
-        (None, Some(pod)) => own_image(client, &config.mps.namespace, pod).await,
-        (None, None) => None,
-    };
     let Some(image) = image else {
         warn!("no image for IMEX daemon Pods (not running in a Pod, and no --mps-daemon-image): IMEX channel claims will fail at prepare");
         return None;
@@ -149,7 +141,8 @@ pub(super) async fn domains(
             image,
             host_driver_root,
             program,
-            node_ip: Some(node_ip.clone()),
+            // Unknown: the daemon's Pod gets the kubelet's status.hostIP.
+            node_ip: node_ip.clone(),
         },
     );
     Some(std::sync::Arc::new(
@@ -157,21 +150,10 @@ pub(super) async fn domains(
             client.clone(),
             &config.driver_name,
             &config.node_name,
-            &node_ip,
+            node_ip.as_deref(),
             std::sync::Arc::new(daemons),
         ),
     ))
-}
-
-/// The Node's first InternalIP.
-async fn node_internal_ip(client: &kube::Client, node: &str) -> Option<String> {
-    let nodes: kube::Api<k8s_openapi::api::core::v1::Node> = kube::Api::all(client.clone());
-    let node = nodes.get_opt(node).await.ok().flatten()?;
-    node.status?
-        .addresses?
-        .into_iter()
-        .find(|a| a.type_ == "InternalIP")
-        .map(|a| a.address)
 }
 
 /// How long a daemon that no prepared claim holds is kept after a prepare last tried to join its

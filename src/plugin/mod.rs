@@ -207,7 +207,8 @@ pub async fn start(
         &config.driver_name,
         &config.node_name,
     ));
-    let domains = claims_setup::domains(&config, &plugin_dir, &client).await;
+    let daemon_image = claims_setup::daemon_image(&config, &client).await;
+    let domains = claims_setup::domains(&config, &plugin_dir, &client, daemon_image.clone());
     let channel_taints = match &domains {
         Some(domains) => domains.taints(),
         None => watch::channel(Default::default()).1,
@@ -222,7 +223,7 @@ pub async fn start(
             driver_edits: claims_setup::driver_edits(&config, &inventory)?,
             startup_api_timeout: config.startup_api_timeout,
             claim_read_budget: config.api.claim_read,
-            mps: claims_setup::mps_daemons(&config, &plugin_dir, &client).await,
+            mps: claims_setup::mps_daemons(&config, &plugin_dir, &client, daemon_image),
             sharing_timeout: config.sharing_timeout,
             nvidia_namespace: config.mps.nvidia_namespace.clone(),
             domains: domains.clone(),

@@ -90,8 +90,12 @@ impl PodStore {
                 .collect(),
             PodStore::Live { client, namespace } => {
                 let pods: kube::Api<Pod> = kube::Api::namespaced(client.clone(), namespace);
-                let on_node = kube::api::ListParams::default().fields(&format!("spec.nodeName={node}"));
-                pods.list(&on_node).await.map(|l| l.items).unwrap_or_default()
+                let on_node =
+                    kube::api::ListParams::default().fields(&format!("spec.nodeName={node}"));
+                pods.list(&on_node)
+                    .await
+                    .map(|l| l.items)
+                    .unwrap_or_default()
             }
         }
     }
@@ -148,7 +152,12 @@ impl PodRunner {
     }
 
     /// [`PodRunner::start`] against a real API server: the Pods of `namespace` bound to `node`.
-    pub fn start_live(client: kube::Client, namespace: &str, node: &str, binary: PathBuf) -> PodRunner {
+    pub fn start_live(
+        client: kube::Client,
+        namespace: &str,
+        node: &str,
+        binary: PathBuf,
+    ) -> PodRunner {
         let store = PodStore::Live {
             client,
             namespace: namespace.to_string(),

@@ -362,53 +362,6 @@ fn not_ready_reason(pod: &Pod) -> String {
     parts.join(", ")
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn pod(status: serde_json::Value) -> Pod {
-        serde_json::from_value(serde_json::json!({
-            "metadata": {"name": "p"}, "status": status,
-        }))
-        .unwrap()
-    }
-
-    #[test]
-    fn a_crash_looping_daemon_says_the_kubelets_reason_and_its_last_exit() {
-        let pod = pod(serde_json::json!({
-            "phase": "Running",
-            "conditions": [{"type": "Ready", "status": "False"}],
-            "containerStatuses": [{
-                "name": "imex-daemon", "ready": false, "restartCount": 3, "image": "", "imageID": "",
-                "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s"}},
-                "lastState": {"terminated": {"exitCode": 1, "reason": "Error",
-                                             "message": "IMEX: fabric manager not running\n"}},
-            }],
-        }));
-        assert!(!is_ready(&pod));
-        assert_eq!(
-            not_ready_reason(&pod),
-            "container waiting: CrashLoopBackOff back-off 40s, last exit code 1 (Error): IMEX: fabric manager not running"
-        );
-    }
-
-    #[test]
-    fn a_pod_not_started_yet_says_its_phase() {
-        let pod = pod(serde_json::json!({"phase": "Pending"}));
-        assert_eq!(not_ready_reason(&pod), "phase Pending, not Ready yet");
-    }
-
-    #[test]
-    fn files_are_rewritten_only_when_their_content_changes() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join(NODES_CONFIG_FILE);
-        assert!(write_if_changed(&path, "10.0.0.1\n").unwrap());
-        assert!(!write_if_changed(&path, "10.0.0.1\n").unwrap());
-        assert!(write_if_changed(&path, "10.0.0.1\n10.0.0.2\n").unwrap());
-        assert_eq!(fs::read_to_string(&path).unwrap(), "10.0.0.1\n10.0.0.2\n");
-    }
-}
-
 /// The plugin's membership code drives the daemons through this trait (a stand-in in its unit tests).
 impl crate::domains::membership::DomainDaemons for ImexDaemons {
     fn ensure<'a>(
@@ -457,5 +410,52 @@ impl crate::domains::membership::DomainDaemons for ImexDaemons {
 
     fn running(&self) -> futures::future::BoxFuture<'_, Vec<String>> {
         Box::pin(self.on_this_node())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(status: serde_json::Value) -> Pod {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "p"}, "status": status,
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn a_crash_looping_daemon_says_the_kubelets_reason_and_its_last_exit() {
+        let pod = pod(serde_json::json!({
+            "phase": "Running",
+            "conditions": [{"type": "Ready", "status": "False"}],
+            "containerStatuses": [{
+                "name": "imex-daemon", "ready": false, "restartCount": 3, "image": "", "imageID": "",
+                "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s"}},
+                "lastState": {"terminated": {"exitCode": 1, "reason": "Error",
+                                             "message": "IMEX: fabric manager not running\n"}},
+            }],
+        }));
+        assert!(!is_ready(&pod));
+        assert_eq!(
+            not_ready_reason(&pod),
+            "container waiting: CrashLoopBackOff back-off 40s, last exit code 1 (Error): IMEX: fabric manager not running"
+        );
+    }
+
+    #[test]
+    fn a_pod_not_started_yet_says_its_phase() {
+        let pod = pod(serde_json::json!({"phase": "Pending"}));
+        assert_eq!(not_ready_reason(&pod), "phase Pending, not Ready yet");
+    }
+
+    #[test]
+    fn files_are_rewritten_only_when_their_content_changes() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(NODES_CONFIG_FILE);
+        assert!(write_if_changed(&path, "10.0.0.1\n").unwrap());
+        assert!(!write_if_changed(&path, "10.0.0.1\n").unwrap());
+        assert!(write_if_changed(&path, "10.0.0.1\n10.0.0.2\n").unwrap());
+        assert_eq!(fs::read_to_string(&path).unwrap(), "10.0.0.1\n10.0.0.2\n");
     }
 }

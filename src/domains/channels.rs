@@ -24,6 +24,14 @@ pub const DEFAULT_CHANNELS: u32 = 32;
 /// The driver creates at most 2048 channels (`NVreg_ImexChannelCount`'s default and maximum).
 pub const MAX_CHANNELS: u32 = 2048;
 
+/// Whether a DeviceClass's selectors are for IMEX channels (they compare `type` with `imex-channel`):
+/// such a class is meant to match nothing on nodes outside an NVLink clique, which is no problem
+/// for the DeviceClass checks.
+pub fn is_channel_class<'a>(expressions: impl IntoIterator<Item = &'a str>) -> bool {
+    let literal = format!("\"{CHANNEL_TYPE}\"");
+    expressions.into_iter().any(|e| e.contains(&literal))
+}
+
 /// `imex-channel-<N>`.
 pub fn device_name(channel: u32) -> String {
     format!("{DEVICE_PREFIX}{channel}")

@@ -167,6 +167,12 @@ impl Membership {
         first.elapsed() < SYNC_PERIOD
     }
 
+    /// Whether a prepare tried to join a domain that no prepared claim holds: then a sweep may have a
+    /// daemon to stop (an idle node sends the API server nothing).
+    pub fn has_unheld_attempts(&self, held: &BTreeSet<String>) -> bool {
+        lock(&self.attempts).keys().any(|uid| !held.contains(uid))
+    }
+
     /// A prepare is about to join this domain.
     pub fn note_attempt(&self, domain_uid: &str) {
         lock(&self.attempts).insert(domain_uid.to_string(), Instant::now());
@@ -333,6 +339,7 @@ impl Membership {
             taints.remove(&super::channels::device_name(member.channel));
         });
         lock(&self.reported).remove(&member.domain_uid);
+        lock(&self.attempts).remove(&member.domain_uid);
         info!(domain = %member.key(), "left ComputeDomain");
         Ok(())
     }
@@ -543,6 +550,8 @@ impl Membership {
     /// `grace` (a claim whose prepare failed and that the kubelet gave up on, or a restart that lost
     /// them).
     pub async fn sweep(&self, held: &BTreeSet<String>, grace: Duration) -> Vec<String> {
+        // Attempts past their grace are forgotten whether or not a daemon is found for them.
+        lock(&self.attempts).retain(|uid, at| held.contains(uid) || at.elapsed() < grace);
         let mut stopped = Vec::new();
         for uid in self.daemons.running().await {
             let recent = lock(&self.attempts)
@@ -552,10 +561,7 @@ impl Membership {
                 continue;
             }
             match self.daemons.stop(&uid).await {
-                Ok(()) => {
-                    lock(&self.attempts).remove(&uid);
-                    stopped.push(uid)
-                }
+                Ok(()) => stopped.push(uid),
                 Err(error) => {
                     warn!(domain_uid = %uid, %error, "stopping an IMEX daemon no claim holds")
                 }

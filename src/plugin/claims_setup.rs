@@ -168,14 +168,20 @@ pub(super) async fn follow_domains(
     inventory: tokio::sync::watch::Receiver<std::sync::Arc<Inventory>>,
     mut shutdown: tokio::sync::watch::Receiver<bool>,
 ) {
+    // The first sweep finds the daemons a restart lost track of; later ones run only while a
+    // prepare's daemon is not held by a claim, so an idle node lists no Pods.
+    let mut first = true;
     loop {
         let members = preparer.domain_members();
         let clique = crate::domains::channels::node_clique(&inventory.borrow());
         domains.sync(&members, &clique).await;
         let held = members.iter().map(|m| m.domain_uid.clone()).collect();
-        for stopped in domains.sweep(&held, UNHELD_DAEMON_GRACE).await {
-            tracing::info!(domain_uid = %stopped, "stopped an IMEX daemon no claim holds");
+        if first || domains.has_unheld_attempts(&held) {
+            for stopped in domains.sweep(&held, UNHELD_DAEMON_GRACE).await {
+                tracing::info!(domain_uid = %stopped, "stopped an IMEX daemon no claim holds");
+            }
         }
+        first = false;
         tokio::select! {
             _ = tokio::time::sleep(crate::domains::membership::SYNC_PERIOD) => {}
             _ = shutdown.changed() => return,

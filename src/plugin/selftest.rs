@@ -175,6 +175,15 @@ fn check_class(
     let names_driver = expressions
         .iter()
         .any(|e| e.contains(&format!("\"{driver}\"")) || e.contains(&format!("'{driver}'")));
+    // A node outside any NVLink clique publishes no IMEX channel: the channel class is meant to match
+    // nothing there.
+    let channels_class = crate::domains::channels::is_channel_class(expressions.iter().copied());
+    let node_has_channels = devices
+        .iter()
+        .any(|(name, _)| crate::domains::channels::parse_device_name(name).is_some());
+    if channels_class && !node_has_channels {
+        return None;
+    }
     (!matched && names_driver && !devices.is_empty()).then_some(ClassProblem::MatchesNothing {
         devices: devices.len(),
         first_refusal,
@@ -367,6 +376,25 @@ mod tests {
             .contains("(selector #1 refuses device gpu-0)"));
         // A node without devices has nothing to match: no finding, however the class reads.
         assert_eq!(check_classes(DRIVER, &classes[..1], &[]), vec![]);
+    }
+
+    #[test]
+    fn the_channel_class_matching_nothing_is_a_problem_only_where_channels_are_published() {
+        let channels = [class(
+            "imex-channel.gpu.dra.dev",
+            &[
+                r#"device.driver == "gpu.dra.dev" && device.attributes["gpu.dra.dev"].type == "imex-channel""#,
+            ],
+        )];
+        // An H100 node: no NVLink clique, no channels; the class is meant to match nothing.
+        assert_eq!(
+            check_classes(DRIVER, &channels, &[gpu("gpu-0", "gpu")]),
+            vec![]
+        );
+        // A fabric node whose channels the class misses (here: their type misspelled) is reported.
+        let misspelled = [gpu("gpu-0", "gpu"), gpu("imex-channel-0", "imex")];
+        let findings = check_classes(DRIVER, &channels, &misspelled);
+        assert_eq!(findings.len(), 1, "{findings:?}");
     }
 
     #[test]

@@ -62,6 +62,11 @@ pub struct Rack {
     _dir: tempfile::TempDir,
 }
 
+/// The loopback address of the rack's `i`th node (its IMEX daemons' address).
+fn node_ip(i: usize) -> String {
+    format!("127.0.0.{}", 10 + i)
+}
+
 fn profile(fabric: Fabric) -> FakeProfile {
     match fabric {
         Fabric::Clique(clique) => crate::gpu::gb200_tray(crate::gpu::GB200_CLUSTER_UUID, clique),
@@ -78,6 +83,38 @@ impl Rack {
     /// Starts a plugin, a pod runner and a kubelet double for each node (Node objects made here, each
     /// with its own loopback address `127.0.0.<10+i>` as the address its IMEX daemons use).
     pub async fn start(api: &ApiServer, nodes: &[(&str, Fabric)], image: &str) -> Rack {
+        for (i, (name, _)) in nodes.iter().enumerate() {
+            api.insert(
+                "nodes",
+                serde_json::json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name},
+                    "status": {"addresses": [{"type": "InternalIP", "address": node_ip(i)}],
+                               "conditions": [{"type": "Ready", "status": "True"}]}}),
+            );
+        }
+        let handle = api.handle();
+        Self::start_on(api.client(), nodes, image, |node| {
+            PodRunner::start(handle.clone(), node, PodRunner::binary())
+        })
+        .await
+    }
+
+    /// [`Rack::start`] against a real API server whose Nodes exist already (made Ready without a
+    /// kubelet, as `../shared/realk8s/node.sh` does): the plugins, kubelet doubles and pod runners
+    /// (for the Pods of namespace `gpu-dra`) run here, on loopback addresses as above.
+    pub async fn start_live(client: kube::Client, nodes: &[(&str, Fabric)], image: &str) -> Rack {
+        let live = client.clone();
+        Self::start_on(client, nodes, image, |node| {
+            PodRunner::start_live(live.clone(), "gpu-dra", node, PodRunner::binary())
+        })
+        .await
+    }
+
+    async fn start_on(
+        client: kube::Client,
+        nodes: &[(&str, Fabric)],
+        image: &str,
+        runner: impl Fn(&str) -> PodRunner,
+    ) -> Rack {
         // Short: unix socket paths under it must fit 107 bytes.
         let dir = tempfile::Builder::new()
             .prefix("rk-")
@@ -85,13 +122,7 @@ impl Rack {
             .expect("temp dir");
         let mut started = Vec::new();
         for (i, (name, fabric)) in nodes.iter().enumerate() {
-            let ip = format!("127.0.0.{}", 10 + i);
-            api.insert(
-                "nodes",
-                serde_json::json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name},
-                    "status": {"addresses": [{"type": "InternalIP", "address": ip}],
-                               "conditions": [{"type": "Ready", "status": "True"}]}}),
-            );
+            let ip = node_ip(i);
             let root = dir.path().join(format!("n{i}"));
             std::fs::create_dir_all(&root).expect("node dir");
             let profile_path = root.join("profile.yaml");
@@ -113,8 +144,8 @@ impl Rack {
                     &profile_path.display().to_string(),
                 )
             };
-            let pods = PodRunner::start(api.handle(), name, PodRunner::binary());
-            let plugin = crate::plugin::start(config.clone(), api.client())
+            let pods = runner(name);
+            let plugin = crate::plugin::start(config.clone(), client.clone())
                 .await
                 .expect("plugin starts");
             let kubelet = KubeletDouble::register(
@@ -136,7 +167,7 @@ impl Rack {
         }
         Rack {
             nodes: started,
-            client: api.client(),
+            client,
             _dir: dir,
         }
     }

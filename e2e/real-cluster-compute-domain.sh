@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The ComputeDomain job on the real control plane (../shared/realk8s/up.sh; no kubelet): seven Nodes made
+# Ready by node.sh (one without an NVLink fabric, two of clique 1, four of clique 0), our CRDs and
+# DeviceClasses applied, then tests/real_cluster_domains.rs runs the plugins, kubelet doubles, the IMEX
+# daemons' pod runners and the controller in one process against that API server: the real scheduler must
+# put the job's four workers on clique 0's four nodes, leave a fifth Pending (and `gpu-dra explain` say
+# why), the API server must take the channel's taint when a daemon dies, and the garbage collector must
+# take the domain's template with the domain.
+#
+#   KUBECONFIG=/tmp/k8s/admin.kubeconfig e2e/real-cluster-compute-domain.sh
+#
+# Prints ok lines; exits non-zero when the test fails.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+REALK8S="${REALK8S:-$ROOT/../shared/realk8s}"
+: "${KUBECONFIG:?point KUBECONFIG at the control plane from up.sh}"
+for n in cd-a0 cd-a1 cd-a2 cd-n1 cd-n2 cd-n3 cd-n4; do
+  kubectl get node "$n" >/dev/null 2>&1 || "$REALK8S/node.sh" "$n" >/dev/null
+done
+kubectl apply -f "$ROOT/crd/" >/dev/null
+kubectl apply -f "$ROOT/deploy/base/deviceclasses.yaml" >/dev/null
+for ns in team gpu-dra; do kubectl get namespace "$ns" >/dev/null 2>&1 || kubectl create namespace "$ns" >/dev/null; done
+cd "$ROOT"
+cargo test --test real_cluster_domains -- --ignored --nocapture 2>&1 | grep -E "^(ok|test |thread|  left|  right|FAIL)|panicked|test result"

@@ -1,0 +1,250 @@
+//! The ComputeDomain job on a real control plane (`../shared/realk8s/up.sh`: kube-apiserver, the real
+//! scheduler, the resourceclaim and garbage-collector controllers), with seven Nodes made Ready
+//! without a kubelet; the plugins, kubelet doubles, IMEX daemons' pod runners and the controller run in
+//! this process. What only the real components can say: the API server accepts the CRD, the slices with
+//! channel devices and their taints, and the status writes; the resourceclaim controller makes the
+//! workers' claims from the controller's template; the real scheduler, given that template's selector,
+//! puts the four workers on the four nodes of clique 0 and nothing of the job elsewhere, and leaves a
+//! fifth worker Pending; deleting the domain lets the garbage collector take its template.
+//!
+//! Ignored unless asked for: `e2e/real-cluster-compute-domain.sh` sets the cluster up and runs it.
+
+use std::time::Duration;
+
+use gpu_dra::domains::controller::{Controller, ControllerConfig};
+use gpu_dra::support::kubelet::ClaimRef;
+use gpu_dra::support::rack::{self, wait_for, Fabric, Rack, DRIVER};
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::resource::v1::{ResourceClaimTemplate, ResourceSlice};
+use kube::api::{Api, DeleteParams, DynamicObject, ListParams};
+use serde_json::Value;
+
+const NAMESPACE: &str = "team";
+const CLIQUE_0: &str = "00000000-0000-0000-0000-000000000001.0";
+
+const NODES: [(&str, Fabric); 7] = [
+    ("cd-a0", Fabric::None),
+    ("cd-a1", Fabric::Clique(1)),
+    ("cd-a2", Fabric::Clique(1)),
+    ("cd-n1", Fabric::Clique(0)),
+    ("cd-n2", Fabric::Clique(0)),
+    ("cd-n3", Fabric::Clique(0)),
+    ("cd-n4", Fabric::Clique(0)),
+];
+
+async fn bound_node(pods: &Api<Pod>, name: &str) -> Option<String> {
+    pods.get(name).await.ok()?.spec?.node_name
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs the real control plane: e2e/real-cluster-compute-domain.sh"]
+async fn a_job_on_the_real_scheduler_stays_in_its_clique() {
+    let client = kube::Client::try_default().await.expect("KUBECONFIG");
+    let rack = Rack::start_live(client.clone(), &NODES, "gpu-dra:test").await;
+    let slices: Api<ResourceSlice> = Api::all(client.clone());
+    wait_for(
+        "every rack node's pool",
+        Duration::from_secs(60),
+        async || {
+            let all = slices.list(&ListParams::default()).await.ok()?.items;
+            NODES
+                .iter()
+                .all(|(node, _)| {
+                    all.iter()
+                        .any(|s| s.spec.node_name.as_deref() == Some(*node))
+                })
+                .then_some(())
+        },
+    )
+    .await;
+    let mut config = ControllerConfig::new(DRIVER);
+    config.resync = Duration::from_secs(1);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let controller = tokio::spawn(Controller::new(client.clone(), config).run(async move {
+        let _ = stopped.await;
+    }));
+
+    rack::create_gpus_template(&client, NAMESPACE, "four-gpus", 4).await;
+    rack::create_domain(&client, NAMESPACE, "job", 4).await;
+    let templates: Api<ResourceClaimTemplate> = Api::namespaced(client.clone(), NAMESPACE);
+    wait_for(
+        "the channel template",
+        Duration::from_secs(30),
+        async || templates.get_opt("job-channel").await.ok().flatten(),
+    )
+    .await;
+    let placed = rack::domain(&client, NAMESPACE, "job").await.placement();
+    assert_eq!(placed, Some((CLIQUE_0.to_string(), 0)));
+    println!("ok    the controller placed the domain on {CLIQUE_0}, channel 0");
+
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
+    for i in 0..5 {
+        rack::create_worker(
+            &client,
+            NAMESPACE,
+            &format!("worker-{i}"),
+            "four-gpus",
+            "job-channel",
+        )
+        .await;
+    }
+    // The real scheduler binds four of them; which four is its choice, the nodes are not.
+    let bound = wait_for("four workers bound", Duration::from_secs(60), async || {
+        let mut bound = Vec::new();
+        for i in 0..5 {
+            let name = format!("worker-{i}");
+            if let Some(node) = bound_node(&pods, &name).await {
+                bound.push((name, node));
+            }
+        }
+        (bound.len() == 4).then_some(bound)
+    })
+    .await;
+    let mut nodes: Vec<&str> = bound.iter().map(|(_, n)| n.as_str()).collect();
+    nodes.sort();
+    assert_eq!(nodes, ["cd-n1", "cd-n2", "cd-n3", "cd-n4"], "{bound:?}");
+    println!("ok    the real scheduler bound four workers to clique 0's nodes: {bound:?}");
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let pending: Vec<String> = pods
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|p| p.spec.as_ref().is_some_and(|s| s.node_name.is_none()))
+        .filter_map(|p| p.metadata.name)
+        .collect();
+    assert_eq!(
+        pending.len(),
+        1,
+        "the fifth worker stays Pending: {pending:?}"
+    );
+    println!("ok    the fifth worker stays Pending: {pending:?}");
+    // `gpu-dra explain` against the real API server says why.
+    let source = gpu_dra::explain::Source::Live {
+        kubeconfig: None,
+        context: None,
+    };
+    let target = gpu_dra::explain::Target::Pod {
+        namespace: NAMESPACE.to_string(),
+        name: pending[0].clone(),
+    };
+    let report = gpu_dra::explain::run(&source, &target)
+        .await
+        .expect("explain runs");
+    assert!(!report.fits);
+    let notes = report.notes.join("\n");
+    assert!(
+        notes.contains(&format!(
+            "nodes of NVLink clique {CLIQUE_0} are free for IMEX channel 0"
+        )),
+        "{notes}"
+    );
+    println!("ok    gpu-dra explain: {notes}");
+
+    for (worker, node) in &bound {
+        let prepared = rack
+            .start_pod(&client, NAMESPACE, worker, node)
+            .await
+            .unwrap_or_else(|e| panic!("{worker} on {node}: {e}"));
+        let devices = &prepared.cdi_devices["worker"];
+        assert!(
+            devices.iter().any(|id| id.ends_with("-imex-channel-0")),
+            "{devices:?}"
+        );
+    }
+    println!("ok    every worker's container gets imex-channel-0 (prepared by its node's plugin)");
+    let status = wait_for("the domain Ready", Duration::from_secs(60), async || {
+        let domain = rack::domain(&client, NAMESPACE, "job").await;
+        (domain.status.status == "Ready").then_some(domain.status)
+    })
+    .await;
+    assert_eq!(status.nodes.len(), 4);
+    println!("ok    the domain is Ready with 4 nodes");
+
+    // A daemon dies: the real API server takes the channel's taint.
+    let uid = rack::domain(&client, NAMESPACE, "job").await.uid;
+    let (_, failing) = &bound[1];
+    std::fs::write(
+        rack.node(failing).imex_dir(&uid).join("fail"),
+        "fabric error (test)",
+    )
+    .unwrap();
+    wait_for(
+        "the taint in the real slice",
+        Duration::from_secs(60),
+        async || {
+            let tainted = slices
+                .list(&ListParams::default())
+                .await
+                .ok()?
+                .items
+                .iter()
+                .filter(|s| s.spec.node_name.as_deref() == Some(failing.as_str()))
+                .flat_map(|s| s.spec.devices.iter().flatten())
+                .any(|d| {
+                    d.name == "imex-channel-0" && d.taints.as_ref().is_some_and(|t| !t.is_empty())
+                });
+            tainted.then_some(())
+        },
+    )
+    .await;
+    let domain = rack::domain(&client, NAMESPACE, "job").await;
+    assert_eq!(domain.status.status, "NotReady");
+    let events: Api<DynamicObject> = Api::namespaced_with(
+        client.clone(),
+        NAMESPACE,
+        &kube::api::ApiResource::erase::<k8s_openapi::api::events::v1::Event>(&()),
+    );
+    let events = events.list(&ListParams::default()).await.unwrap().items;
+    assert!(events
+        .iter()
+        .any(|e| e.data.pointer("/reason").and_then(Value::as_str) == Some("IMEXDaemonNotReady")));
+    println!(
+        "ok    {failing}'s dead daemon: channel tainted, domain NotReady, Event IMEXDaemonNotReady"
+    );
+    std::fs::remove_file(rack.node(failing).imex_dir(&uid).join("fail")).unwrap();
+
+    // The job ends.
+    for (_, node) in &bound {
+        let rack_node = rack.node(node);
+        let claims: Vec<ClaimRef> = rack_node
+            .plugin
+            .preparer
+            .prepared_claims()
+            .into_iter()
+            .map(|(uid, r)| ClaimRef::new(r.namespace, r.name, uid))
+            .collect();
+        let results = rack_node.kubelet.unprepare(&claims).await.unwrap();
+        assert!(results.values().all(|r| r.is_ok()), "{results:?}");
+    }
+    let now = DeleteParams {
+        grace_period_seconds: Some(0),
+        ..Default::default()
+    };
+    for i in 0..5 {
+        let _ = pods.delete(&format!("worker-{i}"), &now).await;
+    }
+    let domains: Api<DynamicObject> = Api::namespaced_with(
+        client.clone(),
+        NAMESPACE,
+        &gpu_dra::domains::api::DomainGroup::Ours.api_resource(),
+    );
+    domains
+        .delete("job", &DeleteParams::default())
+        .await
+        .unwrap();
+    wait_for("the template gone", Duration::from_secs(60), async || {
+        templates
+            .get_opt("job-channel")
+            .await
+            .ok()?
+            .is_none()
+            .then_some(())
+    })
+    .await;
+    println!("ok    the job's daemons stopped; deleting the domain took its template");
+    let _ = stop.send(());
+    let _ = controller.await;
+    rack.shutdown().await;
+}

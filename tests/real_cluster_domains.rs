@@ -39,7 +39,9 @@ async fn bound_node(pods: &Api<Pod>, name: &str) -> Option<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "needs the real control plane: e2e/real-cluster-compute-domain.sh"]
 async fn a_job_on_the_real_scheduler_stays_in_its_clique() {
-    let client = kube::Client::try_default().await.expect("KUBECONFIG");
+    let client = gpu_dra::explain::cluster::client(None, None)
+        .await
+        .expect("a client from KUBECONFIG");
     let rack = Rack::start_live(client.clone(), &NODES, "gpu-dra:test").await;
     let slices: Api<ResourceSlice> = Api::all(client.clone());
     wait_for(
@@ -189,8 +191,11 @@ async fn a_job_on_the_real_scheduler_stays_in_its_clique() {
         },
     )
     .await;
-    let domain = rack::domain(&client, NAMESPACE, "job").await;
-    assert_eq!(domain.status.status, "NotReady");
+    wait_for("the domain NotReady", Duration::from_secs(30), async || {
+        let domain = rack::domain(&client, NAMESPACE, "job").await;
+        (domain.status.status == "NotReady").then_some(())
+    })
+    .await;
     let events: Api<DynamicObject> = Api::namespaced_with(
         client.clone(),
         NAMESPACE,

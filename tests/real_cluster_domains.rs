@@ -32,6 +32,18 @@ const NODES: [(&str, Fabric); 7] = [
     ("cd-n4", Fabric::Clique(0)),
 ];
 
+/// Removes the slices the rack's nodes published in an earlier run (no kubelet wipes them here), so the
+/// real scheduler sees only what this run's plugins publish.
+async fn forget_rack_slices(client: &kube::Client) {
+    let slices: Api<ResourceSlice> = Api::all(client.clone());
+    for slice in slices.list(&ListParams::default()).await.unwrap().items {
+        if slice.spec.node_name.as_deref().is_some_and(|n| n.starts_with("cd-")) {
+            let name = slice.metadata.name.unwrap_or_default();
+            let _ = slices.delete(&name, &DeleteParams::default()).await;
+        }
+    }
+}
+
 async fn bound_node(pods: &Api<Pod>, name: &str) -> Option<String> {
     pods.get(name).await.ok()?.spec?.node_name
 }
@@ -42,6 +54,7 @@ async fn a_job_on_the_real_scheduler_stays_in_its_clique() {
     let client = gpu_dra::explain::cluster::client(None, None)
         .await
         .expect("a client from KUBECONFIG");
+    forget_rack_slices(&client).await;
     let rack = Rack::start_live(client.clone(), &NODES, "gpu-dra:test").await;
     let slices: Api<ResourceSlice> = Api::all(client.clone());
     wait_for(
@@ -252,4 +265,149 @@ async fn a_job_on_the_real_scheduler_stays_in_its_clique() {
     let _ = stop.send(());
     let _ = controller.await;
     rack.shutdown().await;
+    forget_rack_slices(&client).await;
+}
+
+/// With the real node of `../shared/realk8s/node` in the domain's clique (its plugin started with
+/// `--fake-profile gb200-nvl72`, clique 0): the real kubelet prepares the worker placed there, the
+/// plugin's IMEX daemon runs in a Pod the real kubelet starts from the plugin's image, and containerd
+/// makes the channel's device node in the worker's container from the CDI spec. The other worker goes to
+/// a node of the rack (kubelet double); a clique-1 node beside them is never used.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs the real control plane and node: REAL_NODE=1 e2e/real-cluster-compute-domain.sh"]
+async fn a_worker_on_the_real_node_runs_with_the_channel_in_its_container() {
+    let client = gpu_dra::explain::cluster::client(None, None)
+        .await
+        .expect("a client from KUBECONFIG");
+    forget_rack_slices(&client).await;
+    let rack = Rack::start_live(
+        client.clone(),
+        &[("cd-a1", Fabric::Clique(1)), ("cd-n1", Fabric::Clique(0))],
+        "gpu-dra:dev",
+    )
+    .await;
+    let mut config = ControllerConfig::new(DRIVER);
+    config.resync = Duration::from_secs(1);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let controller = tokio::spawn(Controller::new(client.clone(), config).run(async move {
+        let _ = stopped.await;
+    }));
+    rack::create_gpus_template(&client, NAMESPACE, "four-gpus-rn", 4).await;
+    rack::create_domain(&client, NAMESPACE, "real", 2).await;
+    let templates: Api<ResourceClaimTemplate> = Api::namespaced(client.clone(), NAMESPACE);
+    wait_for("the channel template", Duration::from_secs(30), async || {
+        templates.get_opt("real-channel").await.ok().flatten()
+    })
+    .await;
+    let placed = rack::domain(&client, NAMESPACE, "real").await.placement();
+    assert_eq!(placed.as_ref().map(|p| p.0.as_str()), Some(CLIQUE_0));
+    println!("ok    the domain is placed on {CLIQUE_0} (node-1 and cd-n1), channel {:?}", placed.map(|p| p.1));
+
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
+    for i in 0..2 {
+        let pod: Pod = serde_json::from_value(serde_json::json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": format!("real-worker-{i}"), "namespace": NAMESPACE},
+            "spec": {
+                "restartPolicy": "Never",
+                "containers": [{"name": "worker", "image": "busybox", "imagePullPolicy": "Never",
+                    "command": ["sh", "-c", "ls -l /dev/nvidia-caps-imex-channels/ && env | grep IMEX && sleep 3600"],
+                    "resources": {"claims": [{"name": "gpus"}, {"name": "channel"}]}}],
+                "resourceClaims": [
+                    {"name": "gpus", "resourceClaimTemplateName": "four-gpus-rn"},
+                    {"name": "channel", "resourceClaimTemplateName": "real-channel"},
+                ],
+            },
+        }))
+        .unwrap();
+        pods.create(&Default::default(), &pod).await.expect("worker created");
+    }
+    let bound = wait_for("both workers bound", Duration::from_secs(60), async || {
+        let mut bound = Vec::new();
+        for i in 0..2 {
+            let name = format!("real-worker-{i}");
+            bound.push((name.clone(), bound_node(&pods, &name).await?));
+        }
+        Some(bound)
+    })
+    .await;
+    let mut nodes: Vec<&str> = bound.iter().map(|(_, n)| n.as_str()).collect();
+    nodes.sort();
+    assert_eq!(nodes, ["cd-n1", "node-1"], "{bound:?}");
+    println!("ok    the real scheduler bound the workers to node-1 and cd-n1 (not cd-a1 of clique 1)");
+    let (on_rack, _) = bound.iter().find(|(_, n)| n == "cd-n1").unwrap();
+    let (on_real, _) = bound.iter().find(|(_, n)| n == "node-1").unwrap();
+    rack.start_pod(&client, NAMESPACE, on_rack, "cd-n1")
+        .await
+        .unwrap_or_else(|e| panic!("{on_rack} on cd-n1: {e}"));
+    wait_for("the real node's worker Running", Duration::from_secs(90), async || {
+        let pod = pods.get(on_real).await.ok()?;
+        (pod.status?.phase.as_deref() == Some("Running")).then_some(())
+    })
+    .await;
+    let logs = pods.logs(on_real, &Default::default()).await.expect("logs");
+    println!("      {on_real}'s container: {}", logs.trim().replace('\n', " | "));
+    assert!(logs.contains("channel0") && logs.starts_with("total") || logs.contains("crw"), "{logs}");
+    assert!(logs.contains("crw"), "a character device: {logs}");
+    println!("ok    containerd made /dev/nvidia-caps-imex-channels/channel0 in the container on node-1");
+    let status = wait_for("the domain Ready", Duration::from_secs(60), async || {
+        let domain = rack::domain(&client, NAMESPACE, "real").await;
+        (domain.status.status == "Ready").then_some(domain.status)
+    })
+    .await;
+    let joined: Vec<String> = status
+        .nodes
+        .iter()
+        .map(|n| format!("{} {} {}", n.name, n.ip_address, n.status))
+        .collect();
+    println!("ok    the domain is Ready: {joined:?}");
+    let daemons: Api<Pod> = Api::namespaced(client.clone(), "gpu-dra");
+    let on_node_1 = daemons
+        .list(&ListParams::default().fields("spec.nodeName=node-1"))
+        .await
+        .unwrap()
+        .items;
+    assert!(
+        on_node_1.iter().any(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")),
+        "node-1's IMEX daemon Pod runs under the real kubelet"
+    );
+    println!("ok    node-1's IMEX daemon Pod runs under the real kubelet, from image gpu-dra:dev");
+
+    // The end: the rack node's claims are unprepared by its kubelet double; the real kubelet unprepares
+    // node-1's when its worker is deleted.
+    let rack_node = rack.node("cd-n1");
+    let claims: Vec<ClaimRef> = rack_node
+        .plugin
+        .preparer
+        .prepared_claims()
+        .into_iter()
+        .map(|(uid, r)| ClaimRef::new(r.namespace, r.name, uid))
+        .collect();
+    rack_node.kubelet.unprepare(&claims).await.unwrap();
+    let now = DeleteParams {
+        grace_period_seconds: Some(0),
+        ..Default::default()
+    };
+    let _ = pods.delete(on_rack, &now).await;
+    let _ = pods.delete(on_real, &DeleteParams::default()).await;
+    wait_for("node-1's daemon gone", Duration::from_secs(90), async || {
+        let left = daemons
+            .list(&ListParams::default().fields("spec.nodeName=node-1"))
+            .await
+            .ok()?
+            .items;
+        left.is_empty().then_some(())
+    })
+    .await;
+    println!("ok    deleting node-1's worker unprepared its channel and stopped node-1's daemon");
+    let domains: Api<DynamicObject> = Api::namespaced_with(
+        client.clone(),
+        NAMESPACE,
+        &gpu_dra::domains::api::DomainGroup::Ours.api_resource(),
+    );
+    domains.delete("real", &DeleteParams::default()).await.unwrap();
+    let _ = stop.send(());
+    let _ = controller.await;
+    rack.shutdown().await;
+    forget_rack_slices(&client).await;
 }

@@ -11,11 +11,10 @@
 use std::time::Duration;
 
 use gpu_dra::domains::api::{ComputeDomainStatus, DomainObject, CLIQUE_ANNOTATION};
-use gpu_dra::domains::controller::{Controller, ControllerConfig};
 use gpu_dra::support::apiserver::ApiServer;
 use gpu_dra::support::harness::install_device_classes;
 use gpu_dra::support::kubelet::ClaimRef;
-use gpu_dra::support::rack::{self, wait_for, Fabric, Rack, DRIVER};
+use gpu_dra::support::rack::{self, wait_for, Fabric, Rack};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceClaimTemplate, ResourceSlice};
 use kube::api::{Api, DynamicObject, ListParams};
@@ -141,12 +140,7 @@ async fn a_four_node_job_gets_one_clique_a_channel_everywhere_and_its_faults_rep
             node.name
         );
     }
-    let mut config = ControllerConfig::new(DRIVER);
-    config.resync = Duration::from_millis(500);
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let controller = tokio::spawn(Controller::new(client.clone(), config).run(async move {
-        let _ = stopped.await;
-    }));
+    let controller = rack::RunningController::start(&client, Duration::from_millis(500));
 
     // Every pod of the job wants a whole tray: four GPUs.
     rack::create_gpus_template(&client, NAMESPACE, "four-gpus", 4).await;
@@ -292,15 +286,9 @@ async fn a_four_node_job_gets_one_clique_a_channel_everywhere_and_its_faults_rep
             .items,
     );
     assert!(before.is_some(), "n1 runs an IMEX daemon Pod");
-    let _ = stop.send(());
-    let _ = controller.await;
+    controller.stop().await;
     rack.restart_plugin("n1").await;
-    let mut config = ControllerConfig::new(DRIVER);
-    config.resync = Duration::from_millis(500);
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let controller = tokio::spawn(Controller::new(client.clone(), config).run(async move {
-        let _ = stopped.await;
-    }));
+    let controller = rack::RunningController::start(&client, Duration::from_millis(500));
     tokio::time::sleep(Duration::from_secs(3)).await;
     let after = n1_daemon(
         daemon_pods
@@ -459,7 +447,6 @@ async fn a_four_node_job_gets_one_clique_a_channel_everywhere_and_its_faults_rep
             .then_some(())
     })
     .await;
-    let _ = stop.send(());
-    let _ = controller.await;
+    controller.stop().await;
     rack.shutdown().await;
 }

@@ -11,9 +11,8 @@
 
 use std::time::Duration;
 
-use gpu_dra::domains::controller::{Controller, ControllerConfig};
 use gpu_dra::support::kubelet::ClaimRef;
-use gpu_dra::support::rack::{self, wait_for, Fabric, Rack, DRIVER};
+use gpu_dra::support::rack::{self, wait_for, Fabric, Rack};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{ResourceClaimTemplate, ResourceSlice};
 use kube::api::{Api, DeleteParams, DynamicObject, ListParams};
@@ -77,12 +76,7 @@ async fn a_job_on_the_real_scheduler_stays_in_its_clique() {
         },
     )
     .await;
-    let mut config = ControllerConfig::new(DRIVER);
-    config.resync = Duration::from_secs(1);
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let controller = tokio::spawn(Controller::new(client.clone(), config).run(async move {
-        let _ = stopped.await;
-    }));
+    let controller = rack::RunningController::start(&client, Duration::from_secs(1));
 
     rack::create_gpus_template(&client, NAMESPACE, "four-gpus", 4).await;
     rack::create_domain(&client, NAMESPACE, "job", 4).await;
@@ -267,8 +261,7 @@ async fn a_job_on_the_real_scheduler_stays_in_its_clique() {
     })
     .await;
     println!("ok    the job's daemons stopped; deleting the domain took its template");
-    let _ = stop.send(());
-    let _ = controller.await;
+    controller.stop().await;
     rack.shutdown().await;
     forget_rack_slices(&client).await;
 }
@@ -291,12 +284,7 @@ async fn a_worker_on_the_real_node_runs_with_the_channel_in_its_container() {
         "gpu-dra:dev",
     )
     .await;
-    let mut config = ControllerConfig::new(DRIVER);
-    config.resync = Duration::from_secs(1);
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let controller = tokio::spawn(Controller::new(client.clone(), config).run(async move {
-        let _ = stopped.await;
-    }));
+    let controller = rack::RunningController::start(&client, Duration::from_secs(1));
     rack::create_gpus_template(&client, NAMESPACE, "four-gpus-rn", 4).await;
     rack::create_domain(&client, NAMESPACE, "real", 2).await;
     let templates: Api<ResourceClaimTemplate> = Api::namespaced(client.clone(), NAMESPACE);
@@ -441,8 +429,7 @@ async fn a_worker_on_the_real_node_runs_with_the_channel_in_its_container() {
         .delete("real", &DeleteParams::default())
         .await
         .unwrap();
-    let _ = stop.send(());
-    let _ = controller.await;
+    controller.stop().await;
     rack.shutdown().await;
     forget_rack_slices(&client).await;
 }

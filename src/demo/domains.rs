@@ -11,9 +11,8 @@ use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 use kube::api::{Api, ListParams};
 
 use super::{say, step};
-use crate::domains::controller::{Controller, ControllerConfig};
 use crate::support::apiserver::ApiServer;
-use crate::support::rack::{self, wait_for, Fabric, Rack, DRIVER};
+use crate::support::rack::{self, wait_for, Fabric, Rack};
 
 const NAMESPACE: &str = "team";
 
@@ -66,12 +65,7 @@ pub async fn demo_compute_domain(out: &mut impl Write, api: &ApiServer, number: 
         )?;
     }
 
-    let mut config = ControllerConfig::new(DRIVER);
-    config.resync = Duration::from_millis(500);
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let controller = tokio::spawn(Controller::new(client.clone(), config).run(async move {
-        let _ = stopped.await;
-    }));
+    let controller = rack::RunningController::start(&client, Duration::from_millis(500));
     rack::create_gpus_template(&client, NAMESPACE, "four-gpus", 4).await;
     rack::create_domain(&client, NAMESPACE, "job", 2).await;
     let (clique, channel) = wait_for("the placement", Duration::from_secs(20), async || {
@@ -243,8 +237,7 @@ pub async fn demo_compute_domain(out: &mut impl Write, api: &ApiServer, number: 
             }
         ),
     )?;
-    let _ = stop.send(());
-    let _ = controller.await;
+    controller.stop().await;
     rack.shutdown().await;
     Ok(())
 }

@@ -401,3 +401,28 @@ pub async fn create_gpus_template(client: &kube::Client, namespace: &str, name: 
         .await
         .expect("template created");
 }
+
+/// `gpu-dra controller` in this process, re-listing every `resync`; stopped (and awaited) by
+/// [`RunningController::stop`], as a Deployment's rollout stops it.
+pub struct RunningController {
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl RunningController {
+    pub fn start(client: &kube::Client, resync: Duration) -> RunningController {
+        let mut config = crate::domains::controller::ControllerConfig::new(DRIVER);
+        config.resync = resync;
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let controller = crate::domains::controller::Controller::new(client.clone(), config);
+        let task = tokio::spawn(controller.run(async move {
+            let _ = stopped.await;
+        }));
+        RunningController { stop, task }
+    }
+
+    pub async fn stop(self) {
+        let _ = self.stop.send(());
+        let _ = self.task.await;
+    }
+}

@@ -305,13 +305,20 @@ pub fn table(devices: &[Device]) -> String {
         .max()
         .unwrap_or(0)
         .max(10);
+    // `imex-channel` is wider than `gpu` and `mig`.
+    let type_width = devices
+        .iter()
+        .map(|d| attribute(d, "type").len())
+        .max()
+        .unwrap_or(0)
+        .max(5);
     let mut text = format!(
-        "{:<width$} {:<5} {:<10} {:<24} {:>9} {:>4} {:<14} {:<38} UUID\n",
+        "{:<width$} {:<type_width$} {:<10} {:<24} {:>9} {:>4} {:<14} {:<38} UUID\n",
         "NAME", "TYPE", "PROFILE", "PRODUCT", "MEM(GiB)", "NUMA", "PCI BUS", "NVLINK DOMAIN"
     );
     for device in devices {
         text.push_str(&format!(
-            "{:<width$} {:<5} {:<10} {:<24} {:>9} {:>4} {:<14} {:<38} {}\n",
+            "{:<width$} {:<type_width$} {:<10} {:<24} {:>9} {:>4} {:<14} {:<38} {}\n",
             device.name,
             attribute(device, "type"),
             attribute(device, "profile"),

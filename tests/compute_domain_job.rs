@@ -13,7 +13,6 @@ use std::time::Duration;
 use gpu_dra::domains::api::{ComputeDomainStatus, DomainObject, CLIQUE_ANNOTATION};
 use gpu_dra::support::apiserver::ApiServer;
 use gpu_dra::support::harness::install_device_classes;
-use gpu_dra::support::kubelet::ClaimRef;
 use gpu_dra::support::rack::{self, wait_for, Fabric, Rack};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceClaimTemplate, ResourceSlice};
@@ -416,16 +415,7 @@ async fn a_four_node_job_gets_one_clique_a_channel_everywhere_and_its_faults_rep
     // The job ends: the kubelets unprepare its claims; the daemons stop and the status empties.
     for node in ["n1", "n2", "n3", "n4"] {
         let rack_node = rack.node(node);
-        let prepared = rack_node.plugin.preparer.prepared_claims();
-        let claims: Vec<ClaimRef> = prepared
-            .iter()
-            .map(|(uid, record)| ClaimRef::new(&record.namespace, &record.name, uid))
-            .collect();
-        let results = rack_node
-            .kubelet
-            .unprepare(&claims)
-            .await
-            .expect("unprepare call");
+        let results = rack_node.unprepare_all().await.expect("unprepare call");
         assert!(results.values().all(|r| r.is_ok()), "{node}: {results:?}");
         assert!(
             !rack_node.imex_dir(&uid).exists(),

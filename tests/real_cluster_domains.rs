@@ -11,7 +11,6 @@
 
 use std::time::Duration;
 
-use gpu_dra::support::kubelet::ClaimRef;
 use gpu_dra::support::rack::{self, wait_for, Fabric, Rack};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{ResourceClaimTemplate, ResourceSlice};
@@ -224,15 +223,7 @@ async fn a_job_on_the_real_scheduler_stays_in_its_clique() {
 
     // The job ends.
     for (_, node) in &bound {
-        let rack_node = rack.node(node);
-        let claims: Vec<ClaimRef> = rack_node
-            .plugin
-            .preparer
-            .prepared_claims()
-            .into_iter()
-            .map(|(uid, r)| ClaimRef::new(r.namespace, r.name, uid))
-            .collect();
-        let results = rack_node.kubelet.unprepare(&claims).await.unwrap();
+        let results = rack.node(node).unprepare_all().await.unwrap();
         assert!(results.values().all(|r| r.is_ok()), "{results:?}");
     }
     let now = DeleteParams {
@@ -391,15 +382,7 @@ async fn a_worker_on_the_real_node_runs_with_the_channel_in_its_container() {
 
     // The end: the rack node's claims are unprepared by its kubelet double; the real kubelet unprepares
     // node-1's when its worker is deleted.
-    let rack_node = rack.node("cd-n1");
-    let claims: Vec<ClaimRef> = rack_node
-        .plugin
-        .preparer
-        .prepared_claims()
-        .into_iter()
-        .map(|(uid, r)| ClaimRef::new(r.namespace, r.name, uid))
-        .collect();
-    rack_node.kubelet.unprepare(&claims).await.unwrap();
+    rack.node("cd-n1").unprepare_all().await.unwrap();
     let now = DeleteParams {
         grace_period_seconds: Some(0),
         ..Default::default()

@@ -36,13 +36,38 @@ pub const CRD_PATH: &str = "crd/gpu.dra.dev_gpunodepolicies.yaml";
 
 /// The `GpuNodePolicy` CustomResourceDefinition as YAML, with a header that says how it is made.
 pub fn crd_yaml() -> String {
+    generated_crd_yaml::<GpuNodePolicy>("src/api/policy.rs", "crd_file_is_current")
+}
+
+/// A CustomResourceDefinition generated from our type `K` (defined in `source`) as YAML, with a header
+/// that names the test that regenerates it.
+pub fn generated_crd_yaml<K: CustomResourceExt>(source: &str, test: &str) -> String {
     // Serializing a CRD built from our own types cannot fail: it holds only strings, maps and JSON values.
-    let body = serde_yaml::to_string(&GpuNodePolicy::crd())
+    let body = serde_yaml::to_string(&K::crd())
         .expect("a CustomResourceDefinition always serializes to YAML");
     format!(
-        "# Generated from src/api/policy.rs; do not edit.\n\
-         # Regenerate: UPDATE_CRD=1 cargo test crd_file_is_current\n{body}"
+        "# Generated from {source}; do not edit.\n\
+         # Regenerate: UPDATE_CRD=1 cargo test {test}\n{body}"
     )
+}
+
+/// For the tests that keep a checked-in CRD current: fails when `path` (relative to the crate root)
+/// differs from `expected`; `UPDATE_CRD=1` rewrites it instead.
+#[cfg(test)]
+pub(crate) fn check_generated_file(path: &str, expected: &str, source: &str, test: &str) {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(path);
+    if std::env::var_os("UPDATE_CRD").is_some() {
+        std::fs::write(&path, expected)
+            .unwrap_or_else(|e| panic!("writing {}: {e}", path.display()));
+        return;
+    }
+    let actual = std::fs::read_to_string(&path).unwrap_or_default();
+    assert!(
+        actual == expected,
+        "{} is out of date with {source}; regenerate it with `UPDATE_CRD=1 cargo test {test}` and \
+         commit the result",
+        path.display()
+    );
 }
 
 #[cfg(test)]
@@ -52,19 +77,11 @@ mod tests {
     /// Fails when the checked-in manifest differs from the types; `UPDATE_CRD=1` rewrites it.
     #[test]
     fn crd_file_is_current() {
-        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(CRD_PATH);
-        let expected = crd_yaml();
-        if std::env::var_os("UPDATE_CRD").is_some() {
-            std::fs::write(&path, &expected)
-                .unwrap_or_else(|e| panic!("writing {}: {e}", path.display()));
-            return;
-        }
-        let actual = std::fs::read_to_string(&path).unwrap_or_default();
-        assert!(
-            actual == expected,
-            "{} is out of date with src/api/policy.rs; regenerate it with \
-             `UPDATE_CRD=1 cargo test crd_file_is_current` and commit the result",
-            path.display()
+        check_generated_file(
+            CRD_PATH,
+            &crd_yaml(),
+            "src/api/policy.rs",
+            "crd_file_is_current",
         );
     }
 

@@ -238,60 +238,64 @@ fn shm_size(text: &str) -> Result<u64> {
 
 /// `gpu-dra mps-daemon`: exits with the readiness check's or the supervised daemon's code.
 pub fn mps_daemon(args: MpsDaemonArgs) -> Result<()> {
-    use crate::claims::mps::supervisor::{check_ready, supervise, SupervisorArgs};
-    if let Some(ready) = args.check_ready {
-        std::process::exit(check_ready(&ready));
-    }
-    init_logging(LogFormat::Text, "info");
+    use crate::claims::mps::supervisor::{supervise, SupervisorArgs};
     // PID 1 of the daemon's Pod: an MPS server whose control daemon died is handed to it.
-    if crate::plugin::reaper::adopts_orphans() {
-        std::process::exit(crate::plugin::reaper::supervise_this_program()?);
-    }
-    crate::plugin::reaper::unblock_forwarded_signals()?;
-    let missing = |flag: &str| anyhow::anyhow!("--{flag} is required");
-    let supervisor = SupervisorArgs {
-        claim: args.claim.ok_or_else(|| missing("claim"))?,
-        pipe_dir: args.pipe_dir.ok_or_else(|| missing("pipe-dir"))?,
-        log_dir: args.log_dir.ok_or_else(|| missing("log-dir"))?,
-        shm_dir: args.shm_dir.ok_or_else(|| missing("shm-dir"))?,
-        driver_root: args.driver_root,
-        program: args.program.ok_or_else(|| missing("program"))?,
-        library_path: args.library_path,
-        commands: args.commands,
-        multi_user: args.multi_user,
-    };
-    let code = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?
-        .block_on(supervise(supervisor))?;
-    std::process::exit(code)
+    run_daemon_pod(args.check_ready, || {
+        let missing = |flag: &str| anyhow::anyhow!("--{flag} is required");
+        Ok(supervise(SupervisorArgs {
+            claim: args.claim.ok_or_else(|| missing("claim"))?,
+            pipe_dir: args.pipe_dir.ok_or_else(|| missing("pipe-dir"))?,
+            log_dir: args.log_dir.ok_or_else(|| missing("log-dir"))?,
+            shm_dir: args.shm_dir.ok_or_else(|| missing("shm-dir"))?,
+            driver_root: args.driver_root,
+            program: args.program.ok_or_else(|| missing("program"))?,
+            library_path: args.library_path,
+            commands: args.commands,
+            multi_user: args.multi_user,
+        }))
+    })
 }
 
 /// `gpu-dra imex-daemon`: exits with the readiness check's or the supervised daemon's code.
 pub fn imex_daemon(args: ImexDaemonArgs) -> Result<()> {
-    use crate::domains::imex::supervisor::{check_ready, supervise, SupervisorArgs};
-    if let Some(ready) = args.check_ready {
-        std::process::exit(check_ready(&ready));
+    use crate::domains::imex::supervisor::{supervise, SupervisorArgs};
+    run_daemon_pod(args.check_ready, || {
+        let missing = |flag: &str| anyhow::anyhow!("--{flag} is required");
+        Ok(supervise(SupervisorArgs {
+            dir: args.dir.ok_or_else(|| missing("dir"))?,
+            program: args.program.ok_or_else(|| missing("program"))?,
+            ctl_program: args.ctl_program.ok_or_else(|| missing("ctl-program"))?,
+            driver_root: args.driver_root,
+            library_path: args.library_path,
+        }))
+    })
+}
+
+/// What a daemon Pod's container runs (`gpu-dra mps-daemon`, `gpu-dra imex-daemon`): with
+/// `--check-ready FILE` its readiness probe (the file exists); otherwise, as PID 1 of the Pod (which
+/// adopts whatever the daemon leaves behind), the supervisor `supervise` makes, until it gives the exit
+/// code.
+fn run_daemon_pod<F, E>(
+    check_ready: Option<PathBuf>,
+    supervise: impl FnOnce() -> Result<F>,
+) -> Result<()>
+where
+    F: std::future::Future<Output = Result<i32, E>>,
+    E: std::error::Error + Send + Sync + 'static,
+{
+    if let Some(ready) = check_ready {
+        std::process::exit(crate::claims::mps::supervisor::check_ready(&ready));
     }
     init_logging(LogFormat::Text, "info");
-    // PID 1 of the daemon's Pod: whatever the daemon leaves behind is handed to it.
     if crate::plugin::reaper::adopts_orphans() {
         std::process::exit(crate::plugin::reaper::supervise_this_program()?);
     }
     crate::plugin::reaper::unblock_forwarded_signals()?;
-    let missing = |flag: &str| anyhow::anyhow!("--{flag} is required");
-    let supervisor = SupervisorArgs {
-        dir: args.dir.ok_or_else(|| missing("dir"))?,
-        program: args.program.ok_or_else(|| missing("program"))?,
-        ctl_program: args.ctl_program.ok_or_else(|| missing("ctl-program"))?,
-        driver_root: args.driver_root,
-        library_path: args.library_path,
-    };
+    let supervising = supervise()?;
     let code = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .context("starting the async runtime")?
-        .block_on(supervise(supervisor))?;
+        .block_on(supervising)?;
     std::process::exit(code)
 }

@@ -207,15 +207,7 @@ pub async fn demo_compute_domain(out: &mut impl Write, api: &ApiServer, number: 
 
     // The job ends: its claims are unprepared, the daemons stop.
     for (_, node) in &placed {
-        let rack_node = rack.node(node);
-        let claims: Vec<crate::support::kubelet::ClaimRef> = rack_node
-            .plugin
-            .preparer
-            .prepared_claims()
-            .into_iter()
-            .map(|(uid, r)| crate::support::kubelet::ClaimRef::new(r.namespace, r.name, uid))
-            .collect();
-        rack_node.kubelet.unprepare(&claims).await?;
+        rack.node(node).unprepare_all().await?;
     }
     let left = Api::<ResourceClaim>::namespaced(client.clone(), NAMESPACE)
         .list(&ListParams::default())

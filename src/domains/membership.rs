@@ -109,8 +109,15 @@ pub trait DomainDaemons: Send + Sync {
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Health {
     Ready,
+    /// The daemon is not ready; why.
     NotReady(String),
+    /// The node's GPUs are no longer in the domain's clique; how.
+    LeftClique(String),
 }
+
+/// The values of the taint a channel gets when its domain is not ready on this node.
+pub const TAINT_NOT_READY: &str = "NotReady";
+pub const TAINT_LEFT_CLIQUE: &str = "LeftClique";
 
 pub struct Membership {
     client: kube::Client,
@@ -121,8 +128,9 @@ pub struct Membership {
     daemons: Arc<dyn DomainDaemons>,
     ready_timeout: Duration,
     reporter: Reporter,
-    /// Channel device → why it is tainted, for the slices.
-    taints: watch::Sender<BTreeMap<String, String>>,
+    /// Channel device → the value of its taint ([`TAINT_NOT_READY`], [`TAINT_LEFT_CLIQUE`]), for the
+    /// slices; the reason is in the domain's status and Event.
+    taints: watch::Sender<BTreeMap<String, &'static str>>,
     /// Per domain UID, what was last reported, so Events go out on changes only.
     reported: Mutex<BTreeMap<String, Health>>,
     /// Per domain UID, when a prepare last tried to join it: a daemon still starting for a claim the
@@ -212,7 +220,7 @@ impl Membership {
     }
 
     /// The channel devices to taint and why; the monitor puts them into the slices.
-    pub fn taints(&self) -> watch::Receiver<BTreeMap<String, String>> {
+    pub fn taints(&self) -> watch::Receiver<BTreeMap<String, &'static str>> {
         self.taints.subscribe()
     }
 
@@ -382,11 +390,11 @@ impl Membership {
                         Err(reason) => Health::NotReady(format!("IMEX daemon not ready: {reason}")),
                     }
                 }
-                Ok(now) => Health::NotReady(format!(
+                Ok(now) => Health::LeftClique(format!(
                     "node {} left NVLink clique {} (now in {now})",
                     self.node, member.clique
                 )),
-                Err(why) => Health::NotReady(format!(
+                Err(why) => Health::LeftClique(format!(
                     "node {} left NVLink clique {}: {why}",
                     self.node, member.clique
                 )),
@@ -405,18 +413,26 @@ impl Membership {
             return;
         }
         let device = super::channels::device_name(member.channel);
-        let (status, reason, event_type, event_reason) = match &health {
-            Health::Ready => (READY, None, EventType::Normal, "IMEXDaemonReady"),
+        let (status, reason, taint, event_type, event_reason) = match &health {
+            Health::Ready => (READY, None, None, EventType::Normal, "IMEXDaemonReady"),
             Health::NotReady(reason) => (
                 NOT_READY,
                 Some(reason.clone()),
+                Some(TAINT_NOT_READY),
+                EventType::Warning,
+                "IMEXDaemonNotReady",
+            ),
+            Health::LeftClique(reason) => (
+                NOT_READY,
+                Some(reason.clone()),
+                Some(TAINT_LEFT_CLIQUE),
                 EventType::Warning,
                 "IMEXDaemonNotReady",
             ),
         };
-        self.taints.send_modify(|taints| match &reason {
-            Some(reason) => {
-                taints.insert(device.clone(), reason.clone());
+        self.taints.send_modify(|taints| match taint {
+            Some(value) => {
+                taints.insert(device.clone(), value);
             }
             None => {
                 taints.remove(&device);

@@ -126,7 +126,7 @@ pub struct MonitorChannels {
     /// are published exclusive without the fields of shared devices.
     pub kept_fields: watch::Receiver<KeptFields>,
     /// IMEX channel devices to taint (ComputeDomains whose daemon here is not ready), and why.
-    pub channel_taints: watch::Receiver<BTreeMap<String, String>>,
+    pub channel_taints: watch::Receiver<BTreeMap<String, &'static str>>,
 }
 
 pub struct Monitor {
@@ -326,22 +326,16 @@ fn fault_kind(fault: &Fault) -> String {
 pub const CHANNEL_TAINT_KEY: &str = "imex-daemon";
 
 /// Taints the channels of domains that are not ready here (NoSchedule: the domain's running pod
-/// stays, nothing new of it lands here), with a label-safe value; the reason is in the domain's status.
-fn taint_channels(channels: &mut [Device], taints: &BTreeMap<String, String>, driver: &str) {
+/// stays, nothing new of it lands here); the reason is in the domain's status.
+fn taint_channels(channels: &mut [Device], taints: &BTreeMap<String, &'static str>, driver: &str) {
     for device in channels {
-        let Some(reason) = taints.get(&device.name) else {
-            continue;
-        };
-        let value = if reason.contains("left NVLink clique") {
-            "LeftClique"
-        } else {
-            "NotReady"
-        };
-        device.taints = Some(vec![DeviceTaint {
-            key: format!("{driver}/{CHANNEL_TAINT_KEY}"),
-            value: Some(value.to_string()),
-            effect: "NoSchedule".to_string(),
-            time_added: None,
-        }]);
+        if let Some(value) = taints.get(&device.name) {
+            device.taints = Some(vec![DeviceTaint {
+                key: format!("{driver}/{CHANNEL_TAINT_KEY}"),
+                value: Some(value.to_string()),
+                effect: "NoSchedule".to_string(),
+                time_added: None,
+            }]);
+        }
     }
 }

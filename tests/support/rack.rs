@@ -50,6 +50,22 @@ impl RackNode {
         write_profile(&self.profile_path, &profile(fabric));
     }
 
+    /// The kubelet's part when the node's pods are gone: one NodeUnprepareResources call with every
+    /// claim its plugin has prepared; the answer per claim UID.
+    pub async fn unprepare_all(
+        &self,
+    ) -> Result<std::collections::HashMap<String, Result<(), String>>, super::kubelet::KubeletError>
+    {
+        let claims: Vec<super::kubelet::ClaimRef> = self
+            .plugin
+            .preparer
+            .prepared_claims()
+            .into_iter()
+            .map(|(uid, r)| super::kubelet::ClaimRef::new(r.namespace, r.name, uid))
+            .collect();
+        self.kubelet.unprepare(&claims).await
+    }
+
     /// Where the node's plugin keeps the IMEX daemon of a domain (its config, peers and state).
     pub fn imex_dir(&self, domain_uid: &str) -> PathBuf {
         self.config.plugin_dir().join("imex").join(domain_uid)

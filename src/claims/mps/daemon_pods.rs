@@ -227,7 +227,8 @@ impl MpsDaemons {
     }
 }
 
-fn is_ready(pod: &Pod) -> bool {
+/// Whether the Pod is Ready and not being deleted (the daemons of MPS and IMEX alike).
+pub(crate) fn is_ready(pod: &Pod) -> bool {
     pod.metadata.deletion_timestamp.is_none()
         && pod
             .status

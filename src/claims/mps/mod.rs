@@ -21,7 +21,7 @@ use crate::cdi::{ContainerEdits, Mount};
 pub use daemon_pods::DaemonPods;
 pub use pod::{DaemonPodTemplate, DaemonProgram};
 
-mod daemon_pods;
+pub(crate) mod daemon_pods;
 mod dirs;
 pub mod pod;
 pub mod shm;

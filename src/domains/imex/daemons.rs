@@ -20,6 +20,7 @@ use super::{
     check_domain_uid, DaemonState, ImexDaemonSpec, ImexError, ImexPodTemplate, ImexProgram,
     GONE_TIMEOUT, NOT_READY_FILE, POLL, READY_FILE,
 };
+use crate::claims::mps::daemon_pods::is_ready;
 use crate::claims::mps::pod::{COMPONENT_LABEL, DRIVER_LABEL};
 use crate::domains::api::DOMAIN_LABEL;
 use crate::fsutil::write_for_this_boot;
@@ -306,15 +307,6 @@ fn write_if_changed(path: &Path, text: &str) -> io::Result<bool> {
     }
     write_for_this_boot(path, text.as_bytes(), 0o644)?;
     Ok(true)
-}
-
-fn is_ready(pod: &Pod) -> bool {
-    pod.metadata.deletion_timestamp.is_none()
-        && pod
-            .status
-            .as_ref()
-            .and_then(|s| s.conditions.as_ref())
-            .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
 }
 
 /// Why a Pod is not Ready, in the kubelet's words: the container's waiting reason, then its last

@@ -360,8 +360,3 @@ async fn query_ready(args: &SupervisorArgs) -> Result<(), String> {
         ))
     }
 }
-
-/// The readiness probe: the ready file exists.
-pub fn check_ready(ready_file: &Path) -> i32 {
-    i32::from(!ready_file.is_file())
-}

@@ -14,7 +14,10 @@
 # e2e/image.sh and `ctr -n k8s.io images import`, and GPU_DRA_BIN=<that binary> start-plugin.sh KUBECONFIG
 # STATE --fake-profile gb200-nvl72 --mps-daemon-image gpu-dra:dev --node-ip <node-1's InternalIP>): the real
 # kubelet prepares the worker placed there, runs the IMEX daemon's Pod, and containerd makes the channel's
-# device node in the worker's container.
+# device node in the worker's container. With IN_CLUSTER_CONTROLLER=1 no controller runs in the test: install
+# deploy/ (e2e/real-node, with the gb200-nvl72 profile in the fake profile's ConfigMap) so that the plugin runs as
+# the DaemonSet's pod and the controller as its Deployment's (host network and pinned to node-1, as the plugin's
+# pod is in e2e/real-node), under the real RBAC and admission policies.
 #
 # Prints ok lines; exits non-zero when the test fails.
 set -euo pipefail

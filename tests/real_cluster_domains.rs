@@ -275,7 +275,11 @@ async fn a_worker_on_the_real_node_runs_with_the_channel_in_its_container() {
         "gpu-dra:dev",
     )
     .await;
-    let controller = rack::RunningController::start(&client, Duration::from_secs(1));
+    // With the controller installed from deploy/ (IN_CLUSTER_CONTROLLER=1) none runs here: two would
+    // contend for the same domains.
+    let controller = std::env::var_os("IN_CLUSTER_CONTROLLER")
+        .is_none()
+        .then(|| rack::RunningController::start(&client, Duration::from_secs(1)));
     rack::create_gpus_template(&client, NAMESPACE, "four-gpus-rn", 4).await;
     rack::create_domain(&client, NAMESPACE, "real", 2).await;
     let templates: Api<ResourceClaimTemplate> = Api::namespaced(client.clone(), NAMESPACE);
@@ -368,7 +372,11 @@ async fn a_worker_on_the_real_node_runs_with_the_channel_in_its_container() {
     println!("ok    the domain is Ready: {joined:?}");
     let daemons: Api<Pod> = Api::namespaced(client.clone(), "gpu-dra");
     let on_node_1 = daemons
-        .list(&ListParams::default().fields("spec.nodeName=node-1"))
+        .list(
+            &ListParams::default()
+                .fields("spec.nodeName=node-1")
+                .labels("app.kubernetes.io/component=imex-daemon"),
+        )
         .await
         .unwrap()
         .items;
@@ -394,7 +402,11 @@ async fn a_worker_on_the_real_node_runs_with_the_channel_in_its_container() {
         Duration::from_secs(90),
         async || {
             let left = daemons
-                .list(&ListParams::default().fields("spec.nodeName=node-1"))
+                .list(
+                    &ListParams::default()
+                        .fields("spec.nodeName=node-1")
+                        .labels("app.kubernetes.io/component=imex-daemon"),
+                )
                 .await
                 .ok()?
                 .items;
@@ -412,7 +424,9 @@ async fn a_worker_on_the_real_node_runs_with_the_channel_in_its_container() {
         .delete("real", &DeleteParams::default())
         .await
         .unwrap();
-    controller.stop().await;
+    if let Some(controller) = controller {
+        controller.stop().await;
+    }
     rack.shutdown().await;
     forget_rack_slices(&client).await;
 }

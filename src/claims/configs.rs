@@ -440,10 +440,7 @@ pub fn check_opaque_configs<'a>(
         .enumerate()
         .filter_map(|(index, opaque)| {
             let opaque = opaque.filter(|o| o.driver == driver)?;
-            if let Some(Ok(_)) = ChannelConfig::parse(driver, &opaque.parameters.0) {
-                return None;
-            }
-            let error = decode_config_value(&opaque.parameters.0).err()?;
+            let error = check_opaque_parameters(driver, &opaque.parameters.0)?;
             Some(ConfigProblem {
                 index,
                 kind: declared_kind(&opaque.parameters.0),
@@ -451,6 +448,16 @@ pub fn check_opaque_configs<'a>(
             })
         })
         .collect()
+}
+
+/// What is wrong with the parameters of one opaque config of `driver`: none for a valid device config
+/// or ComputeDomain channel config. A malformed channel config is judged as a device config (its kind
+/// is then the error), as the `gpu-dra-device-configs` admission policy judges it.
+pub fn check_opaque_parameters(driver: &str, parameters: &Value) -> Option<ConfigError> {
+    if let Some(Ok(_)) = ChannelConfig::parse(driver, parameters) {
+        return None;
+    }
+    decode_config_value(parameters).err()
 }
 
 /// The malformed configs of `driver` in a DeviceClass's `spec.config`.

@@ -447,14 +447,13 @@ fn the_policy_is_bound_to_deny_creates_and_updates_of_claims_and_templates() {
     check_expressions(POLICY, &spec);
 }
 
-/// The policy and the plugin say the same thing: every case's config, decoded by the plugin's
-/// decoder, gives the message the policy gives (or none).
+/// The policy and the plugin say the same thing: every case's config, checked as the plugin checks
+/// an opaque config of its driver, gives the message the policy gives (or none).
 #[test]
 fn the_plugin_decoder_agrees_with_the_policy_on_every_case() {
     let mut disagreements = Vec::new();
     for case in cases() {
-        let plugin = gpu_dra::api::config::decode_config_value(&case.parameters)
-            .err()
+        let plugin = gpu_dra::claims::configs::check_opaque_parameters(DRIVER, &case.parameters)
             .map(|error| error.to_string());
         if plugin != case.error {
             disagreements.push(format!(

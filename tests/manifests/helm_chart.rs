@@ -2,12 +2,16 @@
 //! both must render the same objects (kind, namespace, name and every field), so that neither drifts from
 //! the other. The chart is rendered by Helm's own engine (Helm v4's Go SDK through the Python package
 //! helm-python-sdk, `helm_render.py`), kustomize by `kubectl kustomize`, whose renders are kept in
-//! `kustomize-renders/` for machines without kubectl (CI's). A missing engine, or a kept render older than
-//! `deploy/` where kubectl is missing, fails the test with how to fix it. Every rendered object also goes through `check_strict`.
+//! `kustomize-renders/` for machines without kubectl (CI's). The engine is installed under target/ by the
+//! first test that needs it (pip, once per build directory); an engine that cannot be installed, or a kept
+//! render older than `deploy/` where kubectl is missing, fails the test with how to fix it. Every rendered
+//! object also goes through `check_strict`.
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::ffi::OsStr;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+use std::sync::OnceLock;
 
 use k8s_openapi::api::apps::v1::DaemonSet;
 use serde_json::{json, Value};
@@ -32,28 +36,69 @@ const CLUSTER_SCOPED: [&str; 6] = [
     "DeviceClass",
 ];
 
-/// Runs `helm_render.py` with `args`; panics, saying how to install it, when python3 or the engine is
-/// missing.
-fn helm_render(python_flags: &[&str], args: &[&str]) -> Output {
-    let output = Command::new("python3")
+/// Where `cargo test` keeps Helm's engine: installed once per build directory by `helm_render.py install`
+/// (pip into a directory of target/, nothing outside it), so the README's test command needs nothing
+/// installed beforehand but Python 3 with pip. Err says why it could not be installed.
+fn engine_dir() -> Result<&'static Path, &'static str> {
+    static ENGINE: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    let engine = ENGINE.get_or_init(|| {
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("helm-engine");
+        let output = python3(None, &[], &["install".as_ref(), dir.as_os_str()])?;
+        if output.status.success() {
+            Ok(dir)
+        } else {
+            Err(String::from_utf8_lossy(&output.stderr).into_owned())
+        }
+    });
+    engine
+        .as_ref()
+        .map(PathBuf::as_path)
+        .map_err(String::as_str)
+}
+
+/// Runs `python3 [python_flags] helm_render.py args` with `engine` on PYTHONPATH; Err when python3 cannot
+/// be started, saying what to install.
+fn python3(
+    engine: Option<&Path>,
+    python_flags: &[&str],
+    args: &[&OsStr],
+) -> Result<Output, String> {
+    let mut command = Command::new("python3");
+    command
         .args(python_flags)
         .arg(root().join(RENDER))
         .args(args)
-        .current_dir(root())
-        .output();
-    match output {
-        Ok(output) => output,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => panic!(
-            "python3 is not installed: the Helm chart is rendered by Helm's engine through Python \
-             (tests/manifests/helm_render.py). Install Python 3.10 or later, then \
-             `python3 -m pip install $(python3 {RENDER} requirement)`"
-        ),
-        Err(e) => panic!("cannot run python3 {RENDER}: {e}"),
+        .current_dir(root());
+    if let Some(engine) = engine {
+        let mut path = vec![engine.to_path_buf()];
+        path.extend(std::env::split_paths(
+            &std::env::var_os("PYTHONPATH").unwrap_or_default(),
+        ));
+        command.env(
+            "PYTHONPATH",
+            std::env::join_paths(path).expect("no ':' in a path under target/"),
+        );
     }
+    command.output().map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => format!(
+            "python3 is not installed: the Helm chart is rendered by Helm's engine through Python \
+             ({RENDER}). Install Python 3.10 or later with pip; `cargo test` then installs the engine \
+             under target/ by itself"
+        ),
+        _ => format!("cannot run python3 {RENDER}: {e}"),
+    })
+}
+
+/// Runs `helm_render.py` with `args` and the engine of `engine_dir`; panics, saying why, when python3 or
+/// the engine cannot be had.
+fn helm_render(args: &[&str]) -> Output {
+    let engine = engine_dir().unwrap_or_else(|why| panic!("Helm's engine: {why}"));
+    let args: Vec<&OsStr> = args.iter().map(OsStr::new).collect();
+    python3(Some(engine), &[], &args).unwrap_or_else(|why| panic!("{why}"))
 }
 
 fn helm_ok(args: &[&str]) -> String {
-    let output = helm_render(&[], args);
+    let output = helm_render(args);
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(
         output.status.success(),
@@ -602,7 +647,7 @@ fn helm_lint_passes_and_the_schema_refuses_unknown_values() {
         (r#"{"migMode": "on"}"#, "/migMode"),
         (r#"{"driverRoot": "run/nvidia/driver"}"#, "/driverRoot"),
     ] {
-        let output = helm_render(&[], &["render", CHART, "--set-json", set]);
+        let output = helm_render(&["render", CHART, "--set-json", set]);
         let stderr = String::from_utf8_lossy(&output.stderr);
         assert_eq!(
             output.status.code(),
@@ -614,10 +659,11 @@ fn helm_lint_passes_and_the_schema_refuses_unknown_values() {
 }
 
 /// Without the engine the render fails (exit 3) and says how to install it, instead of rendering
-/// nothing. `-I -S`: Python without its site-packages, where pip installs helm-python-sdk.
+/// nothing. `-I -S`: Python without its site-packages nor PYTHONPATH, where the engine is found.
 #[test]
 fn without_the_engine_the_render_fails_with_how_to_install_it() {
-    let output = helm_render(&["-I", "-S"], &["render", CHART]);
+    let args = ["render".as_ref(), CHART.as_ref()];
+    let output = python3(None, &["-I", "-S"], &args).unwrap_or_else(|why| panic!("{why}"));
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_eq!(output.status.code(), Some(3), "{stderr}");
     assert!(

@@ -5,7 +5,9 @@ The engine is Helm v4's Go SDK, which the Python package helm-python-sdk (import
 through ctypes: Chart.load / Chart.render for `helm template`, lint() for `helm lint`. No helm binary and no
 cluster are needed.
 
-    helm_render.py requirement                  the pip requirement (.ci/run installs it)
+    helm_render.py requirement                  the pip requirement
+    helm_render.py install DIR                  make DIR hold the pinned engine (pip --target), unless it
+                                                does already; `cargo test` runs this for target/tmp/helm-engine
     helm_render.py render CHART [options]       JSON {template path: rendered text}
     helm_render.py render CHART --yaml [...]    one YAML stream, as `helm template` prints it
     helm_render.py lint CHART [options]         JSON report of helm lint
@@ -13,14 +15,17 @@ options: --values FILE (YAML, as helm's -f), --set-json JSON (a values object, o
          --include-crds (render: the chart's crds/ first, as helm install applies them)
 
 Exit status: 0 done, 1 Helm refused the chart or the values (its message on stderr), 2 usage, 3 the engine
-is not installed (stderr says how to install it).
+is not installed or could not be (stderr says why, and how to install it).
 """
 
 import argparse
 import json
+import os
+import shutil
+import subprocess
 import sys
 
-# The one place that names the version: .ci/run installs what `requirement` prints.
+# The one place that names the version: `install` puts what `requirement` prints under target/.
 REQUIREMENT = "helm-python-sdk==0.2.2"
 RELEASE = "gpu-dra"
 
@@ -30,23 +35,89 @@ def fail(status, message):
     sys.exit(status)
 
 
+HOW_TO_INSTALL = (
+    f"`cargo test` installs it under target/tmp/helm-engine by itself; by hand:\n"
+    f"  python3 -m pip install {REQUIREMENT}"
+)
+
+
+def installed_version():
+    """The version of helm_python this interpreter imports, or None."""
+    try:
+        import helm_python
+    except ImportError:
+        return None
+    return helm_python.__version__
+
+
 def engine():
     try:
         import helm_python
     except ImportError as e:
-        fail(
-            3,
-            f"helm_render.py: the Helm engine is not installed ({e}); install it with\n"
-            f"  python3 -m pip install {REQUIREMENT}",
-        )
+        fail(3, f"helm_render.py: the Helm engine is not installed ({e}); {HOW_TO_INSTALL}")
     wanted = REQUIREMENT.split("==")[1]
     if helm_python.__version__ != wanted:
         fail(
             3,
             f"helm_render.py: helm-python-sdk {helm_python.__version__} is installed, the tests pin {wanted}; "
-            f"install it with\n  python3 -m pip install {REQUIREMENT}",
+            f"{HOW_TO_INSTALL}",
         )
     return helm_python
+
+
+def install(target):
+    """Makes `target` a directory that, on PYTHONPATH, imports the pinned engine.
+
+    pip installs into a directory of this process's own and that is renamed into place, so test processes
+    running at once (cargo nextest runs each test in its own) never see half an install. A `target` holding
+    another version (the pin moved) is replaced. An engine this interpreter already imports at the pinned
+    version (installed by hand) is used as it is."""
+    wanted = REQUIREMENT.split("==")[1]
+    sys.path.insert(0, target)
+    if installed_version() == wanted:
+        return
+    if sys.version_info < (3, 10):
+        fail(3, f"helm_render.py: helm-python-sdk needs Python 3.10 or later, this is {sys.version.split()[0]}")
+    parent = os.path.dirname(os.path.abspath(target)) or "."
+    os.makedirs(parent, exist_ok=True)
+    partial = f"{target}.partial-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    pip = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps"]
+    print(f"helm_render.py: installing {REQUIREMENT} into {target} (once per build directory)", file=sys.stderr)
+    done = subprocess.run(
+        pip + ["--target", partial, REQUIREMENT],
+        env=dict(os.environ, PIP_ROOT_USER_ACTION="ignore"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    if done.returncode != 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        said = done.stdout.strip() or f"exit status {done.returncode}"
+        if "No module named pip" in said:
+            said += "\n(this Python has no pip: install it, e.g. Debian's python3-pip)"
+        fail(3, f"helm_render.py: could not install {REQUIREMENT} into {target}:\n{said}")
+    if os.path.isdir(target):
+        # Another version, or another process's install that just landed: either way ours replaces it
+        # only when what is there is not the pinned version.
+        check = subprocess.run(
+            [sys.executable, "-c", "import helm_python; print(helm_python.__version__)"],
+            env=dict(os.environ, PYTHONPATH=target),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        if check.stdout.strip() == wanted:
+            shutil.rmtree(partial, ignore_errors=True)
+            return
+        stale = f"{target}.stale-{os.getpid()}"
+        os.rename(target, stale)
+        shutil.rmtree(stale, ignore_errors=True)
+    try:
+        os.rename(partial, target)
+    except OSError:
+        # Another process renamed its own install into place first.
+        shutil.rmtree(partial, ignore_errors=True)
 
 
 def merge(base, override):
@@ -113,6 +184,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("requirement")
+    commands.add_parser("install").add_argument("dir")
     for name in ("render", "lint"):
         command = commands.add_parser(name)
         command.add_argument("chart")
@@ -125,6 +197,9 @@ def main():
     args = parser.parse_args()
     if args.command == "requirement":
         print(REQUIREMENT)
+        return
+    if args.command == "install":
+        install(args.dir)
         return
     helm = engine()
     try:

@@ -8,17 +8,19 @@
 #     time-sliced claim is prepared only if it ran inside;
 #   - a container gets /dev/nvidia<N> and /dev/nvidiactl from the spec's numbers (195), though neither the
 #     host nor the driver root has them; /dev/nvidia-uvm, whose module this host lacks, from the root's file.
-# Run after up.sh and up-node.sh, as root from the project root, with the mock built (e2e/mock-nvml/run.sh):
-#   KUBECONFIG=/tmp/k8s/admin.kubeconfig MOCKNVML_SRC=/path/to/k8s-test-infra e2e/real-node-nvml.sh
+# Run after up.sh and up-node.sh, as root from the project root, with NVIDIA's mock NVML library (as built
+# from NVIDIA/k8s-test-infra pkg/gpu/mocknvml) and its profiles by path, as e2e/mock-nvml/run.sh takes them:
+#   KUBECONFIG=/tmp/k8s/admin.kubeconfig MOCK_NVML_LIB=/path/to/libnvidia-ml.so.<version> e2e/real-node-nvml.sh
+# MOCK_NVML_CONFIGS names the profiles' directory (default: configs/ beside the library).
 # GPU_DRA_BINARY names the binary for the image (default target/release/gpu-dra). Each check prints PASS or
 # FAIL; the exit status is the number of failures.
 set -uo pipefail
 : "${KUBECONFIG:?set KUBECONFIG to the admin kubeconfig of the real cluster}"
-: "${MOCKNVML_SRC:?set MOCKNVML_SRC to a k8s-test-infra checkout whose mock is built}"
+: "${MOCK_NVML_LIB:?set MOCK_NVML_LIB to the built mock NVML library, libnvidia-ml.so.<version>}"
 export KUBECONFIG
 BIN_DIR=${KUBE_BIN_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/gpu-dra-realk8s/bin}
 ROOT=/opt/gpu-dra-mock-driver-root
-MOCK=$MOCKNVML_SRC/pkg/gpu/mocknvml
+CONFIGS=${MOCK_NVML_CONFIGS:-$(dirname "$MOCK_NVML_LIB")/configs}
 N=gpu-dra-nvml-e2e
 failures=0
 ok() { echo "PASS $*"; }
@@ -28,9 +30,10 @@ h() { echo "----- $*"; }
 plugin_pod() { kubectl get pod -n gpu-dra -l app.kubernetes.io/component=kubelet-plugin -o jsonpath='{.items[0].metadata.name}' 2>/dev/null; }
 
 h "driver root $ROOT with the mock NVML (H100 profile)"
-LIB=$(ls "$MOCK"/libnvidia-ml.so.*.*.* 2>/dev/null | grep -v '\.h$' | head -1)
-[ -n "$LIB" ] || { echo "FAIL no mock library in $MOCK: run e2e/mock-nvml/run.sh first"; exit 1; }
-VERSION=${LIB##*libnvidia-ml.so.}
+LIB=$MOCK_NVML_LIB
+[ -f "$LIB" ] || { echo "FAIL MOCK_NVML_LIB=$LIB is not a file"; exit 1; }
+[ -f "$CONFIGS/mock-nvml-config-h100.yaml" ] || { echo "FAIL no mock-nvml-config-h100.yaml in $CONFIGS: set MOCK_NVML_CONFIGS"; exit 1; }
+VERSION=$(python3 -c 'import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))["system"]["driver_version"])' "$CONFIGS/mock-nvml-config-h100.yaml")
 mountpoint -q "$ROOT" && umount -l "$ROOT"
 rm -rf "$ROOT" && mkdir -p "$ROOT"
 # The DaemonSet mounts the driver root with HostToContainer propagation, which the runtime refuses on a
@@ -40,7 +43,7 @@ mount --bind "$ROOT" "$ROOT" && mount --make-shared "$ROOT"
 mkdir -p "$ROOT"/{usr/lib64,usr/bin,bin,config,tmp,dev,proc/driver/nvidia}
 cp "$LIB" "$ROOT/usr/lib64/libnvidia-ml.so.$VERSION"
 ln -s "libnvidia-ml.so.$VERSION" "$ROOT/usr/lib64/libnvidia-ml.so.1"
-cp "$MOCK/configs/mock-nvml-config-h100.yaml" "$ROOT/config/config.yaml"
+cp "$CONFIGS/mock-nvml-config-h100.yaml" "$ROOT/config/config.yaml"
 echo "NVRM version: NVIDIA UNIX x86_64 Kernel Module  $VERSION  (mock)" >"$ROOT/proc/driver/nvidia/version"
 # Like a host's root: its own libc in the library directory, and a shell (static busybox) for the stand-in.
 cp -L /lib/x86_64-linux-gnu/libc.so.6 "$ROOT/usr/lib64/libc.so.6"

@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
 # The NVML backend against NVIDIA's mock NVML (NVIDIA/k8s-test-infra, pkg/gpu/mocknvml): a libnvidia-ml.so
 # written in Go that answers from a GPU profile in YAML. A development check for every change to
-# src/gpu/nvml*.rs, kept out of CI (it needs Go, gcc and a k8s-test-infra checkout). For each profile it
-# builds the mock once, lays out a driver root in a temp dir (the mock library as libnvidia-ml.so.<driver
-# version>, the profile as config/config.yaml where the mock looks for it), runs `gpu-dra nvml probe` and
+# src/gpu/nvml*.rs, kept out of CI (it needs the mock's library, which this repository does not ship). It
+# takes the built library and the mock's profiles by path, as a user has them. For each profile it lays out
+# a driver root in a temp dir (the mock library as libnvidia-ml.so.<driver version>, the profile as
+# config/config.yaml where the mock looks for it), runs `gpu-dra nvml probe` and
 # `gpu-dra devices --backend nvml` (static and dynamic MIG) against it, and checks what they report against
 # the profile: GPU count, UUIDs, names, memory, PCI bus ids, NUMA nodes, architecture, compute capability,
 # versions, NVLink domains, MIG capability. Where gpu-dra has a fake profile of the same model (H100,
 # A100, L40S) it also prints where the mock and the fake backend disagree (DIFF lines).
 #
-#   MOCKNVML_SRC=/opt/k8s-test-infra e2e/mock-nvml/run.sh [PROFILE|all]    (from the project root)
+#   MOCK_NVML_LIB=/path/to/libnvidia-ml.so.<version> e2e/mock-nvml/run.sh [PROFILE|all]  (from the project root)
 #
-#   PROFILE   h100 (default), a100, b200, gb200, gb300, l40s, t4: whatever configs/ of the mock holds
+#   MOCK_NVML_LIB      the mock's built libnvidia-ml.so (required)
+#   MOCK_NVML_CONFIGS  the mock's profiles, mock-nvml-config-<profile>.yaml (default: configs/ beside the
+#                      library, where the mock's source tree keeps them)
+#   PROFILE   h100 (default), a100, b200, gb200, gb300, l40s, t4: whatever MOCK_NVML_CONFIGS holds
 #   GPU_DRA   the binary to test (default: target/release/gpu-dra, under $CARGO_TARGET_DIR if set)
-#   GO        the go binary (default: `go` on PATH); GOROOT is derived from it when unset
 #   MIG_ON=1  lay the profile out with MIG mode on (for GPUs the profile gives MIG instances): the mock
 #             then lists no MIG profile, and the GPU must be reported unreadable, not silently dropped
 #   FABRIC_STATE=in_progress|not_started|not_supported  the GPUs' NVLink fabric registration state
@@ -28,14 +31,17 @@ set -uo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 HERE=$REPO/e2e/mock-nvml
-: "${MOCKNVML_SRC:?set MOCKNVML_SRC to a checkout of github.com/NVIDIA/k8s-test-infra}"
-MOCK=$MOCKNVML_SRC/pkg/gpu/mocknvml
-[ -d "$MOCK/configs" ] || { echo "FAIL $MOCK/configs not found: is MOCKNVML_SRC a k8s-test-infra checkout?"; exit 1; }
+: "${MOCK_NVML_LIB:?set MOCK_NVML_LIB to the built mock NVML library (libnvidia-ml.so.<version> of NVIDIA/k8s-test-infra pkg/gpu/mocknvml)}"
+[ -f "$MOCK_NVML_LIB" ] || { echo "FAIL MOCK_NVML_LIB=$MOCK_NVML_LIB is not a file"; exit 1; }
+LIB=$(cd "$(dirname "$MOCK_NVML_LIB")" && pwd)/$(basename "$MOCK_NVML_LIB")
+CONFIGS=${MOCK_NVML_CONFIGS:-$(dirname "$LIB")/configs}
+[ -d "$CONFIGS" ] || { echo "FAIL $CONFIGS not found: set MOCK_NVML_CONFIGS to the mock's profile directory"; exit 1; }
+export MOCK_NVML_LIB=$LIB MOCK_NVML_CONFIGS=$CONFIGS
 GPU_DRA=${GPU_DRA:-${CARGO_TARGET_DIR:-$REPO/target}/release/gpu-dra}
 [ -x "$GPU_DRA" ] || { echo "FAIL $GPU_DRA not found: cargo build --release first, or set GPU_DRA"; exit 1; }
 command -v python3 >/dev/null || { echo "FAIL python3 is needed for the checks"; exit 1; }
 
-profiles() { ls "$MOCK/configs" | sed -n 's/^mock-nvml-config-\(.*\)\.yaml$/\1/p'; }
+profiles() { ls "$CONFIGS" | sed -n 's/^mock-nvml-config-\(.*\)\.yaml$/\1/p'; }
 
 PROFILE=$(echo "${1:-h100}" | tr 'A-Z' 'a-z')
 if [ "$PROFILE" = all ]; then
@@ -47,25 +53,11 @@ if [ "$PROFILE" = all ]; then
   [ -z "$failed" ] && { echo "=== all profiles passed"; exit 0; }
   echo "=== failed:$failed"; exit 1
 fi
-CONFIG=$MOCK/configs/mock-nvml-config-$PROFILE.yaml
+CONFIG=$CONFIGS/mock-nvml-config-$PROFILE.yaml
 [ -f "$CONFIG" ] || { echo "FAIL no mock profile $PROFILE (the mock has: $(profiles | tr '\n' ' '))"; exit 1; }
-
-# Build the mock library once (about 20 s to 2 min); vendor/ makes it work offline.
-build_mock() {
-  local go=${GO:-$(command -v go || true)}
-  [ -n "$go" ] || { echo "FAIL no Go toolchain: put go on PATH or set GO"; return 1; }
-  export GOROOT=${GOROOT:-$(cd "$(dirname "$go")/.." && pwd)}
-  export PATH=$(dirname "$go"):$PATH GOFLAGS=${GOFLAGS:--mod=vendor} GOPROXY=${GOPROXY:-off}
-  export GOTOOLCHAIN=${GOTOOLCHAIN:-local}
-  echo "building the mock NVML library in $MOCK"
-  make -C "$MOCK" NO_PADDING=1 >"$WORK/mock-build.log" 2>&1 || {
-    tail -20 "$WORK/mock-build.log"; echo "FAIL building the mock (log: $WORK/mock-build.log)"; return 1; }
-}
 
 WORK=$(mktemp -d /tmp/gpu-dra-mock-nvml.XXXXXX)
 if [ "${KEEP:-}" = 1 ]; then echo "work dir: $WORK"; else trap 'rm -rf "$WORK"' EXIT; fi
-LIB=$(ls "$MOCK"/libnvidia-ml.so.*.*.* 2>/dev/null | grep -v '\.h$' | head -1)
-if [ -z "$LIB" ]; then build_mock || exit 1; LIB=$(ls "$MOCK"/libnvidia-ml.so.*.*.* | grep -v '\.h$' | head -1); fi
 
 # The driver root: the library under the profile's driver version (the plugin looks for
 # libnvidia-ml.so.<version>, as the Container Toolkit does), the profile where the mock finds it

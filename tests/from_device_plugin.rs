@@ -1,4 +1,4 @@
-//! README, "Coming from the device plugin": each row's example in `examples/from-device-plugin/` goes
+//! docs/from-device-plugin.md: each row's example in `examples/from-device-plugin/` goes
 //! through the doubles the way a cluster would take it: the resourceclaim controller and the scheduler
 //! (`support::pods::schedule_pod`), the kubelet (`support::kubelet_pods::prepare_pod`) and the plugin.
 
@@ -146,19 +146,22 @@ async fn row_2_the_product_selector_takes_h100_nodes_only() {
     let prepared = start(&h100, &kubelet, "on-h100").await;
     assert_eq!(prepared.cdi_devices["main"].len(), 1);
 
-    // The nodeSelector of the README's row matches the label `classicNodeLabels` writes on this node.
+    // The nodeSelector of the docs' row matches the label `classicNodeLabels` writes on this node.
     use gpu_dra::gpu::GpuBackend;
     let labels = gpu_dra::devices::node_labels::classic_labels(
         &h100.fake_backend().inventory().expect("inventory"),
     );
-    let readme =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    let page = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/docs/from-device-plugin.md"
+    ))
+    .unwrap();
     let product = &labels[gpu_dra::devices::node_labels::PRODUCT];
     assert!(
-        readme.contains(&format!(
+        page.contains(&format!(
             "nodeSelector: {{nvidia.com/gpu.product: {product}}}"
         )),
-        "README's row 2 must show the label value the plugin writes: {product}"
+        "docs/from-device-plugin.md's row 2 must show the label value the plugin writes: {product}"
     );
 
     let (a100, _plugin, _kubelet) = node_with("dgx-a100", MigMode::Static).await;

@@ -1,4 +1,4 @@
-//! Keeps the README's table of NVIDIA's and gpu-dra's attributes ("Attributes and capacities, side by side") true: every attribute and capacity the table says gpu-dra
+//! Keeps the table of NVIDIA's and gpu-dra's attributes in docs/nvidia-compatibility.md ("Attributes and capacities, side by side") true: every attribute and capacity the table says gpu-dra
 //! publishes is published, with that type, on that kind of device, and every one gpu-dra publishes
 //! on the fake DGX A100 and H100 nodes has its row. Also checks the API's limit of 32 attributes and
 //! capacities per device on the fullest devices those nodes can have.
@@ -10,16 +10,16 @@ use k8s_openapi::api::resource::v1::Device;
 use super::{node_devices, MigMode, MAX_ATTRIBUTES_AND_CAPACITIES};
 use crate::gpu::{builtin_profile, FakeBackend, GpuBackend};
 
-/// The README's table, between its markers.
+/// The table of docs/nvidia-compatibility.md, between its markers.
 fn table() -> &'static str {
-    const README: &str = include_str!("../../README.md");
-    let start = README
+    const PAGE: &str = include_str!("../../docs/nvidia-compatibility.md");
+    let start = PAGE
         .find("<!-- nvidia-attributes -->")
-        .expect("the README marks the start of the table");
-    let end = README
+        .expect("docs/nvidia-compatibility.md marks the start of the table");
+    let end = PAGE
         .find("<!-- /nvidia-attributes -->")
-        .expect("the README marks the end of the table");
-    &README[start..end]
+        .expect("docs/nvidia-compatibility.md marks the end of the table");
+    &PAGE[start..end]
 }
 
 /// (device kind, name, type) as the table writes them.

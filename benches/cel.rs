@@ -18,7 +18,7 @@ const DEVICES: usize = 10_000;
 /// Passes over all devices per selector; the rate is taken from the fastest pass, the least disturbed
 /// by other work on a shared machine, and the median is printed beside it.
 const PASSES: usize = 7;
-/// Evaluations per second on one core that each selector must reach (issue 15).
+/// Evaluations per second on one core that each selector must reach.
 const TARGET_PER_SECOND: f64 = 500_000.0;
 const MEMORY_SELECTOR: &str =
     r#"device.capacity["gpu.dra.dev"].memory.compareTo(quantity("40Gi")) >= 0"#;

@@ -44,7 +44,8 @@ async fn main() {
 /// in wall and CPU time (this thread's user and system time): a new file renamed over the old one
 /// (how a CDI spec is replaced); the old file renamed aside first, so that ext4 does not write the
 /// new one out at the rename (how the checkpoint is written now); then with the file's fsync, then
-/// with the directory's fsync too (how every checkpoint and spec write was made before issue 15).
+/// with the directory's fsync too (how every checkpoint and spec write was made while the prepare path
+/// still synced).
 fn write_costs() {
     use std::io::Write;
     const WRITES: usize = 300;
@@ -69,7 +70,7 @@ fn write_costs() {
             false,
         ),
         (
-            "+ fsync of the directory (every write before issue 15)",
+            "+ fsync of the directory (every write while the prepare path still synced)",
             false,
             true,
             true,

@@ -8,7 +8,8 @@
 #
 # Two runs on node-1, each printing the slice changes seen in a 10 s window, the devices stored and the
 # Node's Events: dynamic MIG once settled; static MIG in the 10 s after an XID 79 on gpu-1. Fixed builds
-# show 0 and 1 changes; before the fix (issue 12) a default 1.34 server saw about 110 and 9.
+# show 0 and 1 changes; before the plugin learned which fields the server drops (a dry-run write at start,
+# each write's answer compared with what it sent) a default 1.34 server saw about 110 and 9.
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

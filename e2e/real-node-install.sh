@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs gpu-dra on the real node of ../shared/realk8s/node the way the README's "Install" section tells
+# Installs gpu-dra on the real node of ../shared/realk8s/node the way docs/install.md tells
 # a user, and proves it works through the plugin's Pod: the image built without Docker (e2e/image.sh) and
 # imported into containerd, `kubectl apply -f crd/`, `kubectl apply -k` of the fake overlay (through
 # e2e/real-node, which only puts the Pod on the host network: that node has no kube-proxy), then the

@@ -413,7 +413,7 @@ async fn a_dump_gives_the_same_answer_as_the_cluster() {
     );
     cluster.pod_with_template("eight-linked", gpus(8, &[], true), json!({}));
     let dump = cluster.dump();
-    // The README's example output comes from this dump: EXPLAIN_DUMP_TO=cluster.yaml keeps a copy.
+    // The example output of docs/explain.md comes from this dump: EXPLAIN_DUMP_TO=cluster.yaml keeps a copy.
     if let Ok(keep) = std::env::var("EXPLAIN_DUMP_TO") {
         std::fs::copy(&dump, keep).expect("copying the dump");
     }
@@ -510,7 +510,7 @@ async fn a_pod_of_a_compute_domain_that_is_not_placed_waits_for_it_live_and_from
     );
 
     // A dump with the ComputeDomains (`kubectl get ...,computedomains.gpu.dra.dev,... -A -o yaml`)
-    // gives the same answer. The README's example comes from this dump: EXPLAIN_DOMAIN_DUMP_TO keeps it.
+    // gives the same answer. docs/explain.md's example comes from this dump: EXPLAIN_DOMAIN_DUMP_TO keeps it.
     let dump = cluster.dump();
     if let Ok(keep) = std::env::var("EXPLAIN_DOMAIN_DUMP_TO") {
         std::fs::copy(&dump, keep).expect("copying the dump");

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Thundering herd (issue 28, part 3): N real plugin processes (fake backend, one per Node) against the real
+"""Thundering herd: N real plugin processes (fake backend, one per Node) against the real
 kube-apiserver of ../shared/realk8s; the API server is restarted in place, and the plugins' way back is
 measured. Kept out of CI; Python 3 standard library only.
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What our slices cost the real kube-scheduler (issue 28): N nodes with the slices `gpu-dra devices`
+"""What our slices cost the real kube-scheduler: N nodes with the slices `gpu-dra devices`
 publishes for them, then M pods with claims from a template, created at once, measured until all are
 bound. Against the control plane of ../shared/realk8s (up.sh), kept out of CI.
 

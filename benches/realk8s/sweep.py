@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Runs scale.py over the matrix of issue 28 and appends one JSON line per run to a results file:
+"""Runs scale.py over a matrix of runs and appends one JSON line per run to a results file:
 node counts × MIG modes × the claim kinds that mode can serve. Against ../shared/realk8s (up.sh), kept
 out of CI; plot.py draws the curves from the file.
 

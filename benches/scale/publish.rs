@@ -24,7 +24,7 @@ pub struct NodeShape {
     pub mig_mode: MigMode,
 }
 
-/// The two nodes of issue 15: 8 GPUs with every MIG profile at every placement, and 16 whole GPUs.
+/// The two big nodes measured: 8 GPUs with every MIG profile at every placement, and 16 whole GPUs.
 pub fn shapes() -> [NodeShape; 2] {
     [
         NodeShape {

@@ -27,8 +27,7 @@ pub use watcher::{EffectivePolicy, PolicyWatcher};
 pub const DRIVER_NAME: &str = "gpu.dra.dev";
 /// The name of NVIDIA's DRA driver. A plugin started with it runs in NVIDIA compatibility mode: it
 /// takes NVIDIA's opaque configs (`resource.nvidia.com/v1beta1`) with NVIDIA's precedence rules, so
-/// claims, classes and tools written for NVIDIA's driver work unchanged (README, "NVIDIA
-/// compatibility").
+/// claims, classes and tools written for NVIDIA's driver work unchanged (docs/nvidia-compatibility.md).
 pub const NVIDIA_DRIVER_NAME: &str = "gpu.nvidia.com";
 
 /// Where the generated CRD manifest lives, relative to the crate root.

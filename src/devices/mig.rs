@@ -87,10 +87,10 @@ const BINDING_SEARCH_BUDGET: usize = 1_000_000;
 /// Which of `totals` can refuse something the memory slices allow: those that some set of devices
 /// (the whole GPU or MIG placements) with no memory slice in common would exceed. A counter that no
 /// such set exceeds refuses nothing, so leaving it out changes no allocation, and the scheduler checks
-/// every counter of every device of the node for every pod (issue 28): on an H100 only `ofa-engines`
-/// binds (one `+me` device at a time), and a 1g device consumes 1 counter instead of 7. Exhaustive over the
-/// sets; past [`BINDING_SEARCH_BUDGET`] of them, or with more memory slices than a mask holds, every
-/// counter stays.
+/// every counter of every device of the node for every pod (BENCHMARKS.md, "At cluster scale"): on an
+/// H100 only `ofa-engines` binds (one `+me` device at a time), and a 1g device consumes 1 counter
+/// instead of 7. Exhaustive over the sets; past [`BINDING_SEARCH_BUDGET`] of them, or with more memory
+/// slices than a mask holds, every counter stays.
 fn binding_counters(mig: &MigInfo, totals: &BTreeMap<String, u64>) -> BTreeSet<String> {
     let everything = || totals.keys().cloned().collect();
     if mig.memory_slices > 64 {

@@ -31,7 +31,8 @@ pub const MAX_ATTRIBUTES_AND_CAPACITIES: usize = 32;
 /// `resource.kubernetes.io/pciBusID`, which has the same value), `gpuModuleID` (NVIDIA publishes it
 /// only behind an alpha feature gate, off by default), then `index` and `parentIndex` (published up
 /// to v25.3 only). Only a static MIG device spanning all eight memory slices comes near the limit
-/// (its `memorySliceN` capacities); the README's table ("Attributes and capacities, side by side") says which devices lose what.
+/// (its `memorySliceN` capacities); the table "Attributes and capacities, side by side" in
+/// docs/nvidia-compatibility.md says which devices lose what.
 pub const GIVEN_UP_OVER_THE_LIMIT: [&str; 4] = ["pcieBusID", "gpuModuleID", "index", "parentIndex"];
 
 /// How MIG-capable GPUs are published.

@@ -162,7 +162,7 @@ impl FaultStore {
 /// background, so a slow API server does not hold up the start.
 /// Under NVIDIA's driver name, says which claims NVIDIA's plugin prepared on this node were taken
 /// over (their pods are unprepared by this plugin when they go) and which were not, and why
-/// (README, "Coming from NVIDIA's DRA driver"). NVIDIA's checkpoint is only read.
+/// (docs/nvidia-compatibility.md). NVIDIA's checkpoint is only read.
 pub(super) fn report_nvidia_claims(events: &Arc<NodeEvents>, adoption: &crate::claims::Adoption) {
     let mut notes = Vec::new();
     if !adoption.adopted.is_empty() {

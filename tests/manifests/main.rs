@@ -263,7 +263,7 @@ fn one<'a>(docs: &'a [Doc], kind: &str, name: &str) -> &'a Doc {
     }
 }
 
-/// The README and deploy/ say `kubectl apply -f crd/`: kubectl applies every .yaml, .yml and .json file of
+/// docs/install.md and deploy/ say `kubectl apply -f crd/`: kubectl applies every .yaml, .yml and .json file of
 /// the directory, so anything but CustomResourceDefinitions there (a JSON schema) makes the command fail.
 #[test]
 fn crd_holds_only_what_kubectl_apply_can_apply() {

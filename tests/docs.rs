@@ -5,8 +5,26 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Component, Path, PathBuf};
+use std::sync::LazyLock;
 
 use regex::Regex;
+
+/// `[text](target)`, for a heading's rendered text.
+static LINK: LazyLock<Regex> = LazyLock::new(|| Regex::new(r"\[([^\]]*)\]\([^)]*\)").unwrap());
+static TAG: LazyLock<Regex> = LazyLock::new(|| Regex::new(r"<[^>]+>").unwrap());
+static HEADING: LazyLock<Regex> =
+    LazyLock::new(|| Regex::new(r"^#{1,6}\s+(.*?)\s*#*\s*$").unwrap());
+static EXPLICIT_ANCHOR: LazyLock<Regex> =
+    LazyLock::new(|| Regex::new(r#"<a\s+(?:id|name)="([^"]+)""#).unwrap());
+static CODE_SPAN: LazyLock<Regex> = LazyLock::new(|| Regex::new(r"`[^`]*`").unwrap());
+/// An inline link's or image's target: `](target)` or `](target "title")`.
+static INLINE_TARGET: LazyLock<Regex> =
+    LazyLock::new(|| Regex::new(r#"\]\(\s*<?([^)\s>]*)>?(?:\s+"[^"]*")?\s*\)"#).unwrap());
+/// A reference definition: `[name]: target`.
+static DEFINITION: LazyLock<Regex> =
+    LazyLock::new(|| Regex::new(r"^\s{0,3}\[[^\]]+\]:\s*<?(\S+?)>?(?:\s|$)").unwrap());
+static SCHEME: LazyLock<Regex> =
+    LazyLock::new(|| Regex::new(r"^[a-zA-Z][a-zA-Z0-9+.-]*:").unwrap());
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -61,10 +79,8 @@ fn prose_lines(text: &str) -> Vec<(usize, &str)> {
 /// The anchor GitHub gives a heading: the rendered text lower-cased, everything but letters, digits,
 /// spaces, hyphens and underscores dropped, spaces made hyphens.
 fn slug(heading: &str) -> String {
-    let link = Regex::new(r"\[([^\]]*)\]\([^)]*\)").unwrap();
-    let tag = Regex::new(r"<[^>]+>").unwrap();
-    let text = link.replace_all(heading, "$1");
-    let text = tag.replace_all(&text, "");
+    let text = LINK.replace_all(heading, "$1");
+    let text = TAG.replace_all(&text, "");
     text.trim()
         .to_lowercase()
         .chars()
@@ -76,12 +92,10 @@ fn slug(heading: &str) -> String {
 /// Every anchor of a Markdown page: its headings' (a repeated one gets `-1`, `-2`, ... as GitHub numbers
 /// them) and explicit `<a id|name="...">`s.
 fn anchors(text: &str) -> BTreeSet<String> {
-    let heading = Regex::new(r"^#{1,6}\s+(.*?)\s*#*\s*$").unwrap();
-    let explicit = Regex::new(r#"<a\s+(?:id|name)="([^"]+)""#).unwrap();
     let mut seen: BTreeMap<String, usize> = BTreeMap::new();
     let mut out = BTreeSet::new();
     for (_, line) in prose_lines(text) {
-        if let Some(found) = heading.captures(line) {
+        if let Some(found) = HEADING.captures(line) {
             let base = slug(&found[1]);
             let count = seen.entry(base.clone()).or_insert(0);
             out.insert(match *count {
@@ -90,7 +104,7 @@ fn anchors(text: &str) -> BTreeSet<String> {
             });
             *count += 1;
         }
-        for found in explicit.captures_iter(line) {
+        for found in EXPLICIT_ANCHOR.captures_iter(line) {
             out.insert(found[1].to_string());
         }
     }
@@ -100,16 +114,13 @@ fn anchors(text: &str) -> BTreeSet<String> {
 /// The link targets of a Markdown page, with their line numbers: inline links and images and reference
 /// definitions, outside code blocks and code spans.
 fn links(text: &str) -> Vec<(usize, String)> {
-    let code_span = Regex::new(r"`[^`]*`").unwrap();
-    let inline = Regex::new(r#"\]\(\s*<?([^)\s>]*)>?(?:\s+"[^"]*")?\s*\)"#).unwrap();
-    let definition = Regex::new(r"^\s{0,3}\[[^\]]+\]:\s*<?(\S+?)>?(?:\s|$)").unwrap();
     let mut out = Vec::new();
     for (number, line) in prose_lines(text) {
-        let line = code_span.replace_all(line, "");
-        for found in inline.captures_iter(&line) {
+        let line = CODE_SPAN.replace_all(line, "");
+        for found in INLINE_TARGET.captures_iter(&line) {
             out.push((number, found[1].to_string()));
         }
-        if let Some(found) = definition.captures(&line) {
+        if let Some(found) = DEFINITION.captures(&line) {
             out.push((number, found[1].to_string()));
         }
     }
@@ -139,8 +150,7 @@ fn broken(page: &Path, target: &str) -> Option<String> {
     if target.is_empty() {
         return Some("an empty link".into());
     }
-    let scheme = Regex::new(r"^[a-zA-Z][a-zA-Z0-9+.-]*:").unwrap();
-    if scheme.is_match(target) {
+    if SCHEME.is_match(target) {
         return None; // http(s), mailto: not a file of ours
     }
     let (path, anchor) = match target.split_once('#') {

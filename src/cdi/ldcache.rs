@@ -2,16 +2,6 @@
 //! table as glibc < 2.32 wrote it) into soname / path pairs, so that driver libraries in directories only the
 //! host's linker configuration names are found too.
 
-/// `FLAG_ELF_LIBC6` (the low byte) plus the 64-bit ABI byte of this machine's architecture, as ldconfig
-/// writes them; `None` where we do not know the ABI byte, and the cache is then not used.
-pub(super) const NATIVE_FLAGS: Option<i32> = if cfg!(target_arch = "x86_64") {
-    Some(0x0303)
-} else if cfg!(target_arch = "aarch64") {
-    Some(0x0a03)
-} else {
-    None
-};
-
 const OLD_MAGIC: &[u8] = b"ld.so-1.7.0";
 const NEW_MAGIC: &[u8] = b"glibc-ld.so.cache1.1";
 /// Old header: 11-byte magic padded to 12, `nlibs`; entries: flags, key, value.
@@ -293,10 +283,11 @@ mod tests {
             return;
         };
         let entries = parse(&data).unwrap_or_default();
+        let native = crate::gpu::HostArch::NATIVE.map(|arch| arch.ld_cache_flags);
         assert!(
             entries
                 .iter()
-                .any(|e| e.soname == "libc.so.6" && NATIVE_FLAGS.is_none_or(|f| e.flags == f)),
+                .any(|e| e.soname == "libc.so.6" && native.is_none_or(|f| e.flags == f)),
             "libc.so.6 missing from {} parsed entries",
             entries.len()
         );

@@ -14,6 +14,7 @@ mod fake_proc;
 mod fake_sharing;
 #[cfg(test)]
 mod fake_tests;
+mod host_arch;
 mod locks;
 pub mod mig;
 mod nvidia_smi;
@@ -30,6 +31,7 @@ mod profiles;
 pub use device_files::{DeviceMajors, DeviceNumber, DriverProc};
 pub use driver_exec::{DriverCommand, DriverExecError};
 pub use fake::FakeBackend;
+pub use host_arch::HostArch;
 pub use locks::GpuLocks;
 pub use mig::{
     ComputeShare, MigDestroyed, MigInfo, MigInstance, MigPlacement, MigProfile, MigRequest,

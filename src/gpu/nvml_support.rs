@@ -10,7 +10,7 @@ use nvml_wrapper::struct_wrappers::device::ProfileInfo;
 
 use super::mig::{builtin_profiles_for, MigInfo, MigInstance, MigPlacement, MigProfile};
 use super::nvlink::FabricInfo;
-use super::{GpuError, GpuEventKind};
+use super::{GpuError, GpuEventKind, HostArch};
 
 /// NVML's `nvmlGpuFabricState_t` value for a GPU whose fabric registration finished.
 pub const FABRIC_STATE_COMPLETED: u8 = 3;
@@ -444,20 +444,22 @@ pub fn unavailable_reason(error: &NvmlError, library: &str) -> String {
     }
 }
 
-/// Where a containerized driver (driver root other than `/`) keeps libnvidia-ml.so.1.
+/// Where a containerized driver (driver root other than `/`) keeps libnvidia-ml.so.1, most likely first.
 pub fn library_candidates(driver_root: &Path) -> Vec<PathBuf> {
-    [
-        "usr/lib/x86_64-linux-gnu",
-        "usr/lib/aarch64-linux-gnu",
-        "usr/lib64",
-        "usr/lib",
-        "lib/x86_64-linux-gnu",
-        "lib/aarch64-linux-gnu",
-        "lib64",
-    ]
-    .iter()
-    .map(|dir| driver_root.join(dir).join("libnvidia-ml.so.1"))
-    .collect()
+    library_candidates_of(driver_root, HostArch::NATIVE)
+}
+
+/// [`library_candidates`] on a host of `arch`: only its own multiarch directories, since another
+/// architecture's library cannot be loaded (the first that exists is the one dlopened).
+pub(crate) fn library_candidates_of(driver_root: &Path, arch: Option<HostArch>) -> Vec<PathBuf> {
+    let multiarch = |prefix: &str| arch.map(|arch| format!("{prefix}/{}", arch.multiarch));
+    let mut dirs: Vec<String> = multiarch("usr/lib").into_iter().collect();
+    dirs.extend(["usr/lib64", "usr/lib"].map(String::from));
+    dirs.extend(multiarch("lib"));
+    dirs.push("lib64".into());
+    dirs.iter()
+        .map(|dir| driver_root.join(dir).join("libnvidia-ml.so.1"))
+        .collect()
 }
 
 #[cfg(test)]

@@ -271,10 +271,6 @@ fn errors_read_plainly() {
         reason.contains("--backend fake") && reason.contains("NVIDIA driver is not loaded"),
         "{reason}"
     );
-    assert_eq!(
-        library_candidates(Path::new("/run/nvidia/driver"))[0],
-        Path::new("/run/nvidia/driver/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1")
-    );
     assert_eq!(struct_version(40, 3), 0x0300_0028);
 }
 
@@ -284,4 +280,37 @@ fn addressing_modes_take_nvidias_names() {
     assert_eq!(addressing_mode_name(1), Some("HMM"));
     assert_eq!(addressing_mode_name(2), Some("ATS"));
     assert_eq!(addressing_mode_name(3), None);
+}
+
+/// The NVML library of a containerized driver on a Grace host (GH200, GB200) is found under
+/// `/usr/lib/aarch64-linux-gnu` (or `/lib/aarch64-linux-gnu`), never another architecture's, which could
+/// not be loaded; on an x86-64 host the reverse.
+#[test]
+fn nvml_is_looked_for_in_the_hosts_own_multiarch_directories() {
+    let root = Path::new("/run/nvidia/driver");
+    let of = |arch| -> Vec<String> {
+        library_candidates_of(root, Some(arch))
+            .iter()
+            .map(|p| p.strip_prefix(root).unwrap().display().to_string())
+            .collect()
+    };
+    assert_eq!(
+        of(HostArch::AARCH64),
+        [
+            "usr/lib/aarch64-linux-gnu/libnvidia-ml.so.1",
+            "usr/lib64/libnvidia-ml.so.1",
+            "usr/lib/libnvidia-ml.so.1",
+            "lib/aarch64-linux-gnu/libnvidia-ml.so.1",
+            "lib64/libnvidia-ml.so.1",
+        ]
+    );
+    assert_eq!(
+        of(HostArch::X86_64)[0],
+        "usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1"
+    );
+    assert!(!of(HostArch::X86_64).iter().any(|p| p.contains("aarch64")));
+    assert_eq!(
+        library_candidates(root),
+        library_candidates_of(root, HostArch::NATIVE)
+    );
 }

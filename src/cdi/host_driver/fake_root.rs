@@ -6,6 +6,7 @@ use std::path::Path;
 
 use super::search::library_dirs;
 use super::HostDriver;
+use crate::gpu::HostArch;
 
 pub const VERSION: &str = "550.90.07";
 
@@ -78,7 +79,7 @@ impl FakeRoot {
 }
 
 pub fn native_dir() -> String {
-    library_dirs().swap_remove(0)
+    library_dirs(HostArch::NATIVE).swap_remove(0)
 }
 
 pub fn discover(root: &FakeRoot) -> HostDriver {

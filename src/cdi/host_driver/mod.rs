@@ -12,10 +12,11 @@ use std::io;
 use std::path::{Path, PathBuf};
 
 use super::spec::{ContainerEdits, Mount};
+use crate::gpu::HostArch;
 use hooks::{hook_cli, hook_override, library_hooks, HOOK_BINARIES};
 pub use hooks::{CdiHook, HookCli};
 pub use search::LibraryClass;
-use search::{library_dirs, Finder, BINARIES, CUDA_LIBRARY, NVML_LIBRARY};
+use search::{Finder, BINARIES, CUDA_LIBRARY, NVML_LIBRARY};
 
 const MOUNT_OPTIONS: [&str; 4] = ["ro", "nosuid", "nodev", "bind"];
 
@@ -81,7 +82,7 @@ pub enum HostDriverError {
 /// The library directories below a driver root, with those its ld.so.cache names for the driver's
 /// libraries: the cache's directories are for this ABI, so they go before the generic /usr/lib and /lib.
 fn search_dirs(finder: &mut Finder) -> Vec<String> {
-    let mut dirs = library_dirs();
+    let mut dirs = finder.library_dirs();
     let mut at = dirs
         .iter()
         .position(|d| d == "/usr/lib")
@@ -100,8 +101,13 @@ fn search_dirs(finder: &mut Finder) -> Vec<String> {
 /// ld.so.cache, with the root's symlinks followed inside it. Without it a directory is no driver root.
 /// `Err` lists the directories searched.
 pub fn find_nvml_library(driver_root: &Path) -> Result<PathBuf, String> {
+    find_nvml_library_of(driver_root, HostArch::NATIVE)
+}
+
+/// [`find_nvml_library`] for a driver root of the host `arch`.
+fn find_nvml_library_of(driver_root: &Path, arch: Option<HostArch>) -> Result<PathBuf, String> {
     let host_root = PathBuf::from("/");
-    let mut finder = Finder::new(driver_root, &host_root);
+    let mut finder = Finder::new(driver_root, &host_root, arch);
     let dirs = search_dirs(&mut finder);
     finder
         .any_version_of(&dirs, NVML_LIBRARY)
@@ -130,6 +136,16 @@ impl HostDriver {
         driver_root: &Path,
         driver_version: &str,
         options: &DiscoveryOptions,
+    ) -> Result<Self, HostDriverError> {
+        Self::discover_of(driver_root, driver_version, options, HostArch::NATIVE)
+    }
+
+    /// [`HostDriver::discover_with`] for a driver root of the host `arch`.
+    fn discover_of(
+        driver_root: &Path,
+        driver_version: &str,
+        options: &DiscoveryOptions,
+        arch: Option<HostArch>,
     ) -> Result<Self, HostDriverError> {
         let version_ok = driver_version.starts_with(|c: char| c.is_ascii_digit())
             && driver_version
@@ -166,7 +182,7 @@ impl HostDriver {
             ));
         }
 
-        let mut finder = Finder::new(driver_root, &host_root);
+        let mut finder = Finder::new(driver_root, &host_root, arch);
         let dirs = search_dirs(&mut finder);
         let (mut files, other_versions) = finder.libraries(&dirs, driver_version);
 
@@ -304,6 +320,116 @@ mod tests {
     use super::*;
     use crate::cdi::spec::{minimum_version, validate, Device, DeviceNode, Spec};
     use std::collections::HashSet;
+
+    /// A driver root holding both architectures' files, as a multi-arch image or a careless copy can:
+    /// `/usr/lib/<triple>` for each, and an ld.so.cache naming a directory for each ABI.
+    fn two_architectures_root() -> FakeRoot {
+        let root = FakeRoot::new();
+        for triple in ["aarch64-linux-gnu", "x86_64-linux-gnu"] {
+            for stem in ["libnvidia-ml", "libcuda"] {
+                root.lib(&format!("/usr/lib/{triple}/{stem}.so.{VERSION}"));
+            }
+        }
+        root.lib(&format!("/opt/arm/libnvidia-opencl.so.{VERSION}"))
+            .lib(&format!("/opt/x86/libnvidia-encode.so.{VERSION}"));
+        let cache = crate::cdi::ldcache::build::cache(
+            &[
+                (
+                    HostArch::AARCH64.ld_cache_flags,
+                    "libnvidia-opencl.so.1",
+                    "/opt/arm/libnvidia-opencl.so.1",
+                ),
+                (
+                    HostArch::X86_64.ld_cache_flags,
+                    "libnvidia-encode.so.1",
+                    "/opt/x86/libnvidia-encode.so.1",
+                ),
+            ],
+            false,
+        );
+        root.write("/etc/ld.so.cache", &cache, 0o644);
+        root
+    }
+
+    /// Grace hosts (GH200, GB200) keep the driver in `/usr/lib/aarch64-linux-gnu`: discovery on such a
+    /// host takes those files and its ld.so.cache's AArch64 entries, never the other architecture's,
+    /// whatever machine runs this test.
+    #[test]
+    fn an_aarch64_host_gets_its_own_libraries_and_ld_cache_directories() {
+        let root = two_architectures_root();
+        for (arch, own, other) in [
+            (HostArch::AARCH64, "aarch64-linux-gnu", "x86_64-linux-gnu"),
+            (HostArch::X86_64, "x86_64-linux-gnu", "aarch64-linux-gnu"),
+        ] {
+            let driver = HostDriver::discover_of(
+                root.path(),
+                VERSION,
+                &DiscoveryOptions::default(),
+                Some(arch),
+            )
+            .unwrap_or_else(|e| panic!("{own}: {e}"));
+            let paths = container_paths(&driver);
+            for stem in ["libnvidia-ml", "libcuda"] {
+                let path = format!("/usr/lib/{own}/{stem}.so.{VERSION}");
+                assert!(paths.contains(&path), "{own}: {path} not in {paths:?}");
+            }
+            assert!(
+                !paths.iter().any(|p| p.contains(other)),
+                "{own}: the other architecture's files must not be mounted: {paths:?}"
+            );
+            let (cached, not_cached) = if arch == HostArch::AARCH64 {
+                ("/opt/arm/libnvidia-opencl", "/opt/x86/")
+            } else {
+                ("/opt/x86/libnvidia-encode", "/opt/arm/")
+            };
+            assert!(
+                paths.iter().any(|p| p.starts_with(cached)),
+                "{own}: {cached} from the ld.so.cache not in {paths:?}"
+            );
+            assert!(
+                !paths.iter().any(|p| p.starts_with(not_cached)),
+                "{own}: {not_cached} is another ABI's: {paths:?}"
+            );
+            assert!(driver.warnings().is_empty(), "{:?}", driver.warnings());
+
+            let nvml = find_nvml_library_of(root.path(), Some(arch)).unwrap();
+            assert!(
+                nvml.to_string_lossy().contains(own),
+                "{own}: {}",
+                nvml.display()
+            );
+        }
+    }
+
+    /// An AArch64 root without its own libnvidia-ml is no driver root for that host, even with an
+    /// x86-64 copy beside it; the error names the AArch64 directories it searched.
+    #[test]
+    fn an_aarch64_host_with_only_x86_64_libraries_has_no_driver() {
+        let root = FakeRoot::new();
+        root.lib(&format!(
+            "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.{VERSION}"
+        ));
+        let searched = find_nvml_library_of(root.path(), Some(HostArch::AARCH64)).unwrap_err();
+        assert!(
+            searched.starts_with("/usr/lib/aarch64-linux-gnu, ")
+                && searched.contains("/lib/aarch64-linux-gnu")
+                && !searched.contains("x86_64"),
+            "{searched}"
+        );
+        let err = HostDriver::discover_of(
+            root.path(),
+            VERSION,
+            &DiscoveryOptions::default(),
+            Some(HostArch::AARCH64),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains(&format!("libnvidia-ml.so.{VERSION} not found"))
+                && err.contains("aarch64"),
+            "{err}"
+        );
+    }
 
     #[test]
     fn another_version_is_an_error_naming_version_root_and_what_is_there() {

@@ -10,6 +10,7 @@ use std::path::{Component, Path, PathBuf};
 
 use super::{DriverFile, FileKind};
 use crate::cdi::ldcache;
+use crate::gpu::HostArch;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LibraryClass {
@@ -67,20 +68,10 @@ pub(super) const CUDA_LIBRARY: &str = "libcuda";
 /// Applications dlopen these by their bare `.so` name, so the toolkit links that name to the soname too.
 const DEV_LINKS: [&str; 2] = ["libcuda", "libnvidia-opticalflow"];
 
-/// This machine's Debian multiarch triple: only its directories are searched, since another
-/// architecture's libcuda is of no use.
-const MULTIARCH: Option<&str> = if cfg!(target_arch = "x86_64") {
-    Some("x86_64-linux-gnu")
-} else if cfg!(target_arch = "aarch64") {
-    Some("aarch64-linux-gnu")
-} else {
-    None
-};
-
-/// Library directories below the driver root, most specific first, since the first file of a name wins:
-/// `/usr/lib` and `/lib` come last because they hold the 32-bit libraries on Red Hat-like hosts.
-pub(super) fn library_dirs() -> Vec<String> {
-    let multiarch = |prefix: &str| MULTIARCH.map(|triple| format!("{prefix}/{triple}"));
+/// Library directories below a driver root of `arch`, most specific first, since the first file of a
+/// name wins: `/usr/lib` and `/lib` come last because they hold the 32-bit libraries on Red Hat-like hosts.
+pub(super) fn library_dirs(arch: Option<HostArch>) -> Vec<String> {
+    let multiarch = |prefix: &str| arch.map(|arch| format!("{prefix}/{}", arch.multiarch));
     let mut dirs: Vec<String> = multiarch("/usr/lib").into_iter().collect();
     dirs.extend(["/usr/lib64", "/lib64"].map(String::from));
     dirs.extend(multiarch("/lib"));
@@ -113,16 +104,24 @@ const MAX_SYMLINKS: usize = 40;
 pub(super) struct Finder<'a> {
     root: &'a Path,
     host_root: &'a Path,
+    arch: Option<HostArch>,
     warnings: Vec<String>,
 }
 
 impl<'a> Finder<'a> {
-    pub(super) fn new(root: &'a Path, host_root: &'a Path) -> Self {
+    /// A finder for a driver root of the host `arch` (normally [`HostArch::NATIVE`]).
+    pub(super) fn new(root: &'a Path, host_root: &'a Path, arch: Option<HostArch>) -> Self {
         Self {
             root,
             host_root,
+            arch,
             warnings: Vec::new(),
         }
+    }
+
+    /// The library directories of this root's architecture.
+    pub(super) fn library_dirs(&self) -> Vec<String> {
+        library_dirs(self.arch)
     }
 
     /// What was skipped, for the operator.
@@ -306,9 +305,9 @@ impl<'a> Finder<'a> {
         (found.into_iter().map(|(_, f)| f).collect(), other_versions)
     }
 
-    /// Directories that the root's ld.so.cache gives for the driver's libraries, for this architecture.
+    /// Directories that the root's ld.so.cache gives for the driver's libraries, for its architecture.
     pub(super) fn ld_cache_dirs(&mut self) -> Vec<String> {
-        let Some(native) = ldcache::NATIVE_FLAGS else {
+        let Some(native) = self.arch.map(|arch| arch.ld_cache_flags) else {
             return Vec::new();
         };
         let cache = Path::new("/etc/ld.so.cache");
@@ -489,7 +488,7 @@ mod tests {
 
     #[test]
     fn ld_so_cache_adds_directories_in_both_formats() {
-        let Some(native) = ldcache::NATIVE_FLAGS else {
+        let Some(native) = HostArch::NATIVE.map(|arch| arch.ld_cache_flags) else {
             return;
         };
         for with_old_table in [false, true] {
@@ -545,7 +544,7 @@ mod tests {
             driver.files()[0].kind,
             FileKind::Library(LibraryClass::Compute)
         );
-        if ldcache::NATIVE_FLAGS.is_some() {
+        if HostArch::NATIVE.is_some() {
             assert!(
                 driver.warnings().iter().any(|w| w.contains("ld.so.cache")),
                 "{:?}",

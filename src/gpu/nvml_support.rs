@@ -195,7 +195,8 @@ pub fn c_chars_to_string(chars: &[std::ffi::c_char]) -> String {
     let bytes: Vec<u8> = chars
         .iter()
         .take_while(|c| **c != 0)
-        .map(|c| *c as u8)
+        // c_char is i8 on x86-64 and u8 on AArch64: the byte either way, with no cast that lints on one.
+        .map(|c| c.to_ne_bytes()[0])
         .collect();
     String::from_utf8_lossy(&bytes).into_owned()
 }

@@ -91,6 +91,7 @@ fn claim_on_real_gpus(
         admin_access: false,
         mig,
         sharing: Default::default(),
+        imex_channels: None,
     };
     let mut devices = vec![
         device("gpu-1", None),

@@ -10,7 +10,7 @@
 
 use std::time::Duration;
 
-use gpu_dra::domains::api::{ComputeDomainStatus, DomainObject, CLIQUE_ANNOTATION};
+use gpu_dra::domains::api::{ComputeDomainStatus, DomainObject};
 use gpu_dra::support::apiserver::ApiServer;
 use gpu_dra::support::harness::install_device_classes;
 use gpu_dra::support::rack::{self, wait_for, Fabric, Rack};
@@ -132,10 +132,10 @@ async fn a_four_node_job_gets_one_clique_a_channel_everywhere_and_its_faults_rep
             .flat_map(|s| s.spec.devices.iter().flatten())
             .filter(|d| d.name.starts_with("imex-channel-"))
             .count();
-        let expected = if node.name == "a0" { 0 } else { 32 };
+        let expected = if node.name == "a0" { 0 } else { 1 };
         assert_eq!(
             channels, expected,
-            "IMEX channels published by {}",
+            "IMEX channel devices published by {}",
             node.name
         );
     }
@@ -147,14 +147,10 @@ async fn a_four_node_job_gets_one_clique_a_channel_everywhere_and_its_faults_rep
     let placed = wait_for(
         "the domain's placement",
         Duration::from_secs(20),
-        async || domain(&client, "job").await.placement(),
+        async || rack::placement(&client, NAMESPACE, "job").await,
     )
     .await;
-    assert_eq!(
-        placed,
-        (CLIQUE_0.to_string(), 0),
-        "clique 0 is the only one with 4 nodes"
-    );
+    assert_eq!(placed, CLIQUE_0, "clique 0 is the only one with 4 nodes");
     let templates: Api<ResourceClaimTemplate> = Api::namespaced(client.clone(), NAMESPACE);
     wait_for(
         "the channel template",
@@ -298,7 +294,10 @@ async fn a_four_node_job_gets_one_clique_a_channel_everywhere_and_its_faults_rep
     );
     assert_eq!(after, before, "the restarted plugin keeps n1's daemon Pod");
     let kept = domain(&client, "job").await;
-    assert_eq!(kept.placement(), Some((CLIQUE_0.to_string(), 0)));
+    assert_eq!(
+        rack::placement(&client, NAMESPACE, "job").await.as_deref(),
+        Some(CLIQUE_0)
+    );
     assert_eq!(kept.status.status, "Ready", "{:?}", kept.status);
     assert_eq!(
         status_of(&kept, "n1").map(|s| s.0),
@@ -402,10 +401,7 @@ async fn a_four_node_job_gets_one_clique_a_channel_everywhere_and_its_faults_rep
         reason.contains("no NVLink clique has 5 free nodes"),
         "{reason}"
     );
-    assert!(!domain(&client, "too-big")
-        .await
-        .annotations
-        .contains_key(CLIQUE_ANNOTATION));
+    assert_eq!(rack::placement(&client, NAMESPACE, "too-big").await, None);
     assert!(templates
         .get_opt("too-big-channel")
         .await

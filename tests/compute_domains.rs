@@ -1,12 +1,14 @@
 //! The ComputeDomain controller against the API server double: six fabric nodes in two NVLink cliques
-//! (4 + 2) and one node without fabric. A domain of 4 nodes is placed on the 4-node clique with its
-//! template; a second gets another channel; one of 5 nodes waits with the cliques' counts; status
-//! follows the plugins' node entries and the Nodes; deleting a domain deletes its template; NVIDIA's
-//! group is served only under NVIDIA's driver name.
+//! (4 + 2) and one node without fabric. A domain of 4 nodes is placed on the 4-node clique (its
+//! ComputeDomainPlacement, then its template); a second goes there too, since placing holds no node;
+//! one of 5 nodes waits with the cliques' counts; annotations a user presets change nothing; forty
+//! empty domains keep no other namespace's job out, while workers' channel claims do take their nodes;
+//! status follows the plugins' node entries and the Nodes; deleting a domain deletes its template and
+//! placement; NVIDIA's group is served only under NVIDIA's driver name.
 
 use std::time::Duration;
 
-use gpu_dra::domains::api::{CHANNEL_ANNOTATION, CLIQUE_ANNOTATION, PLACEMENT_ANNOTATION};
+use gpu_dra::domains::api::PLACEMENT_ANNOTATION;
 use gpu_dra::domains::controller::{Controller, ControllerConfig};
 use gpu_dra::support::apiserver::ApiServer;
 use serde_json::{json, Value};
@@ -16,19 +18,17 @@ const WAIT: Duration = Duration::from_secs(10);
 const BIG: &str = "cluster-1.0";
 const SMALL: &str = "cluster-1.1";
 
-/// A node's slice under `driver`: two GPUs and, with a clique, IMEX channels 0..4.
+/// A node's slice under `driver`: two GPUs and, with a clique, its IMEX channel device.
 fn slice(driver: &str, node: &str, clique: Option<&str>) -> Value {
     let mut devices: Vec<Value> = (0..2)
         .map(|i| json!({"name": format!("gpu-{i}"), "attributes": {"type": {"string": "gpu"}}}))
         .collect();
     if let Some(clique) = clique {
-        devices.extend((0..4).map(|n| {
-            json!({"name": format!("imex-channel-{n}"), "attributes": {
-                "type": {"string": "imex-channel"},
-                "channel": {"int": n},
-                "nvlinkDomain": {"string": clique},
-            }})
-        }));
+        devices.push(json!({"name": "imex-channel-0", "attributes": {
+            "type": {"string": "imex-channel"},
+            "channel": {"int": 0},
+            "nvlinkDomain": {"string": clique},
+        }}));
     }
     json!({
         "metadata": {"name": format!("{node}-{driver}")},
@@ -68,10 +68,14 @@ fn cluster(api: &ApiServer, driver: &str) {
 }
 
 fn domain(api_version: &str, name: &str, num_nodes: u32) -> Value {
+    domain_in("team", api_version, name, num_nodes)
+}
+
+fn domain_in(namespace: &str, api_version: &str, name: &str, num_nodes: u32) -> Value {
     json!({
         "apiVersion": api_version,
         "kind": "ComputeDomain",
-        "metadata": {"name": name, "namespace": "team"},
+        "metadata": {"name": name, "namespace": namespace},
         "spec": {"numNodes": num_nodes,
                  "channel": {"resourceClaimTemplate": {"name": format!("{name}-channel")}}},
     })
@@ -137,6 +141,43 @@ async fn domain_when(
     }
 }
 
+/// The clique of the domain's ComputeDomainPlacement, once the controller wrote it.
+async fn placed(api: &ApiServer, resource: &str, namespace: &str, name: &str) -> String {
+    let domain = api
+        .wait_for(
+            resource,
+            |all| {
+                all.iter().any(|d| {
+                    d["metadata"]["name"] == name && d["metadata"]["namespace"] == namespace
+                })
+            },
+            WAIT,
+        )
+        .await
+        .and_then(|all| {
+            all.into_iter()
+                .find(|d| d["metadata"]["name"] == name && d["metadata"]["namespace"] == namespace)
+        })
+        .unwrap_or_else(|| panic!("no ComputeDomain {namespace}/{name}"));
+    let uid = domain["metadata"]["uid"].as_str().unwrap().to_string();
+    let placements = api
+        .wait_for(
+            "computedomainplacements",
+            |all| all.iter().any(|p| p["metadata"]["name"] == uid.as_str()),
+            WAIT,
+        )
+        .await
+        .unwrap_or_else(|| panic!("ComputeDomain {namespace}/{name} was never placed"));
+    let placement = placements
+        .into_iter()
+        .find(|p| p["metadata"]["name"] == uid.as_str())
+        .unwrap();
+    assert_eq!(placement["spec"]["domain"]["namespace"], namespace);
+    assert_eq!(placement["spec"]["domain"]["name"], name);
+    assert_eq!(placement["spec"]["domain"]["uid"], uid.as_str());
+    placement["spec"]["clique"].as_str().unwrap().to_string()
+}
+
 fn annotation<'a>(domain: &'a Value, key: &str) -> &'a str {
     domain["metadata"]["annotations"][key]
         .as_str()
@@ -149,14 +190,13 @@ async fn domains_are_placed_on_a_clique_with_room_and_followed_until_deleted() {
     cluster(&api, "gpu.dra.dev");
     let stop = start(&api, "gpu.dra.dev");
 
-    // numNodes 4: only the 4-node clique fits; channel 0.
-    api.insert("computedomains", domain("gpu.dra.dev/v1alpha1", "first", 4));
-    let first = domain_when(&api, "computedomains", "first", |d| {
-        !annotation(d, CHANNEL_ANNOTATION).is_empty()
-    })
-    .await;
-    assert_eq!(annotation(&first, CLIQUE_ANNOTATION), BIG);
-    assert_eq!(annotation(&first, CHANNEL_ANNOTATION), "0");
+    // numNodes 4: only the 4-node clique fits. An annotation the user preset is not a placement.
+    let mut first = domain("gpu.dra.dev/v1alpha1", "first", 4);
+    first["metadata"]["annotations"] =
+        json!({"gpu.dra.dev/nvlink-domain": SMALL, "gpu.dra.dev/imex-channel": "5"});
+    api.insert("computedomains", first);
+    assert_eq!(placed(&api, "computedomains", "team", "first").await, BIG);
+    let first = api.get("computedomains", Some("team"), "first").unwrap();
     let uid = first["metadata"]["uid"].as_str().unwrap().to_string();
     let template = template_named(&api, "first-channel").await;
     assert_eq!(
@@ -185,18 +225,14 @@ async fn domains_are_placed_on_a_clique_with_room_and_followed_until_deleted() {
         &json!({"apiVersion": "gpu.dra.dev/v1alpha1", "kind": "ComputeDomainChannelConfig", "domainID": uid})
     );
 
-    // A second domain of 4 nodes: the same clique, another channel.
+    // A second domain of 4 nodes: the same clique (placing one takes no node; its workers' channel
+    // claims do), and the same channel: a node serves one domain at a time.
     api.insert(
         "computedomains",
         domain("gpu.dra.dev/v1alpha1", "second", 4),
     );
-    let second = domain_when(&api, "computedomains", "second", |d| {
-        !annotation(d, CHANNEL_ANNOTATION).is_empty()
-    })
-    .await;
-    assert_eq!(annotation(&second, CLIQUE_ANNOTATION), BIG);
-    assert_eq!(annotation(&second, CHANNEL_ANNOTATION), "1");
-    assert!(selector(&template_named(&api, "second-channel").await).ends_with("channel == 1"));
+    assert_eq!(placed(&api, "computedomains", "team", "second").await, BIG);
+    assert!(selector(&template_named(&api, "second-channel").await).ends_with("channel == 0"));
 
     // numNodes 5 fits no clique: no template, the reason names the cliques and their counts.
     api.insert("computedomains", domain("gpu.dra.dev/v1alpha1", "big", 5));
@@ -211,7 +247,8 @@ async fn domains_are_placed_on_a_clique_with_room_and_followed_until_deleted() {
     );
     assert_eq!(big["status"]["conditions"][0]["reason"], "NoCliqueFits");
     assert_eq!(big["status"]["status"], "NotReady");
-    assert!(annotation(&big, CLIQUE_ANNOTATION).is_empty());
+    let big_uid = big["metadata"]["uid"].as_str().unwrap();
+    assert!(api.get("computedomainplacements", None, big_uid).is_none());
     assert!(api
         .get("resourceclaimtemplates", Some("team"), "big-channel")
         .is_none());
@@ -274,8 +311,16 @@ async fn domains_are_placed_on_a_clique_with_room_and_followed_until_deleted() {
         api.list("events")
     );
 
-    // Deleting the domain deletes its template (no garbage collector here); the other stays.
+    // Deleting the domain deletes its template (no garbage collector here) and its placement; the
+    // other's stay.
     api.remove("computedomains", Some("team"), "first");
+    api.wait_for(
+        "computedomainplacements",
+        |p| !p.iter().any(|p| p["metadata"]["name"] == uid.as_str()),
+        WAIT,
+    )
+    .await
+    .expect("the placement of the deleted domain is deleted");
     let gone = api
         .wait_for(
             "resourceclaimtemplates",
@@ -338,11 +383,7 @@ async fn nvidias_group_is_served_in_compatibility_mode_only() {
     cluster(&api, "gpu.nvidia.com");
     let stop = start(&api, "gpu.nvidia.com");
     api.insert(NVIDIA, domain("resource.nvidia.com/v1beta1", "theirs", 2));
-    let theirs = domain_when(&api, NVIDIA, "theirs", |d| {
-        !annotation(d, CHANNEL_ANNOTATION).is_empty()
-    })
-    .await;
-    assert_eq!(annotation(&theirs, CLIQUE_ANNOTATION), BIG);
+    assert_eq!(placed(&api, NVIDIA, "team", "theirs").await, BIG);
     let template = template_named(&api, "theirs-channel").await;
     assert!(selector(&template).starts_with("device.attributes[\"gpu.nvidia.com\"].nvlinkDomain"));
     let opaque = &template["spec"]["spec"]["devices"]["config"][0]["opaque"];
@@ -367,13 +408,59 @@ async fn nvidias_group_is_served_in_compatibility_mode_only() {
     api.insert("computedomains", domain("gpu.dra.dev/v1alpha1", "ours", 2));
     template_named(&api, "ours-channel").await;
     tokio::time::sleep(Duration::from_millis(700)).await;
-    let theirs = api.get(NVIDIA, Some("team"), "theirs").unwrap();
-    assert!(annotation(&theirs, CLIQUE_ANNOTATION).is_empty());
+    assert_eq!(api.list("computedomainplacements").len(), 1, "ours only");
     assert!(
         !api.requests()
             .iter()
             .any(|r| r.resource.starts_with(NVIDIA)),
         "requests on NVIDIA's group under gpu.dra.dev"
     );
+    drop(stop);
+}
+
+/// A claim of `namespace` allocated the channel device of each of `nodes` (a job's workers).
+fn channel_claim(namespace: &str, name: &str, node: &str) -> Value {
+    json!({
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"devices": {"requests": [{"name": "channel", "exactly": {"deviceClassName": "imex-channel.gpu.dra.dev"}}]}},
+        "status": {"allocation": {"devices": {"results": [
+            {"request": "channel", "driver": "gpu.dra.dev", "pool": node, "device": "imex-channel-0"}
+        ]}}},
+    })
+}
+
+#[tokio::test]
+async fn empty_domains_hold_no_node_and_workers_do() {
+    let api = ApiServer::start().await.expect("API server double");
+    cluster(&api, "gpu.dra.dev");
+    let stop = start(&api, "gpu.dra.dev");
+    // Forty domains of four nodes in one namespace, none with a worker yet.
+    for i in 0..40 {
+        api.insert(
+            "computedomains",
+            domain_in("crowd", "gpu.dra.dev/v1alpha1", &format!("empty-{i}"), 4),
+        );
+    }
+    api.wait_for("computedomainplacements", |p| p.len() == 40, WAIT)
+        .await
+        .expect("the forty are placed");
+    // Another namespace's job of four nodes is placed all the same, and gets its template.
+    api.insert("computedomains", domain("gpu.dra.dev/v1alpha1", "job", 4));
+    assert_eq!(placed(&api, "computedomains", "team", "job").await, BIG);
+    template_named(&api, "job-channel").await;
+
+    // Its four workers are allocated the channels of a0..a3: now the big clique is full, and the next
+    // domain (two nodes) goes to the small one.
+    for i in 0..4 {
+        api.insert(
+            "resourceclaims",
+            channel_claim("team", &format!("worker-{i}-channel"), &format!("a{i}")),
+        );
+    }
+    api.insert(
+        "computedomains",
+        domain_in("other", "gpu.dra.dev/v1alpha1", "next", 2),
+    );
+    assert_eq!(placed(&api, "computedomains", "other", "next").await, SMALL);
     drop(stop);
 }

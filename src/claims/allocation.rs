@@ -152,6 +152,7 @@ impl Preparer {
                     admin_access: result.admin_access == Some(true),
                     mig: None,
                     sharing: Default::default(),
+                    imex_channels: None,
                 }),
             }
         }

@@ -1,8 +1,9 @@
-//! Claims for IMEX channels, the workload side of a ComputeDomain: the claim holds one channel
-//! device (`imex-channel-<N>`) and the channel config that names its domain. Preparing it joins this
-//! node to the domain (`domains::membership`): the domain's IMEX daemon runs and is ready here before
-//! the claim's CDI spec gives the container the channel's device file. The last claim of a domain on
-//! this node to be unprepared makes the node leave it.
+//! Claims for IMEX channels, the workload side of a ComputeDomain: the claim holds the node's channel
+//! device (`imex-channel-0`) and the channel config that names its domain. Preparing it joins this
+//! node to the domain (`domains::membership`): the node's IMEX daemon runs for the domain and is ready
+//! before the claim's CDI spec gives the container `channel0`, or with `allocationMode: All` every
+//! channel. A node serves one domain at a time. The last claim of a domain on this node to be
+//! unprepared makes the node leave it.
 
 use std::collections::BTreeSet;
 
@@ -18,6 +19,8 @@ pub(super) struct ChannelRequest {
     pub channel: u32,
     pub domain_uid: String,
     pub clique: String,
+    /// `allocationMode: All`: the container gets every channel of the node.
+    pub all_channels: bool,
 }
 
 impl Preparer {
@@ -61,6 +64,7 @@ impl Preparer {
         }
         let entries = configs::allocation_config_entries(&fetched.claim, &fetched.raw_configs);
         let mut domains = BTreeSet::new();
+        let mut all_channels = false;
         for entry in &entries {
             let applies = entry.requests.is_empty()
                 || device
@@ -72,6 +76,7 @@ impl Preparer {
             }
             match configs::channel_config(&self.driver, entry) {
                 Some(Ok(config)) => {
+                    all_channels |= config.all_channels();
                     domains.insert(config.domain_id);
                 }
                 Some(Err(reason)) => {
@@ -106,7 +111,18 @@ impl Preparer {
             channel: *channel,
             domain_uid,
             clique,
+            all_channels,
         }))
+    }
+
+    /// Notes on the channel device how many channel files its container gets: one, or with
+    /// `allocationMode: All` every channel the driver has, as NVIDIA's driver gives them.
+    pub(super) fn apply_allocation_mode(request: &ChannelRequest, devices: &mut [PreparedDevice]) {
+        for device in devices {
+            if channels::parse_device_name(&device.device).is_some() {
+                device.imex_channels = request.all_channels.then_some(channels::MAX_CHANNELS);
+            }
+        }
     }
 
     /// Joins the claim's domain on this node; the error is the claim's, and the kubelet retries it.
@@ -124,6 +140,26 @@ impl Preparer {
                 "ComputeDomains are not served by this plugin".into(),
             ));
         };
+        // The scheduler gives the node's one channel device to one claim at a time; this holds even
+        // when a claim of another domain was prepared before an upgrade that changed that.
+        let serving = lock(&self.state)
+            .data
+            .claims
+            .iter()
+            .filter(|(uid, _)| **uid != claim.uid)
+            .find_map(|(_, record)| {
+                record
+                    .domain
+                    .as_ref()
+                    .filter(|d| d.domain_uid != request.domain_uid)
+                    .cloned()
+            });
+        if let Some(other) = serving {
+            return Err(failed(format!(
+                "this node serves ComputeDomain {}/{} (UID {}) now: a node runs one IMEX daemon, for one ComputeDomain at a time, until that domain's pods leave it",
+                other.namespace, other.domain, other.domain_uid
+            )));
+        }
         let member = membership
             .resolve(
                 &self.domain_groups,

@@ -88,6 +88,10 @@ pub struct PreparedDevice {
     /// How the device is shared, from the claim's configs (absent: exclusive).
     #[serde(default, skip_serializing_if = "SharingSettings::is_exclusive")]
     pub sharing: SharingSettings,
+    /// An IMEX channel claim with `allocationMode: All`: the container gets channels 0 to N-1 (absent:
+    /// the device's own channel).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub imex_channels: Option<u32>,
 }
 
 /// A MIG device a claim uses.
@@ -320,6 +324,7 @@ mod tests {
                     admin_access: false,
                     mig: None,
                     sharing: Default::default(),
+                    imex_channels: None,
                 }],
                 mps: None,
                 domain: None,

@@ -185,11 +185,16 @@ pub(super) fn write_spec_with(
 pub fn container_edits(inventory: &Inventory, device: &PreparedDevice) -> ContainerEdits {
     let mut edits = ContainerEdits::default();
     if let Some(channel) = crate::domains::channels::parse_device_name(&device.device) {
-        // An IMEX channel: its device file only, with the `nvidia-caps-imex-channels` major.
-        edits.device_nodes = vec![device_node(
-            inventory,
-            crate::domains::channels::device_file(channel),
-        )];
+        // An IMEX channel: its device file only (or with `allocationMode: All` every channel's), with
+        // the `nvidia-caps-imex-channels` major; the runtime makes them, the host need not have them.
+        let channels = match device.imex_channels {
+            Some(count) => (0..count).collect(),
+            None => vec![channel],
+        };
+        edits.device_nodes = channels
+            .into_iter()
+            .map(|n| device_node(inventory, crate::domains::channels::device_file(n)))
+            .collect();
         edits.env = vec![format!("{}={channel}", device_variable(&device.device))];
         return edits;
     }
@@ -254,6 +259,7 @@ mod tests {
             admin_access: false,
             mig: None,
             sharing: Default::default(),
+            imex_channels: None,
         }
     }
 

@@ -282,8 +282,9 @@ impl Preparer {
         let inventory = self.inventory.borrow().clone();
         let mut devices = self.allocated_devices(claim, &fetched.claim, &inventory)?;
         let channel = self.channel_request(claim, &fetched, &devices, &inventory)?;
-        if channel.is_none() {
-            self.resolve_sharing(claim, &fetched, &inventory, &mut devices)?;
+        match &channel {
+            Some(request) => Self::apply_allocation_mode(request, &mut devices),
+            None => self.resolve_sharing(claim, &fetched, &inventory, &mut devices)?,
         }
 
         self.reserve(claim, &inventory, &devices)?;

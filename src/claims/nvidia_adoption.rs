@@ -204,6 +204,7 @@ impl Preparer {
                 admin_access: false,
                 mig: None,
                 sharing: Default::default(),
+                imex_channels: None,
             });
         }
         self.sync_gpu_modes(claim, &inventory, &gpus, Some(&claim.uid))
@@ -343,6 +344,7 @@ fn adopted(claim: NvidiaClaim, dynamic_mig: bool) -> AdoptedClaim {
                     })
                 }),
                 sharing: Default::default(),
+                imex_channels: None,
             }
         })
         .collect();

@@ -584,6 +584,7 @@ mod multi_user_tests {
                 multi_user,
                 ..MpsSettings::default()
             }),
+            imex_channels: None,
         }
     }
 

@@ -81,7 +81,8 @@ pub struct DevicesArgs {
     #[arg(long, default_value_t = 35)]
     kubernetes_minor: u32,
     /// IMEX channels published where the node's GPUs joined an NVLink clique (as the plugin's flag).
-    #[arg(long, default_value_t = crate::domains::channels::DEFAULT_CHANNELS)]
+    #[arg(long, default_value_t = crate::domains::channels::DEFAULT_CHANNELS,
+          value_parser = clap::value_parser!(u32).range(0..=1))]
     imex_channels: u32,
 }
 

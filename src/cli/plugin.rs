@@ -69,10 +69,10 @@ pub struct PluginArgs {
     /// half of the node's memory when absent.
     #[arg(long, env = "MPS_SHM_SIZE")]
     mps_shm_size: Option<String>,
-    /// How many IMEX channels a node whose GPUs joined an NVLink clique publishes (ComputeDomains
-    /// placed on one clique at once); 0 publishes none.
+    /// Whether a node whose GPUs joined an NVLink clique publishes its IMEX channel device (1) for
+    /// ComputeDomains, or not (0). A node serves one domain at a time, so there is one device.
     #[arg(long, env = "IMEX_CHANNELS", default_value_t = crate::domains::channels::DEFAULT_CHANNELS,
-          value_parser = clap::value_parser!(u32).range(0..=crate::domains::channels::MAX_CHANNELS as i64))]
+          value_parser = clap::value_parser!(u32).range(0..=1))]
     imex_channels: u32,
     /// The address other nodes' IMEX daemons reach this node's at (the Pod's status.hostIP); the
     /// Node's InternalIP when absent.

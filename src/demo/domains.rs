@@ -57,7 +57,7 @@ pub async fn demo_compute_domain(out: &mut impl Write, api: &ApiServer, number: 
         say(
             out,
             &format!(
-                "{} ({}) publishes {} IMEX channels",
+                "{} ({}) publishes {} IMEX channel device(s)",
                 node.name,
                 node.ip,
                 channels(&node.name, &published)
@@ -68,8 +68,8 @@ pub async fn demo_compute_domain(out: &mut impl Write, api: &ApiServer, number: 
     let controller = rack::RunningController::start(&client, Duration::from_millis(500));
     rack::create_gpus_template(&client, NAMESPACE, "four-gpus", 4).await;
     rack::create_domain(&client, NAMESPACE, "job", 2).await;
-    let (clique, channel) = wait_for("the placement", Duration::from_secs(20), async || {
-        rack::domain(&client, NAMESPACE, "job").await.placement()
+    let clique = wait_for("the placement", Duration::from_secs(20), async || {
+        rack::placement(&client, NAMESPACE, "job").await
     })
     .await;
     step(
@@ -77,8 +77,8 @@ pub async fn demo_compute_domain(out: &mut impl Write, api: &ApiServer, number: 
         number + 1,
         &format!(
             "Created ComputeDomain {NAMESPACE}/job (numNodes: 2); `gpu-dra controller` placed it on clique \
-             {clique}, channel {channel}, and wrote ResourceClaimTemplate job-channel, whose selector admits \
-             only that clique's channel {channel}"
+             {clique} and wrote ResourceClaimTemplate job-channel, whose selector admits only that clique's \
+             channel devices (one per node: a node serves one domain at a time)"
         ),
     )?;
 
@@ -176,7 +176,7 @@ pub async fn demo_compute_domain(out: &mut impl Write, api: &ApiServer, number: 
             .iter()
             .filter(|s| s.spec.node_name.as_deref() == Some(failing))
             .flat_map(|s| s.spec.devices.iter().flatten())
-            .find(|d| d.name == format!("imex-channel-{channel}"))?
+            .find(|d| d.name == "imex-channel-0")?
             .taints
             .as_ref()?
             .first()
@@ -198,7 +198,9 @@ pub async fn demo_compute_domain(out: &mut impl Write, api: &ApiServer, number: 
     say(out, &format!("{failing}'s entry: {reason}"))?;
     say(
         out,
-        &format!("{failing}'s imex-channel-{channel} is tainted {taint}: nothing new of the domain lands there"),
+        &format!(
+            "{failing}'s imex-channel-0 is tainted {taint}: nothing new of the domain lands there"
+        ),
     )?;
     say(
         out,

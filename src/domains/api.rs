@@ -4,8 +4,10 @@
 //! [`DomainGroup::api_resource`] and converted with [`DomainObject::from_dynamic`]; only our own group
 //! gets a CRD from this crate (`crd/gpu.dra.dev_computedomains.yaml`).
 //!
-//! Where a domain was placed (its clique and channel) is kept in annotations on the domain, never in
-//! `status`: NVIDIA's CRD has a structural schema that prunes fields it does not know.
+//! Where a domain was placed (its NVLink clique) is kept in a cluster-scoped [`ComputeDomainPlacement`]
+//! named by the domain's UID, which only the controller writes: never in the domain itself, whose
+//! metadata its namespace's users write (a preset annotation must change nothing) and whose status
+//! NVIDIA's CRD prunes of fields it does not know.
 
 use kube::api::{ApiResource, DynamicObject};
 use kube::CustomResource;
@@ -25,12 +27,11 @@ pub const PLURAL: &str = "computedomains";
 pub const READY: &str = "Ready";
 pub const NOT_READY: &str = "NotReady";
 
-/// Annotations the controller writes on a placed domain: the NVLink clique (`<clusterUUID>.<cliqueId>`)
-/// and the IMEX channel number its workload claims are allocated.
-pub const CLIQUE_ANNOTATION: &str = "gpu.dra.dev/nvlink-domain";
-pub const CHANNEL_ANNOTATION: &str = "gpu.dra.dev/imex-channel";
-/// Why the domain is not placed (yet), for people and `gpu-dra explain`.
+/// Why the domain is not placed (yet), for people and `gpu-dra explain`; the controller writes it and
+/// nothing trusts it.
 pub const PLACEMENT_ANNOTATION: &str = "gpu.dra.dev/placement";
+/// The plural of [`ComputeDomainPlacement`].
+pub const PLACEMENT_PLURAL: &str = "computedomainplacements";
 /// The label on everything made for one domain (its ResourceClaimTemplate, its IMEX daemon Pods):
 /// the domain's UID.
 pub const DOMAIN_LABEL: &str = "gpu.dra.dev/compute-domain";
@@ -57,11 +58,6 @@ pub const CHANNEL_DEVICE_CLASS: &str = "imex-channel.gpu.dra.dev";
     printcolumn(name = "Nodes", type_ = "integer", json_path = ".spec.numNodes"),
     printcolumn(name = "Status", type_ = "string", json_path = ".status.status"),
     printcolumn(
-        name = "Clique",
-        type_ = "string",
-        json_path = ".metadata.annotations.gpu\\.dra\\.dev/nvlink-domain"
-    ),
-    printcolumn(
         name = "Age",
         type_ = "date",
         json_path = ".metadata.creationTimestamp"
@@ -82,7 +78,8 @@ pub struct ComputeDomainSpec {
 #[serde(rename_all = "camelCase")]
 pub struct ChannelSpec {
     pub resource_claim_template: TemplateRef,
-    /// `Single` (the default): one channel per container. NVIDIA's `All` is refused.
+    /// `Single` (the default): the container gets the node's channel 0. `All`: every channel the
+    /// driver has (`channel0` … `channel2047`), as NVIDIA's driver gives them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub allocation_mode: Option<String>,
 }
@@ -140,6 +137,73 @@ pub struct DomainCondition {
     pub reason: String,
     #[serde(default)]
     pub message: String,
+}
+
+/// Where the controller placed one ComputeDomain: cluster-scoped, named by the domain's UID, and
+/// written by the controller alone (namespace users are granted nothing on it, the plugins only read
+/// it). A plugin prepares a domain's channel only on a node of this clique, for a claim in the domain's
+/// namespace. It holds no node and no channel: the nodes are taken by the workers' channel claims,
+/// one domain per node, so a domain without workers keeps no one else's job from running.
+#[derive(CustomResource, Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[kube(
+    group = "gpu.dra.dev",
+    version = "v1alpha1",
+    kind = "ComputeDomainPlacement",
+    plural = "computedomainplacements",
+    derive = "PartialEq",
+    printcolumn(
+        name = "Namespace",
+        type_ = "string",
+        json_path = ".spec.domain.namespace"
+    ),
+    printcolumn(name = "Domain", type_ = "string", json_path = ".spec.domain.name"),
+    printcolumn(name = "Clique", type_ = "string", json_path = ".spec.clique"),
+    doc = "The NVLink clique the controller chose for one ComputeDomain (named by its UID)."
+)]
+#[serde(rename_all = "camelCase")]
+pub struct ComputeDomainPlacementSpec {
+    pub domain: PlacedDomain,
+    /// `<clusterUUID>.<cliqueId>`.
+    pub clique: String,
+}
+
+/// The domain a placement is for.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PlacedDomain {
+    /// `gpu.dra.dev/v1alpha1` or `resource.nvidia.com/v1beta1`.
+    pub api_version: String,
+    pub namespace: String,
+    pub name: String,
+    pub uid: String,
+}
+
+impl ComputeDomainPlacement {
+    /// The placement of `domain` on `clique`.
+    pub fn of(domain: &DomainObject, clique: &str) -> Self {
+        ComputeDomainPlacement::new(
+            &domain.uid,
+            ComputeDomainPlacementSpec {
+                domain: PlacedDomain {
+                    api_version: domain.group.api_resource().api_version,
+                    namespace: domain.namespace.clone(),
+                    name: domain.name.clone(),
+                    uid: domain.uid.clone(),
+                },
+                clique: clique.to_string(),
+            },
+        )
+    }
+
+    /// Whether this placement is the one of `domain` (its name alone is a UID anyone could copy).
+    pub fn is_for(&self, domain: &DomainObject) -> bool {
+        let placed = &self.spec.domain;
+        self.metadata.name.as_deref() == Some(domain.uid.as_str())
+            && placed.uid == domain.uid
+            && placed.namespace == domain.namespace
+            && placed.name == domain.name
+            && placed.api_version == domain.group.api_resource().api_version
+    }
 }
 
 /// Which API group a domain object came from.
@@ -233,13 +297,6 @@ impl DomainObject {
     pub fn key(&self) -> String {
         format!("{}/{}", self.namespace, self.name)
     }
-
-    /// Where the controller placed the domain, once it did.
-    pub fn placement(&self) -> Option<(String, u32)> {
-        let clique = self.annotations.get(CLIQUE_ANNOTATION)?;
-        let channel = self.annotations.get(CHANNEL_ANNOTATION)?.parse().ok()?;
-        Some((clique.clone(), channel))
-    }
 }
 
 /// The opaque config of a channel request: which domain the channel is for (its UID).
@@ -254,7 +311,16 @@ pub struct ChannelConfig {
     pub allocation_mode: Option<String>,
 }
 
+/// `allocationMode` values (NVIDIA's): one channel (`channel0`), or every channel of the node.
+pub const SINGLE: &str = "Single";
+pub const ALL: &str = "All";
+
 impl ChannelConfig {
+    /// Whether the container gets every channel of the node.
+    pub fn all_channels(&self) -> bool {
+        self.allocation_mode.as_deref() == Some(ALL)
+    }
+
     /// Parses one opaque config's parameters; `None` when it is not a channel config of a group this
     /// driver serves, an error naming the field when it is one but malformed.
     pub fn parse(driver: &str, parameters: &serde_json::Value) -> Option<Result<Self, String>> {
@@ -277,9 +343,9 @@ impl ChannelConfig {
                         return Err(format!("{CHANNEL_CONFIG_KIND}: domainID is empty"));
                     }
                     match config.allocation_mode.as_deref() {
-                        None | Some("Single") => Ok(config),
+                        None | Some(SINGLE) | Some(ALL) => Ok(config),
                         Some(other) => Err(format!(
-                            "{CHANNEL_CONFIG_KIND}: allocationMode {other:?} is not supported (only \"Single\": one channel per domain)"
+                            "{CHANNEL_CONFIG_KIND}: allocationMode {other:?} is not one of \"{SINGLE}\" (channel 0) and \"{ALL}\" (every channel of the node)"
                         )),
                     }
                 }),
@@ -313,7 +379,6 @@ mod tests {
             "imex-channel"
         );
         assert_eq!(domain.key(), "team/imex");
-        assert_eq!(domain.placement(), None);
     }
 
     #[test]
@@ -330,10 +395,16 @@ mod tests {
         );
         let all = serde_json::json!({"apiVersion": "gpu.dra.dev/v1alpha1",
             "kind": "ComputeDomainChannelConfig", "domainID": "u1", "allocationMode": "All"});
-        let error = ChannelConfig::parse("gpu.dra.dev", &all)
+        assert!(ChannelConfig::parse("gpu.dra.dev", &all)
+            .unwrap()
+            .unwrap()
+            .all_channels());
+        let some = serde_json::json!({"apiVersion": "gpu.dra.dev/v1alpha1",
+            "kind": "ComputeDomainChannelConfig", "domainID": "u1", "allocationMode": "Some"});
+        let error = ChannelConfig::parse("gpu.dra.dev", &some)
             .unwrap()
             .unwrap_err();
-        assert!(error.contains("allocationMode \"All\""), "{error}");
+        assert!(error.contains("allocationMode \"Some\""), "{error}");
         let empty = serde_json::json!({"apiVersion": "gpu.dra.dev/v1alpha1",
             "kind": "ComputeDomainChannelConfig", "domainID": ""});
         assert!(ChannelConfig::parse("gpu.dra.dev", &empty)

@@ -1,8 +1,11 @@
-//! The IMEX channel devices a node publishes: `imex-channel-<N>` for N below the node's channel count,
-//! on nodes whose GPUs joined one NVLink fabric clique (and on no other node, so the scheduler never
-//! places a domain's pod on a node without fabric). Each carries the clique, so a domain's claim
-//! template selects only its clique's nodes, and its channel number, so that two domains on one node
-//! never get the same channel: the controller gives each domain of a clique its own number.
+//! The IMEX channel device a node publishes: `imex-channel-0`, on nodes whose GPUs joined one NVLink
+//! fabric clique (and on no other node, so the scheduler never places a domain's pod on a node without
+//! fabric). It carries the clique, so a domain's claim template selects only its clique's nodes.
+//!
+//! One device, allocated to one claim at a time, because a node serves one ComputeDomain at a time: the
+//! IMEX service is one daemon per OS instance (`nvidia-imex.service`), whose peers are the domain's
+//! nodes, and NVIDIA's driver admits one domain per node. The container gets `channel0`, or with
+//! `allocationMode: All` every channel the driver has (`channel0` … `channel2047`), as NVIDIA's does.
 
 use std::collections::BTreeSet;
 
@@ -19,9 +22,10 @@ pub const CLIQUE_ATTRIBUTE: &str = "nvlinkDomain";
 /// Where a container finds channel N, and the `/proc/devices` name of its major.
 pub use crate::gpu::device_files::IMEX_CHANNEL_DIR as CHANNEL_DIR;
 pub const PROC_DEVICES_NAME: &str = "nvidia-caps-imex-channels";
-/// How many channels a fabric node publishes by default: as many domains as a clique may hold at once.
-pub const DEFAULT_CHANNELS: u32 = 32;
-/// The driver creates at most 2048 channels (`NVreg_ImexChannelCount`'s default and maximum).
+/// How many channel devices a fabric node publishes: channel 0, or none (`--imex-channels 0`).
+pub const DEFAULT_CHANNELS: u32 = 1;
+/// The channels the driver has (`NVreg_ImexChannelCount`'s default, which NVIDIA's DRA driver also
+/// assumes): what `allocationMode: All` gives a container.
 pub const MAX_CHANNELS: u32 = 2048;
 
 /// Whether a DeviceClass's selectors are for IMEX channels (they compare `type` with `imex-channel`):
@@ -83,12 +87,12 @@ pub fn node_clique(inventory: &Inventory) -> Result<String, String> {
     Ok(cliques.into_iter().next().unwrap_or_default())
 }
 
-/// The channel devices of a node with `count` channels; none where the node has no clique.
+/// The channel device of a node that publishes `count` (0 or 1); none where the node has no clique.
 pub fn channel_devices(inventory: &Inventory, count: u32) -> Vec<Device> {
     let Ok(clique) = node_clique(inventory) else {
         return Vec::new();
     };
-    (0..count.min(MAX_CHANNELS))
+    (0..count.min(DEFAULT_CHANNELS))
         .map(|channel| Device {
             name: device_name(channel),
             attributes: Some(

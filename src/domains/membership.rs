@@ -21,7 +21,9 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 use tracing::{info, warn};
 
-use super::api::{ComputeDomainNode, DomainGroup, DomainObject, NOT_READY, READY};
+use super::api::{
+    ComputeDomainNode, ComputeDomainPlacement, DomainGroup, DomainObject, NOT_READY, READY,
+};
 
 /// How long a prepare waits for the domain's daemon on this node: inside the kubelet's 45 s.
 pub const READY_TIMEOUT: Duration = Duration::from_secs(20);
@@ -224,8 +226,9 @@ impl Membership {
         self.taints.subscribe()
     }
 
-    /// Finds the domain a channel config names (by UID, in the claim's namespace), and checks that
-    /// the channel the scheduler allocated is the one the domain was placed on.
+    /// Finds the domain a channel config names (by UID, in the claim's namespace: a claim joins only a
+    /// domain of its own namespace), and checks that this node is in the clique the controller placed
+    /// the domain on.
     pub async fn resolve(
         &self,
         groups: &[DomainGroup],
@@ -259,21 +262,27 @@ impl Membership {
         if domain.deleting {
             return Err(format!("ComputeDomain {} is being deleted", domain.key()));
         }
-        match domain.placement() {
-            Some((placed_clique, placed_channel))
-                if placed_clique == clique && placed_channel == channel => {}
-            Some((placed_clique, placed_channel)) => {
-                return Err(format!(
-                    "ComputeDomain {} is placed on channel {placed_channel} of NVLink clique {placed_clique}, but this claim was allocated channel {channel} of clique {clique}",
-                    domain.key()
-                ))
-            }
-            None => {
-                return Err(format!(
-                    "ComputeDomain {} is not placed on a clique yet",
-                    domain.key()
-                ))
-            }
+        // Where the domain may run is what the controller wrote, in an object only it writes; nothing in
+        // the domain itself (its namespace's users write that) is trusted for it.
+        let placements: Api<ComputeDomainPlacement> = Api::all(self.client.clone());
+        let placement = placements
+            .get_opt(&domain.uid)
+            .await
+            .map_err(|e| format!("reading the placement of ComputeDomain {}: {e}", domain.key()))?
+            .filter(|p| p.is_for(&domain))
+            .ok_or_else(|| {
+                format!(
+                    "ComputeDomain {} is not placed on an NVLink clique yet (no ComputeDomainPlacement {} written by the controller)",
+                    domain.key(),
+                    domain.uid
+                )
+            })?;
+        if placement.spec.clique != clique {
+            return Err(format!(
+                "ComputeDomain {} is placed on NVLink clique {}, but this node's channel is in clique {clique}",
+                domain.key(),
+                placement.spec.clique
+            ));
         }
         Ok(ChannelMembership {
             domain_uid: domain.uid,

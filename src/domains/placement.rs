@@ -1,19 +1,20 @@
-//! Which NVLink clique and IMEX channel a ComputeDomain gets, and why one cannot get any (pure: the
-//! controller hands in what it listed). The channel number is unique among the domains of one clique,
-//! so two domains never share a channel device on a node; a clique is chosen only when enough of its
-//! nodes could take one of the domain's pods now: a published, untainted channel and a free GPU.
+//! Which NVLink clique a ComputeDomain gets, and why one cannot get any (pure: the controller hands in
+//! what it listed). A clique is chosen only when enough of its nodes could take one of the domain's pods
+//! now: a published, untainted, unallocated channel device and a free GPU. The choice holds nothing:
+//! each node's one channel device is taken by a worker's claim when the scheduler allocates it, so a
+//! node serves one domain at a time and a domain without workers keeps no node from anyone.
 //!
 //! ```ignore
 //! let fabric = Fabric::from_cluster("gpu.dra.dev", &slices, &claims);
-//! let decisions = place_all(&domains, &fabric);
+//! let decisions = place_all(&domains, &placements, &fabric);
 //! ```
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::fmt;
 
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 
-use super::api::{DomainObject, READY};
+use super::api::{DomainObject, ALL, READY, SINGLE};
 use super::channels::{CHANNEL_ATTRIBUTE, CHANNEL_TYPE, CLIQUE_ATTRIBUTE};
 
 /// The device types whose free devices make a node able to run a domain's pod.
@@ -30,17 +31,18 @@ pub struct ChannelDevice {
     pub allocated_to: Option<String>,
 }
 
-/// A node of a clique: its channel devices and how many of its GPUs (or MIG devices) no claim holds.
+/// A node of a clique: its channel device (channel 0) and how many of its GPUs (or MIG devices) no
+/// claim holds.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct FabricNode {
-    pub channels: BTreeMap<u32, ChannelDevice>,
+    pub channel: Option<ChannelDevice>,
     pub free_gpus: usize,
 }
 
 impl FabricNode {
-    /// Whether a domain's pod on channel `channel` could go here now, or what stops it.
-    pub fn problem_for(&self, channel: u32) -> Option<NodeProblem> {
-        let Some(device) = self.channels.get(&channel) else {
+    /// Whether a domain's pod could go here now, or what stops it.
+    pub fn problem(&self) -> Option<NodeProblem> {
+        let Some(device) = &self.channel else {
             return Some(NodeProblem::ChannelNotPublished);
         };
         if let Some(taint) = &device.taint {
@@ -123,6 +125,11 @@ impl Fabric {
                     if clique.get_or_insert_with(|| device_clique.clone()) != &device_clique {
                         continue;
                     }
+                    // A node serves one domain at a time, through channel 0; other numbers are
+                    // what an older plugin published.
+                    if channel != 0 {
+                        continue;
+                    }
                     let taint = device
                         .taints
                         .iter()
@@ -132,13 +139,10 @@ impl Fabric {
                             Some(value) => format!("{}={value}:{}", t.key, t.effect),
                             None => format!("{}:{}", t.key, t.effect),
                         });
-                    node.channels.insert(
-                        channel,
-                        ChannelDevice {
-                            taint,
-                            allocated_to: holder.cloned(),
-                        },
-                    );
+                    node.channel = Some(ChannelDevice {
+                        taint,
+                        allocated_to: holder.cloned(),
+                    });
                 } else if kind.is_some_and(|k| GPU_TYPES.contains(&k)) && holder.is_none() {
                     node.free_gpus += 1;
                 }
@@ -161,17 +165,16 @@ impl Fabric {
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Placed {
     pub clique: String,
-    pub channel: u32,
 }
 
 /// What the controller does with one domain.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Decision {
-    /// Placed before (its annotations); stays where it is.
+    /// Placed before (its ComputeDomainPlacement); stays where it is.
     Kept(Placed),
-    /// Placed now: the annotations are to be written, then the template.
+    /// Placed now: its ComputeDomainPlacement is to be written, then the template.
     New(Placed),
-    /// Its spec cannot be served (no channel, allocationMode All); retried when the spec changes.
+    /// Its spec cannot be served (no channel template); retried when the spec changes.
     Refused(String),
     /// No clique has room now; retried when slices or claims change.
     Waiting(String),
@@ -215,43 +218,35 @@ pub fn spec_problem(domain: &DomainObject) -> Option<String> {
         return Some("spec.channel.resourceClaimTemplate.name is empty".into());
     }
     match channel.allocation_mode.as_deref() {
-        None | Some("Single") => None,
+        None | Some(SINGLE) | Some(ALL) => None,
         Some(other) => Some(format!(
-            "spec.channel.allocationMode {other:?} is not supported: only \"Single\" (one IMEX channel \
-             per domain, allocated to each of its pods)"
+            "spec.channel.allocationMode {other:?} is not one of \"{SINGLE}\" (each pod gets channel 0) \
+             and \"{ALL}\" (each pod gets every channel of its node)"
         )),
     }
 }
 
-/// Decides every domain, keyed by UID: placed domains keep their clique and channel (and reserve it),
-/// then the others are placed in the order given, each seeing the channels taken before it. Domains
-/// being deleted keep their channel reserved and are not placed anew.
-pub fn place_all(domains: &[DomainObject], fabric: &Fabric) -> BTreeMap<String, Decision> {
+/// Decides every domain, keyed by UID: a domain with a placement (`placements`: domain UID → clique,
+/// only those the controller wrote for that very domain) keeps it; the others are placed on the clique
+/// with the most free nodes. Domains being deleted are not placed anew.
+pub fn place_all(
+    domains: &[DomainObject],
+    placements: &BTreeMap<String, String>,
+    fabric: &Fabric,
+) -> BTreeMap<String, Decision> {
     let mut decisions = BTreeMap::new();
-    let mut used: BTreeMap<String, BTreeSet<u32>> = BTreeMap::new();
     for domain in domains {
-        if let Some((clique, channel)) = domain.placement() {
-            used.entry(clique.clone()).or_default().insert(channel);
-            decisions.insert(
-                domain.uid.clone(),
-                Decision::Kept(Placed { clique, channel }),
-            );
-        }
-    }
-    for domain in domains {
-        if decisions.contains_key(&domain.uid) || domain.deleting {
+        let decision = if let Some(clique) = placements.get(&domain.uid) {
+            Decision::Kept(Placed {
+                clique: clique.clone(),
+            })
+        } else if domain.deleting {
             continue;
-        }
-        let decision = if let Some(problem) = spec_problem(domain) {
+        } else if let Some(problem) = spec_problem(domain) {
             Decision::Refused(problem)
         } else {
-            match choose(nodes_needed(domain), fabric, &used) {
-                Ok(placed) => {
-                    used.entry(placed.clique.clone())
-                        .or_default()
-                        .insert(placed.channel);
-                    Decision::New(placed)
-                }
+            match choose(nodes_needed(domain), fabric) {
+                Ok(placed) => Decision::New(placed),
                 Err(reason) => Decision::Waiting(reason),
             }
         };
@@ -260,88 +255,44 @@ pub fn place_all(domains: &[DomainObject], fabric: &Fabric) -> BTreeMap<String, 
     decisions
 }
 
-/// One clique's best offer to a new domain: its lowest free channel with the most nodes ready for it.
-struct Offer {
-    channel: Option<u32>,
-    free_nodes: usize,
-    nodes: usize,
-}
-
-fn offer(nodes: &BTreeMap<String, FabricNode>, used: &BTreeSet<u32>, need: usize) -> Offer {
-    // A channel is a candidate when every node of the clique publishes it (a pod may land on any).
-    let mut published: Option<BTreeSet<u32>> = None;
-    for node in nodes.values() {
-        let here: BTreeSet<u32> = node.channels.keys().copied().collect();
-        published = Some(match published {
-            None => here,
-            Some(before) => before.intersection(&here).copied().collect(),
-        });
-    }
-    let candidates = published.unwrap_or_default();
-    let free_for = |channel: u32| {
-        nodes
-            .values()
-            .filter(|node| node.problem_for(channel).is_none())
-            .count()
-    };
-    let mut best = Offer {
-        channel: None,
-        free_nodes: 0,
-        nodes: nodes.len(),
-    };
-    for channel in candidates.difference(used) {
-        let free = free_for(*channel);
-        if free >= need {
-            return Offer {
-                channel: Some(*channel),
-                free_nodes: free,
-                nodes: nodes.len(),
-            };
-        }
-        best.free_nodes = best.free_nodes.max(free);
-    }
-    best
+/// How many nodes of a clique could take a domain's pod now.
+fn free_nodes(nodes: &BTreeMap<String, FabricNode>) -> usize {
+    nodes
+        .values()
+        .filter(|node| node.problem().is_none())
+        .count()
 }
 
 /// The clique with the most nodes free for a new domain of `need` nodes (ties: the name that sorts
-/// first) and its lowest free channel; or why none has room.
-fn choose(
-    need: usize,
-    fabric: &Fabric,
-    used: &BTreeMap<String, BTreeSet<u32>>,
-) -> Result<Placed, String> {
-    let none_used = BTreeSet::new();
-    let offers: Vec<(&String, Offer)> = fabric
+/// first); or why none has room.
+fn choose(need: usize, fabric: &Fabric) -> Result<Placed, String> {
+    let offers: Vec<(&String, usize, usize)> = fabric
         .cliques
         .iter()
-        .map(|(clique, nodes)| {
-            let used = used.get(clique).unwrap_or(&none_used);
-            (clique, offer(nodes, used, need))
-        })
+        .map(|(clique, nodes)| (clique, free_nodes(nodes), nodes.len()))
         .collect();
     let best = offers
         .iter()
-        .filter_map(|(clique, offer)| offer.channel.map(|channel| (*clique, channel, offer)))
+        .filter(|(_, free, _)| *free >= need)
         // Most free nodes first; `min_by` keeps the first of equals, and cliques come sorted by name.
-        .min_by(|a, b| b.2.free_nodes.cmp(&a.2.free_nodes));
-    if let Some((clique, channel, _)) = best {
+        .min_by(|a, b| b.1.cmp(&a.1));
+    if let Some((clique, _, _)) = best {
         return Ok(Placed {
-            clique: clique.clone(),
-            channel,
+            clique: (*clique).clone(),
         });
     }
     if offers.is_empty() {
         return Err(format!(
-            "no node publishes IMEX channels: no node's GPUs have joined an NVLink fabric ({} node(s) \
+            "no node publishes an IMEX channel: no node's GPUs have joined an NVLink fabric ({} node(s) \
              without one)",
             fabric.nodes_without_fabric
         ));
     }
-    let mut ranked: Vec<&(&String, Offer)> = offers.iter().collect();
-    ranked.sort_by(|a, b| b.1.free_nodes.cmp(&a.1.free_nodes).then(a.0.cmp(b.0)));
+    let mut ranked = offers.clone();
+    ranked.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(b.0)));
     let counts: Vec<String> = ranked
         .iter()
-        .map(|(clique, offer)| format!("{clique} has {} (of {})", offer.free_nodes, offer.nodes))
+        .map(|(clique, free, nodes)| format!("{clique} has {free} (of {nodes})"))
         .collect();
     Err(format!(
         "no NVLink clique has {need} free node{}: {}; nodes without an NVLink fabric are never used",
@@ -353,11 +304,11 @@ fn choose(
 /// What keeps one node of a placed domain's clique from taking one of its pods.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum NodeProblem {
-    /// The node does not publish the domain's channel number.
+    /// The node publishes no channel device.
     ChannelNotPublished,
     /// The channel device is tainted (`key=value:effect`).
     Tainted(String),
-    /// The channel device is allocated (`namespace/name` of the claim): one pod of a domain per node.
+    /// The channel device is allocated (`namespace/name` of the claim): one domain's pod per node.
     ChannelTaken(String),
     NoFreeGpu,
 }
@@ -365,7 +316,7 @@ pub enum NodeProblem {
 impl fmt::Display for NodeProblem {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            NodeProblem::ChannelNotPublished => write!(f, "does not publish the channel"),
+            NodeProblem::ChannelNotPublished => write!(f, "publishes no IMEX channel"),
             NodeProblem::Tainted(taint) => write!(f, "channel tainted {taint}"),
             NodeProblem::ChannelTaken(claim) => write!(f, "channel taken by claim {claim}"),
             NodeProblem::NoFreeGpu => write!(f, "no free GPU"),
@@ -376,12 +327,11 @@ impl fmt::Display for NodeProblem {
 /// Why a pending pod of a domain cannot run yet, as far as the domain is concerned.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PendingReason {
-    /// The domain has no clique and channel yet (its template does not exist).
+    /// The domain has no clique yet (its template does not exist).
     NotPlaced(String),
-    /// No node of the domain's clique can take another of its pods on its channel.
+    /// No node of the domain's clique can take another of its pods.
     CliqueFull {
         clique: String,
-        channel: u32,
         nodes: usize,
         /// Node → what stops it, for every node of the clique.
         problems: BTreeMap<String, NodeProblem>,
@@ -398,7 +348,6 @@ impl fmt::Display for PendingReason {
             }
             PendingReason::CliqueFull {
                 clique,
-                channel,
                 nodes,
                 problems,
             } => {
@@ -418,7 +367,7 @@ impl fmt::Display for PendingReason {
                     .collect();
                 write!(
                     f,
-                    "0 of the {nodes} nodes of NVLink clique {clique} are free for IMEX channel {channel}: {}",
+                    "0 of the {nodes} nodes of NVLink clique {clique} are free for the ComputeDomain's pods: {}",
                     groups.join("; ")
                 )
             }
@@ -431,7 +380,7 @@ impl fmt::Display for PendingReason {
 }
 
 /// Why a pending pod of `domain` (decided `decision`) cannot be placed; `None` when nothing of the
-/// domain stops it (some node of its clique is free for its channel, and the domain is Ready).
+/// domain stops it (some node of its clique is free, and the domain is Ready).
 pub fn why_pending(
     domain: &DomainObject,
     decision: &Decision,
@@ -447,13 +396,12 @@ pub fn why_pending(
     let problems: BTreeMap<String, NodeProblem> = nodes
         .into_iter()
         .flatten()
-        .filter_map(|(name, node)| Some((name.clone(), node.problem_for(placed.channel)?)))
+        .filter_map(|(name, node)| Some((name.clone(), node.problem()?)))
         .collect();
     let total = nodes.map_or(0, BTreeMap::len);
     if problems.len() == total {
         return Some(PendingReason::CliqueFull {
             clique: placed.clique.clone(),
-            channel: placed.channel,
             nodes: total,
             problems,
         });
@@ -479,7 +427,6 @@ mod tests {
     use super::*;
     use crate::domains::api::{
         ChannelSpec, ComputeDomainNode, ComputeDomainSpec, DomainGroup, TemplateRef,
-        CHANNEL_ANNOTATION, CLIQUE_ANNOTATION,
     };
     use serde_json::{json, Value};
 
@@ -542,13 +489,13 @@ mod tests {
         Fabric::from_cluster(DRIVER, &slices, claims)
     }
 
-    /// Two cliques (A: 4 nodes, B: 2) and a node without fabric, each with 2 GPUs and 4 channels.
+    /// Two cliques (A: 4 nodes, B: 2) and a node without fabric, each with 2 GPUs and its channel.
     fn cluster() -> Vec<Value> {
         let mut slices: Vec<Value> = (0..4)
-            .map(|i| slice(&format!("a{i}"), Some(A), 2, 4))
+            .map(|i| slice(&format!("a{i}"), Some(A), 2, 1))
             .collect();
-        slices.extend((0..2).map(|i| slice(&format!("b{i}"), Some(B), 2, 4)));
-        slices.push(slice("plain", None, 8, 4));
+        slices.extend((0..2).map(|i| slice(&format!("b{i}"), Some(B), 2, 1)));
+        slices.push(slice("plain", None, 8, 1));
         slices
     }
 
@@ -574,20 +521,16 @@ mod tests {
         }
     }
 
-    fn placed_at(mut domain: DomainObject, clique: &str, channel: u32) -> DomainObject {
-        domain
-            .annotations
-            .insert(CLIQUE_ANNOTATION.into(), clique.into());
-        domain
-            .annotations
-            .insert(CHANNEL_ANNOTATION.into(), channel.to_string());
-        domain
+    fn placements(placed: &[(&str, &str)]) -> BTreeMap<String, String> {
+        placed
+            .iter()
+            .map(|(uid, clique)| (uid.to_string(), clique.to_string()))
+            .collect()
     }
 
-    fn new(clique: &str, channel: u32) -> Decision {
+    fn new(clique: &str) -> Decision {
         Decision::New(Placed {
             clique: clique.into(),
-            channel,
         })
     }
 
@@ -599,43 +542,51 @@ mod tests {
         assert_eq!(fabric.cliques[B].len(), 2);
         assert_eq!(fabric.nodes_without_fabric, 1);
         assert_eq!(fabric.cliques[A]["a0"].free_gpus, 2);
-        assert_eq!(fabric.cliques[A]["a0"].channels.len(), 4);
-    }
-
-    #[test]
-    fn a_domain_goes_to_the_clique_with_most_free_nodes_on_the_lowest_channel() {
-        let fabric = fabric(&cluster(), &[]);
-        let decisions = place_all(&[domain("d", 2)], &fabric);
-        assert_eq!(decisions["uid-d"], new(A, 0));
-        // Four nodes fit only A; one node too (numNodes 0 means at least one).
-        let decisions = place_all(&[domain("four", 4), domain("any", 0)], &fabric);
-        assert_eq!(decisions["uid-four"], new(A, 0));
-        assert_eq!(decisions["uid-any"], new(A, 1));
-    }
-
-    #[test]
-    fn a_second_domain_gets_another_channel_and_placed_ones_stay() {
-        let fabric = fabric(&cluster(), &[]);
-        let first = placed_at(domain("first", 4), A, 0);
-        let decisions = place_all(&[domain("second", 4), first.clone()], &fabric);
         assert_eq!(
-            decisions["uid-first"],
-            Decision::Kept(Placed {
-                clique: A.into(),
-                channel: 0
-            })
+            fabric.cliques[A]["a0"].channel,
+            Some(ChannelDevice::default())
         );
-        assert_eq!(decisions["uid-second"], new(A, 1));
-        // A channel in use on B does not matter on A.
-        let on_b = placed_at(domain("on-b", 1), B, 0);
-        let decisions = place_all(&[on_b, domain("third", 3)], &fabric);
-        assert_eq!(decisions["uid-third"], new(A, 0));
+    }
+
+    #[test]
+    fn a_domain_goes_to_the_clique_with_most_free_nodes() {
+        let fabric = fabric(&cluster(), &[]);
+        let none = BTreeMap::new();
+        let decisions = place_all(&[domain("d", 2)], &none, &fabric);
+        assert_eq!(decisions["uid-d"], new(A));
+        // Four nodes fit only A; one node too (numNodes 0 means at least one).
+        let decisions = place_all(&[domain("four", 4), domain("any", 0)], &none, &fabric);
+        assert_eq!(decisions["uid-four"], new(A));
+        assert_eq!(decisions["uid-any"], new(A));
+    }
+
+    #[test]
+    fn placed_domains_stay_and_empty_ones_hold_no_node() {
+        let fabric = fabric(&cluster(), &[]);
+        // Forty placed domains without workers: the clique's nodes are all still free for the next.
+        let mut domains: Vec<DomainObject> =
+            (0..40).map(|i| domain(&format!("empty-{i}"), 4)).collect();
+        let placed: Vec<(String, &str)> = domains.iter().map(|d| (d.uid.clone(), A)).collect();
+        let placed: BTreeMap<String, String> = placed
+            .into_iter()
+            .map(|(uid, clique)| (uid, clique.to_string()))
+            .collect();
+        domains.push(domain("next", 4));
+        let decisions = place_all(&domains, &placed, &fabric);
+        assert_eq!(
+            decisions["uid-empty-7"],
+            Decision::Kept(Placed { clique: A.into() })
+        );
+        assert_eq!(decisions["uid-next"], new(A));
+        // A placement for another UID (a copied one) is not this domain's.
+        let decisions = place_all(&[domain("d", 1)], &placements(&[("uid-other", B)]), &fabric);
+        assert_eq!(decisions["uid-d"], new(A));
     }
 
     #[test]
     fn a_domain_too_big_for_every_clique_waits_and_says_why() {
         let fabric = fabric(&cluster(), &[]);
-        let decisions = place_all(&[domain("big", 5)], &fabric);
+        let decisions = place_all(&[domain("big", 5)], &BTreeMap::new(), &fabric);
         let Decision::Waiting(reason) = &decisions["uid-big"] else {
             panic!("{:?}", decisions["uid-big"]);
         };
@@ -647,29 +598,40 @@ mod tests {
     }
 
     #[test]
-    fn busy_gpus_and_tainted_channels_make_nodes_not_free() {
+    fn busy_gpus_and_taken_or_tainted_channels_make_nodes_not_free() {
         let mut slices = cluster();
-        // a0: both GPUs allocated; a1: channel 0 tainted NoSchedule; a2: channel 0 tainted
-        // PreferNoSchedule (does not keep claims off).
+        // a0: both GPUs allocated; a1: channel tainted NoSchedule; a2: channel tainted
+        // PreferNoSchedule (does not keep claims off); a3: channel taken by another domain's worker.
         taint(&mut slices[1], 0, "NoSchedule");
         taint(&mut slices[2], 0, "PreferNoSchedule");
-        let claims = [claim("busy", &[("a0", "gpu-0"), ("a0", "gpu-1")])];
+        let claims = [
+            claim("busy", &[("a0", "gpu-0"), ("a0", "gpu-1")]),
+            claim("worker", &[("a3", "imex-channel-0")]),
+        ];
         let fabric = fabric(&slices, &claims);
         assert_eq!(fabric.cliques[A]["a0"].free_gpus, 0);
         assert_eq!(
-            fabric.cliques[A]["a1"].problem_for(0),
+            fabric.cliques[A]["a0"].problem(),
+            Some(NodeProblem::NoFreeGpu)
+        );
+        assert_eq!(
+            fabric.cliques[A]["a1"].problem(),
             Some(NodeProblem::Tainted("maintenance=soon:NoSchedule".into()))
         );
-        assert_eq!(fabric.cliques[A]["a2"].problem_for(0), None);
-        // A has 2 nodes free on channel 0 and 3 on channel 1: three nodes go to channel 1.
-        let decisions = place_all(&[domain("three", 3)], &fabric);
-        assert_eq!(decisions["uid-three"], new(A, 1));
-        // Two nodes fit channel 0 of A (its lowest that fits) and of B: a tie, A sorts first.
-        let decisions = place_all(&[domain("two", 2)], &fabric);
-        assert_eq!(decisions["uid-two"], new(A, 0));
-        let decisions = place_all(&[domain("four", 4)], &fabric);
-        let reason = decisions["uid-four"].reason().unwrap();
-        assert!(reason.contains("cluster-1.0 has 3 (of 4)"), "{reason}");
+        assert_eq!(fabric.cliques[A]["a2"].problem(), None);
+        assert_eq!(
+            fabric.cliques[A]["a3"].problem(),
+            Some(NodeProblem::ChannelTaken("team/worker".into()))
+        );
+        // A has 1 free node, B 2: two nodes go to B.
+        let decisions = place_all(&[domain("two", 2)], &BTreeMap::new(), &fabric);
+        assert_eq!(decisions["uid-two"], new(B));
+        let decisions = place_all(&[domain("three", 3)], &BTreeMap::new(), &fabric);
+        let reason = decisions["uid-three"].reason().unwrap();
+        assert!(
+            reason.contains("cluster-1.1 has 2 (of 2), cluster-1.0 has 1 (of 4)"),
+            "{reason}"
+        );
     }
 
     #[test]
@@ -681,70 +643,82 @@ mod tests {
                     n,
                     Some(if n.starts_with('y') { "y.0" } else { "x.0" }),
                     1,
-                    2,
+                    1,
                 )
             })
             .collect();
-        let decisions = place_all(&[domain("d", 2)], &fabric(&slices, &[]));
-        assert_eq!(decisions["uid-d"], new("x.0", 0));
+        let decisions = place_all(&[domain("d", 2)], &BTreeMap::new(), &fabric(&slices, &[]));
+        assert_eq!(decisions["uid-d"], new("x.0"));
     }
 
     #[test]
-    fn a_channel_missing_on_one_node_of_the_clique_is_not_chosen() {
-        let slices = vec![slice("n0", Some(A), 1, 4), slice("n1", Some(A), 1, 2)];
+    fn only_channel_0_counts() {
+        // An older plugin published channels 1..; a node without channel 0 is not free.
+        let mut slices = vec![slice("n0", Some(A), 1, 1), slice("n1", Some(A), 1, 4)];
+        slices[1]["spec"]["devices"]
+            .as_array_mut()
+            .unwrap()
+            .retain(|d| d["name"] != "imex-channel-0");
         let fabric = fabric(&slices, &[]);
-        let taken = [
-            placed_at(domain("c0", 1), A, 0),
-            placed_at(domain("c1", 1), A, 1),
-        ];
-        let mut domains = taken.to_vec();
-        domains.push(domain("d", 1));
-        let decisions = place_all(&domains, &fabric);
+        assert_eq!(
+            fabric.cliques[A]["n1"].problem(),
+            Some(NodeProblem::ChannelNotPublished)
+        );
+        let decisions = place_all(&[domain("d", 2)], &BTreeMap::new(), &fabric);
         let reason = decisions["uid-d"].reason().unwrap();
-        assert!(reason.contains("cluster-1.0 has 0 (of 2)"), "{reason}");
+        assert!(reason.contains("cluster-1.0 has 1 (of 2)"), "{reason}");
     }
 
     #[test]
     fn without_any_fabric_nothing_is_placed() {
         let decisions = place_all(
             &[domain("d", 1)],
+            &BTreeMap::new(),
             &fabric(&[slice("plain", None, 8, 0)], &[]),
         );
         let reason = decisions["uid-d"].reason().unwrap();
         assert!(
-            reason.starts_with("no node publishes IMEX channels"),
+            reason.starts_with("no node publishes an IMEX channel"),
             "{reason}"
         );
         assert!(reason.contains("1 node(s) without one"), "{reason}");
     }
 
     #[test]
-    fn specs_without_a_channel_or_with_mode_all_are_refused() {
+    fn specs_without_a_channel_or_with_an_unknown_mode_are_refused() {
         let fabric = fabric(&cluster(), &[]);
         let mut no_channel = domain("none", 1);
         no_channel.spec.channel = None;
+        let mut some = domain("some", 1);
+        some.spec.channel.as_mut().unwrap().allocation_mode = Some("Some".into());
         let mut all = domain("all", 1);
         all.spec.channel.as_mut().unwrap().allocation_mode = Some("All".into());
-        let decisions = place_all(&[no_channel, all, domain("ok", 1)], &fabric);
+        let decisions = place_all(&[no_channel, some, all], &BTreeMap::new(), &fabric);
         assert!(
             matches!(&decisions["uid-none"], Decision::Refused(r) if r.starts_with("spec.channel is not set"))
         );
         assert!(
-            matches!(&decisions["uid-all"], Decision::Refused(r) if r.contains("allocationMode \"All\""))
+            matches!(&decisions["uid-some"], Decision::Refused(r) if r.contains("allocationMode \"Some\""))
         );
-        // Refused domains take no channel.
-        assert_eq!(decisions["uid-ok"], new(A, 0));
+        assert_eq!(decisions["uid-all"], new(A));
     }
 
     #[test]
-    fn a_domain_being_deleted_keeps_its_channel_and_is_not_placed() {
+    fn a_domain_being_deleted_keeps_its_placement_and_is_not_placed_anew() {
         let fabric = fabric(&cluster(), &[]);
-        let mut leaving = placed_at(domain("leaving", 1), A, 0);
+        let mut leaving = domain("leaving", 1);
         leaving.deleting = true;
         let mut unplaced = domain("unplaced", 1);
         unplaced.deleting = true;
-        let decisions = place_all(&[leaving, unplaced, domain("d", 4)], &fabric);
-        assert_eq!(decisions["uid-d"], new(A, 1));
+        let decisions = place_all(
+            &[leaving, unplaced],
+            &placements(&[("uid-leaving", B)]),
+            &fabric,
+        );
+        assert_eq!(
+            decisions["uid-leaving"],
+            Decision::Kept(Placed { clique: B.into() })
+        );
         assert!(!decisions.contains_key("uid-unplaced"));
     }
 
@@ -767,11 +741,8 @@ mod tests {
         ];
         let fabric = fabric(&slices, &claims);
 
-        let on_b = placed_at(domain("on-b", 2), B, 0);
-        let decision = Decision::Kept(Placed {
-            clique: B.into(),
-            channel: 0,
-        });
+        let on_b = domain("on-b", 2);
+        let decision = Decision::Kept(Placed { clique: B.into() });
         let why = why_pending(&on_b, &decision, &fabric).unwrap();
         let PendingReason::CliqueFull { problems, .. } = &why else {
             panic!("{why:?}");
@@ -782,16 +753,13 @@ mod tests {
         );
         assert_eq!(
             why.to_string(),
-            "0 of the 2 nodes of NVLink clique cluster-1.1 are free for IMEX channel 0: \
+            "0 of the 2 nodes of NVLink clique cluster-1.1 are free for the ComputeDomain's pods: \
              1 (b0): channel tainted maintenance=soon:NoExecute; 1 (b1): channel taken by claim team/pod-0-channel"
         );
 
         // On A, three nodes are free: the pod fits, but the domain is not Ready yet.
-        let mut on_a = placed_at(domain("on-a", 2), A, 0);
-        let decision = Decision::Kept(Placed {
-            clique: A.into(),
-            channel: 0,
-        });
+        let mut on_a = domain("on-a", 2);
+        let decision = Decision::Kept(Placed { clique: A.into() });
         assert_eq!(
             why_pending(&on_a, &decision, &fabric),
             Some(PendingReason::NotReady {

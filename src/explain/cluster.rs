@@ -4,8 +4,8 @@
 //! finds it, or from a dump of
 //! `kubectl get pods,resourceclaims,resourceclaimtemplates,deviceclasses,resourceslices,nodes -A -o yaml`
 //! (a `List` of mixed kinds; several YAML documents and JSON are read too), for support cases, with
-//! `kubectl get computedomains.gpu.dra.dev,computedomains.resource.nvidia.com -A -o yaml` where pods of
-//! ComputeDomains are Pending.
+//! `kubectl get computedomains.gpu.dra.dev,computedomains.resource.nvidia.com,computedomainplacements -A -o yaml`
+//! where pods of ComputeDomains are Pending.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -23,7 +23,7 @@ use super::dump::{self, Document, Items, Object};
 use super::subject::Target;
 use super::ExplainError;
 use crate::apiclient::ApiTimeouts;
-use crate::domains::api::{DomainGroup, DomainObject};
+use crate::domains::api::{ComputeDomainPlacement, DomainGroup, DomainObject};
 
 /// What `explain` reads. Objects keep the order they came in.
 #[derive(Debug, Clone, Default)]
@@ -36,6 +36,8 @@ pub struct Cluster {
     pub nodes: Vec<Node>,
     /// ComputeDomains of both groups (ours and NVIDIA's).
     pub domains: Vec<DomainObject>,
+    /// Where the controller placed them.
+    pub placements: Vec<ComputeDomainPlacement>,
     /// Objects of other kinds in a dump, counted by kind and otherwise ignored.
     pub ignored: BTreeMap<String, usize>,
 }
@@ -105,6 +107,7 @@ impl Cluster {
             Object::Class(class) => self.classes.push(*class),
             Object::Slice(slice) => self.slices.push(*slice),
             Object::Domain(domain) => self.domains.push(*domain),
+            Object::Placement(placement) => self.placements.push(*placement),
             Object::Other(kind) => *self.ignored.entry(kind).or_default() += 1,
         }
     }
@@ -170,6 +173,7 @@ impl Cluster {
             }
             cluster.pods.push(pod);
             cluster.domains = fetch_domains(client).await?;
+            cluster.placements = fetch_placements(client).await?;
         }
         let all = ListParams::default();
         let claims: Api<ResourceClaim> = Api::all(client.clone());
@@ -198,6 +202,39 @@ impl Cluster {
             .items;
         cluster.sort_slices();
         Ok(cluster)
+    }
+}
+
+impl Cluster {
+    /// The clique the controller placed `domain` on, if it did.
+    pub fn placement_of(&self, domain: &DomainObject) -> Option<String> {
+        self.placements
+            .iter()
+            .find(|p| p.is_for(domain))
+            .map(|p| p.spec.clique.clone())
+    }
+
+    /// Every domain's placement: domain UID → clique.
+    pub fn placements_by_uid(&self) -> BTreeMap<String, String> {
+        self.domains
+            .iter()
+            .filter_map(|d| Some((d.uid.clone(), self.placement_of(d)?)))
+            .collect()
+    }
+}
+
+/// The controller's placements; none where their CRD is not installed.
+async fn fetch_placements(
+    client: &kube::Client,
+) -> Result<Vec<ComputeDomainPlacement>, ExplainError> {
+    let placements: Api<ComputeDomainPlacement> = Api::all(client.clone());
+    match placements.list(&ListParams::default()).await {
+        Ok(list) => Ok(list.items),
+        Err(kube::Error::Api(status)) if status.code == 404 => Ok(Vec::new()),
+        Err(error) => Err(ExplainError::Api {
+            what: "listing ComputeDomainPlacements".into(),
+            error: Box::new(error),
+        }),
     }
 }
 

@@ -1,5 +1,5 @@
 //! What a pod's ComputeDomain says about it. The controller writes a domain's channel
-//! ResourceClaimTemplate only once it placed the domain on an NVLink clique and IMEX channel, so the
+//! ResourceClaimTemplate only once it placed the domain on an NVLink clique, so the
 //! pod of a domain that is not placed has no claim yet and waits for the domain; the pod of a placed
 //! domain may find every node of the clique taken, or wait in ContainerCreating for the domain's IMEX
 //! daemons. This step adds that to the per-node verdicts of [`super::decide`]: why the domain is not
@@ -119,10 +119,10 @@ fn not_placed(cluster: &Cluster, domain: &DomainObject) -> String {
     if domain.deleting {
         return "being deleted".into();
     }
-    if let Some((clique, channel)) = domain.placement() {
+    if let Some(clique) = cluster.placement_of(domain) {
         return format!(
-            "placed on NVLink clique {clique}, IMEX channel {channel}, but its ResourceClaimTemplate \
-             is not written yet (is `gpu-dra controller` running?)"
+            "placed on NVLink clique {clique}, but its ResourceClaimTemplate is not written yet (is \
+             `gpu-dra controller` running?)"
         );
     }
     if let Some(reason) = domain
@@ -134,25 +134,25 @@ fn not_placed(cluster: &Cluster, domain: &DomainObject) -> String {
     }
     // The controller has not said why (yet): decide as it would, from what the cluster holds.
     let fabric = fabric_for(cluster, domain);
-    match place_all(&cluster.domains, &fabric).get(&domain.uid) {
+    match place_all(&cluster.domains, &cluster.placements_by_uid(), &fabric).get(&domain.uid) {
         Some(Decision::Refused(reason) | Decision::Waiting(reason)) => format!(
             "not placed: {reason} (explain's own placement from the ResourceSlices and claims: the \
              domain has no {PLACEMENT_ANNOTATION} annotation)"
         ),
         Some(Decision::New(placed) | Decision::Kept(placed)) => format!(
-            "not placed yet, though NVLink clique {} has room for it on IMEX channel {} (is \
-             `gpu-dra controller` running?)",
-            placed.clique, placed.channel
+            "not placed yet, though NVLink clique {} has room for it (is `gpu-dra controller` \
+             running?)",
+            placed.clique
         ),
         None => "not placed".into(),
     }
 }
 
-/// "ComputeDomain NS/NAME: 0 of the 4 nodes of NVLink clique ... are free for IMEX channel N: ...",
-/// when no node of the placed domain's clique can take another of its pods.
+/// "ComputeDomain NS/NAME: 0 of the 4 nodes of NVLink clique ... are free for the ComputeDomain's
+/// pods: ...", when no node of the placed domain's clique can take another of its pods.
 fn clique_full(cluster: &Cluster, domain: &DomainObject) -> Option<String> {
-    let (clique, channel) = domain.placement()?;
-    let decision = Decision::Kept(Placed { clique, channel });
+    let clique = cluster.placement_of(domain)?;
+    let decision = Decision::Kept(Placed { clique });
     match why_pending(domain, &decision, &fabric_for(cluster, domain))? {
         full @ PendingReason::CliqueFull { .. } => {
             Some(format!("ComputeDomain {}: {full}", domain.key()))

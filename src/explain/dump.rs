@@ -25,7 +25,7 @@ use serde::de::{
 use serde::Deserialize;
 use serde_json::Value;
 
-use crate::domains::api::{DomainGroup, DomainObject, KIND as DOMAIN_KIND};
+use crate::domains::api::{ComputeDomainPlacement, DomainGroup, DomainObject, KIND as DOMAIN_KIND};
 
 const RESOURCE_API: &str = "resource.k8s.io/v1";
 
@@ -40,6 +40,8 @@ pub(super) enum Object {
     Slice(Box<ResourceSlice>),
     /// A ComputeDomain of either group (`gpu.dra.dev/v1alpha1`, `resource.nvidia.com/v1beta1`).
     Domain(Box<DomainObject>),
+    /// Where the controller placed a ComputeDomain (`gpu.dra.dev/v1alpha1`).
+    Placement(Box<ComputeDomainPlacement>),
     Other(String),
 }
 
@@ -293,6 +295,12 @@ where
 {
     if kind == DOMAIN_KIND {
         return domain(from, api_version, kind);
+    }
+    if kind == "ComputeDomainPlacement" && api_version == "gpu.dra.dev/v1alpha1" {
+        return from
+            .read(&api_version, &kind)
+            .map(Object::Placement)
+            .map_err(|e| E::custom(format!("invalid {kind}: {e}")));
     }
     let expected = match kind.as_str() {
         "Pod" | "Node" => "v1",

@@ -1,5 +1,5 @@
 //! `explain` for pods of ComputeDomains on a cluster of fake GB200 trays: NVLink clique 0 of four nodes
-//! (gb-a0..gb-a3), clique 1 of two (gb-b0, gb-b1), four IMEX channels each. One test per thing the
+//! (gb-a0..gb-a3), clique 1 of two (gb-b0, gb-b1), each with its IMEX channel device. One test per thing the
 //! domain can say: not placed (no clique has room, or its spec is refused), its clique full, not Ready;
 //! and a domain of NVIDIA's group.
 
@@ -9,7 +9,7 @@ use super::report::{ReasonKind, Report};
 use super::*;
 use crate::api::NVIDIA_DRIVER_NAME;
 use crate::domains::api::{
-    DomainObject, CHANNEL_ANNOTATION, CHANNEL_DEVICE_CLASS, CLIQUE_ANNOTATION, PLACEMENT_ANNOTATION,
+    ComputeDomainPlacement, DomainObject, CHANNEL_DEVICE_CLASS, PLACEMENT_ANNOTATION,
 };
 use crate::domains::controller::template::channel_template;
 use crate::domains::placement::Placed;
@@ -48,16 +48,19 @@ fn cluster(driver: &str) -> Cluster {
     cluster
 }
 
-/// `domain` placed on `clique`, `channel`, as the controller records it, with the channel template
-/// it then writes.
-fn place(cluster: &mut Cluster, mut domain: Value, clique: &str, channel: u32) {
-    domain["metadata"]["annotations"] = json!({
-        CLIQUE_ANNOTATION: clique, CHANNEL_ANNOTATION: channel.to_string()});
+/// `domain` placed on `clique`, as the controller records it (its ComputeDomainPlacement, read from
+/// a dump), with the channel template it then writes.
+fn place(cluster: &mut Cluster, domain: Value, clique: &str) {
     cluster.add(domain).unwrap();
-    let object: &DomainObject = cluster.domains.last().unwrap();
+    let object: DomainObject = cluster.domains.last().unwrap().clone();
+    let placement = ComputeDomainPlacement::of(&object, clique);
+    let mut placement = serde_json::to_value(placement).unwrap();
+    placement["apiVersion"] = json!("gpu.dra.dev/v1alpha1");
+    placement["kind"] = json!("ComputeDomainPlacement");
+    cluster.add(placement).unwrap();
+    let object = &object;
     let placed = Placed {
         clique: clique.into(),
-        channel,
     };
     let name = format!("{}-channel", object.name);
     let template = channel_template(DRIVER, CHANNEL_DEVICE_CLASS, object, &name, &placed).unwrap();
@@ -153,13 +156,13 @@ fn a_pod_of_a_domain_no_clique_has_room_for_waits_for_it_and_says_why() {
 fn a_pod_of_a_refused_domain_says_what_is_wrong_with_the_spec() {
     let mut cluster = cluster(DRIVER);
     let mut all = fixture::compute_domain(OURS, NS, "all", 2);
-    all["spec"]["channel"]["allocationMode"] = json!("All");
+    all["spec"]["channel"]["allocationMode"] = json!("Some");
     cluster.add(all).unwrap();
     let report = explain_worker(cluster, "all").unwrap();
     assert_eq!(report.exit_code(), 1);
     assert!(
         report.summary.starts_with(
-            "waits for ComputeDomain team/all: not placed: spec.channel.allocationMode \"All\" is not supported"
+            "waits for ComputeDomain team/all: not placed: spec.channel.allocationMode \"Some\" is not one of"
         ),
         "{}",
         report.summary
@@ -173,7 +176,6 @@ fn a_pod_of_a_domain_whose_clique_is_full_gets_a_note_naming_each_node() {
         &mut cluster,
         fixture::compute_domain(OURS, NS, "d", 2),
         &clique(1),
-        0,
     );
     // The domain's two pods before this one hold channel 0 on both nodes of clique 1.
     for (claim, node) in [("w0-channel", "gb-b0"), ("w1-channel", "gb-b1")] {
@@ -189,7 +191,7 @@ fn a_pod_of_a_domain_whose_clique_is_full_gets_a_note_naming_each_node() {
     let report = explain_worker(cluster, "d").unwrap();
     assert_eq!(report.exit_code(), 1, "{}", report.to_table());
     let note = format!(
-        "ComputeDomain team/d: 0 of the 2 nodes of NVLink clique {} are free for IMEX channel 0: \
+        "ComputeDomain team/d: 0 of the 2 nodes of NVLink clique {} are free for the ComputeDomain's pods: \
          1 (gb-b0): channel taken by claim team/w0-channel; 1 (gb-b1): channel taken by claim \
          team/w1-channel",
         clique(1)
@@ -211,7 +213,7 @@ fn a_pod_of_a_domain_that_is_not_ready_fits_and_says_which_nodes_wait() {
         {"name": "gb-a1", "status": "NotReady", "cliqueID": clique(0),
          "reason": "IMEX daemon not ready: waiting for peers"},
     ]});
-    place(&mut cluster, domain, &clique(0), 0);
+    place(&mut cluster, domain, &clique(0));
     let report = explain_worker(cluster.clone(), "d").unwrap();
     assert_eq!(report.exit_code(), 0, "{}", report.to_table());
     assert_eq!(report.fitting_nodes, 4, "{}", report.to_table());

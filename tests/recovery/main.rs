@@ -31,6 +31,7 @@ fn record(name: &str, state: ClaimState, device: &str, uid: &str) -> ClaimRecord
             admin_access: false,
             mig: None,
             sharing: Default::default(),
+            imex_channels: None,
         }],
         mps: None,
         domain: None,

@@ -362,6 +362,16 @@ pub async fn domain(
 }
 
 /// Creates ComputeDomain `name` of `nodes` nodes, whose channel template is `<name>-channel`.
+/// The clique the controller placed a domain on (its ComputeDomainPlacement), once it did.
+pub async fn placement(client: &kube::Client, namespace: &str, name: &str) -> Option<String> {
+    let domain = domain(client, namespace, name).await;
+    let placements: Api<crate::domains::api::ComputeDomainPlacement> = Api::all(client.clone());
+    let placement = placements.get_opt(&domain.uid).await.ok()??;
+    placement
+        .is_for(&domain)
+        .then(|| placement.spec.clique.clone())
+}
+
 pub async fn create_domain(client: &kube::Client, namespace: &str, name: &str, nodes: u32) {
     let object: kube::api::DynamicObject = serde_json::from_value(serde_json::json!({
         "apiVersion": "gpu.dra.dev/v1alpha1", "kind": "ComputeDomain",

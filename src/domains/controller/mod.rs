@@ -29,8 +29,8 @@ use tracing::{debug, info, warn};
 
 use crate::apiclient::ApiTimeouts;
 use crate::domains::api::{
-    DomainGroup, DomainObject, CHANNEL_ANNOTATION, CHANNEL_DEVICE_CLASS, CLIQUE_ANNOTATION,
-    DOMAIN_LABEL, PLACEMENT_ANNOTATION,
+    ComputeDomainPlacement, DomainGroup, DomainObject, CHANNEL_DEVICE_CLASS, DOMAIN_LABEL,
+    PLACEMENT_ANNOTATION,
 };
 use crate::domains::placement::{place_all, Decision, Fabric, Placed};
 use status::{invalid_status, next_status, node_health, NodeHealth};
@@ -149,6 +149,13 @@ impl Controller {
                 watcher(Api::<Node>::all(client.clone()), config.clone()),
                 changed.clone(),
             ),
+            wake_on(
+                watcher(
+                    Api::<ComputeDomainPlacement>::all(client.clone()),
+                    config.clone(),
+                ),
+                changed.clone(),
+            ),
         ];
         for group in &self.groups {
             let domains: Api<DynamicObject> = Api::all_with(client.clone(), &group.api_resource());
@@ -195,6 +202,16 @@ impl Controller {
                 })?
                 .items;
 
+        let placements: Vec<ComputeDomainPlacement> =
+            Api::<ComputeDomainPlacement>::all(self.client.clone())
+                .list(&ListParams::default())
+                .await
+                .map_err(|source| ControllerError::List {
+                    what: "ComputeDomainPlacements (is crd/gpu.dra.dev_computedomainplacements.yaml applied?)",
+                    source,
+                })?
+                .items;
+
         let (listed, listed_groups) = self.list_domains().await;
         let mut domains: Vec<&Listed> = listed.iter().collect();
         // The oldest domain is placed first; the name breaks ties so the order is stable.
@@ -208,8 +225,17 @@ impl Controller {
             .iter()
             .filter_map(|l| l.parsed.as_ref().ok().cloned())
             .collect();
+        // Only a placement made for the very domain counts (its name is a UID anyone could copy, but
+        // no one else may write these objects).
+        let placed: BTreeMap<String, String> = parsed
+            .iter()
+            .filter_map(|domain| {
+                let placement = placements.iter().find(|p| p.is_for(domain))?;
+                Some((domain.uid.clone(), placement.spec.clique.clone()))
+            })
+            .collect();
         let fabric = Fabric::from_cluster(&driver, &slices, &claims);
-        let decisions = place_all(&parsed, &fabric);
+        let decisions = place_all(&parsed, &placed, &fabric);
         let health = node_health(&nodes);
         let templates_by_key: BTreeMap<(String, String), &ResourceClaimTemplate> = templates
             .iter()
@@ -238,6 +264,8 @@ impl Controller {
             }
         }
         self.delete_orphaned_templates(&templates, &listed, &listed_groups)
+            .await;
+        self.delete_orphaned_placements(&placements, &listed, &listed_groups)
             .await;
         Ok(())
     }
@@ -283,11 +311,8 @@ impl Controller {
             Decision::New(placed) => {
                 let recorded = self.record_placement(domain, placed).await;
                 if recorded {
-                    info!(domain = %domain.key(), clique = %placed.clique, channel = placed.channel, "placed");
-                    let note = format!(
-                        "placed on NVLink clique {}, IMEX channel {}",
-                        placed.clique, placed.channel
-                    );
+                    info!(domain = %domain.key(), clique = %placed.clique, "placed");
+                    let note = format!("placed on NVLink clique {}", placed.clique);
                     self.event(listed, EventType::Normal, "Placed", &note, None)
                         .await;
                 }
@@ -341,18 +366,27 @@ impl Controller {
         }
     }
 
-    /// Writes the clique and channel on the domain (and drops the reason it was not placed), guarded
-    /// by its resourceVersion; whether it was written. The template follows only once it is.
+    /// Creates the domain's ComputeDomainPlacement (and drops the reason it was not placed); whether it
+    /// exists now. The template follows only once it does.
     async fn record_placement(&self, domain: &DomainObject, placed: &Placed) -> bool {
-        self.patch_annotations(
-            domain,
-            json!({
-                CLIQUE_ANNOTATION: placed.clique,
-                CHANNEL_ANNOTATION: placed.channel.to_string(),
-                PLACEMENT_ANNOTATION: null,
-            }),
-        )
-        .await
+        let placements: Api<ComputeDomainPlacement> = Api::all(self.client.clone());
+        let placement = ComputeDomainPlacement::of(domain, &placed.clique);
+        match placements.create(&PostParams::default(), &placement).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(status)) if status.code == 409 => {
+                // Made by an earlier round whose list did not see it yet; the next round reads it.
+                return false;
+            }
+            Err(error) => {
+                warn!(%error, domain = %domain.key(), "writing the ComputeDomainPlacement failed; retrying");
+                return false;
+            }
+        }
+        if domain.annotations.contains_key(PLACEMENT_ANNOTATION) {
+            self.patch_annotations(domain, json!({PLACEMENT_ANNOTATION: null}))
+                .await;
+        }
+        true
     }
 
     async fn patch_annotations(
@@ -367,7 +401,7 @@ impl Controller {
         );
         let mut metadata = json!({"annotations": annotations});
         if let Some(version) = &domain.resource_version {
-            // A placement decided on a stale view must not land: the next round decides again.
+            // A reason decided on a stale view must not land: the next round decides again.
             metadata["resourceVersion"] = json!(version);
         }
         let patch = Patch::Merge(json!({"metadata": metadata}));
@@ -377,7 +411,7 @@ impl Controller {
         {
             Ok(_) => true,
             Err(error) => {
-                warn!(%error, domain = %domain.key(), "writing the placement annotations failed; retrying");
+                warn!(%error, domain = %domain.key(), "writing the placement annotation failed; retrying");
                 false
             }
         }
@@ -546,6 +580,56 @@ impl Controller {
                 Err(kube::Error::Api(status)) if status.code == 404 => {}
                 Err(error) => {
                     warn!(%error, template = %format!("{namespace}/{name}"), "deleting the template of a deleted ComputeDomain failed; retrying")
+                }
+            }
+        }
+    }
+
+    /// Deletes the placements of domains that are gone or being deleted, and any that is not the very
+    /// domain's its name says (it would keep that domain from being placed). A placement cannot be
+    /// owned by its namespaced domain (the garbage collector does not follow a cluster-scoped object to
+    /// a namespaced owner), so the controller deletes it.
+    async fn delete_orphaned_placements(
+        &self,
+        placements: &[ComputeDomainPlacement],
+        listed: &[Listed],
+        listed_groups: &BTreeSet<DomainGroup>,
+    ) {
+        // A domain that does not parse is not gone: keep the placement named by its UID.
+        let unparsed: BTreeSet<&str> = listed
+            .iter()
+            .filter(|l| l.parsed.is_err())
+            .filter_map(|l| l.object.metadata.uid.as_deref())
+            .collect();
+        let live: Vec<&DomainObject> = listed
+            .iter()
+            .filter_map(|l| l.parsed.as_ref().ok())
+            .filter(|d| !d.deleting)
+            .collect();
+        let api: Api<ComputeDomainPlacement> = Api::all(self.client.clone());
+        for placement in placements {
+            let group = DomainGroup::served_by(crate::api::NVIDIA_DRIVER_NAME)
+                .into_iter()
+                .find(|g| g.api_resource().api_version == placement.spec.domain.api_version);
+            // Only when the domain's group was listed this round can "not listed" mean "gone".
+            let listed_group = group.is_none_or(|g| listed_groups.contains(&g));
+            let kept = live.iter().any(|d| placement.is_for(d))
+                || placement
+                    .metadata
+                    .name
+                    .as_deref()
+                    .is_some_and(|name| unparsed.contains(name));
+            if kept || !listed_group {
+                continue;
+            }
+            let name = placement.metadata.name.clone().unwrap_or_default();
+            match api.delete(&name, &DeleteParams::default()).await {
+                Ok(_) => {
+                    info!(placement = %name, domain = %format!("{}/{}", placement.spec.domain.namespace, placement.spec.domain.name), "deleted the placement of a deleted ComputeDomain")
+                }
+                Err(kube::Error::Api(status)) if status.code == 404 => {}
+                Err(error) => {
+                    warn!(%error, placement = %name, "deleting the placement of a deleted ComputeDomain failed; retrying")
                 }
             }
         }

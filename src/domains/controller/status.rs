@@ -93,7 +93,7 @@ pub fn next_status(
             PLACED_CONDITION,
             true,
             "Placed",
-            &format!("NVLink clique {}, IMEX channel {}", p.clique, p.channel),
+            &format!("NVLink clique {}", p.clique),
         ),
         (Decision::Refused(reason), None) => {
             condition(PLACED_CONDITION, false, "SpecNotSupported", reason)
@@ -174,7 +174,6 @@ mod tests {
     fn placed() -> Decision {
         Decision::Kept(Placed {
             clique: "c.0".into(),
-            channel: 3,
         })
     }
 
@@ -196,10 +195,7 @@ mod tests {
         );
         assert_eq!(next.status.status, READY);
         assert!(next.lost.is_empty());
-        assert_eq!(
-            next.status.conditions[0].message,
-            "NVLink clique c.0, IMEX channel 3"
-        );
+        assert_eq!(next.status.conditions[0].message, "NVLink clique c.0");
         let next = next_status(
             &domain(2, &[("n0", READY), ("n1", NOT_READY)]),
             &placed(),

@@ -53,7 +53,7 @@ impl ResourceDef {
     }
 }
 
-const RESOURCES: [ResourceDef; 11] = [
+const RESOURCES: [ResourceDef; 12] = [
     ResourceDef {
         plural: "nodes",
         kind: "Node",
@@ -171,6 +171,18 @@ const RESOURCES: [ResourceDef; 11] = [
         namespaced: true,
         path_plural: Some("computedomains"),
         status_subresource: true,
+        status_on_create: false,
+    },
+    // Where the controller placed each ComputeDomain (crd/gpu.dra.dev_computedomainplacements.yaml):
+    // cluster-scoped, no status.
+    ResourceDef {
+        plural: "computedomainplacements",
+        kind: "ComputeDomainPlacement",
+        group: "gpu.dra.dev",
+        version: "v1alpha1",
+        namespaced: false,
+        path_plural: None,
+        status_subresource: false,
         status_on_create: false,
     },
 ];

@@ -45,19 +45,23 @@ pub(super) struct Request {
     pub(super) old_object: Json,
 }
 
-/// The API group of the resources the policies see: Nodes and Pods are core, the rest `resource.k8s.io`.
-fn group_of(resource: &str) -> &'static str {
-    if resource == "nodes" || resource == "pods" {
-        ""
-    } else {
-        "resource.k8s.io"
+/// The API group and plural of a request's resource: Nodes and Pods are core, ComputeDomains ours
+/// (`computedomains`) or another group's when it is named (`computedomains.resource.nvidia.com`), the
+/// rest `resource.k8s.io`.
+fn group_of(resource: &str) -> (&str, &str) {
+    let resource = resource.split_once('/').map_or(resource, |(r, _)| r);
+    match resource.split_once('.') {
+        Some((plural, group)) => (group, plural),
+        None if resource == "nodes" || resource == "pods" => ("", resource),
+        None if resource == "computedomains" => ("gpu.dra.dev", resource),
+        None => ("resource.k8s.io", resource),
     }
 }
 
 impl Request {
     fn json(&self) -> Json {
-        let (resource, sub_resource) = self.resource.split_once('/').unwrap_or((self.resource, ""));
-        let group = group_of(resource);
+        let sub_resource = self.resource.split_once('/').map_or("", |(_, s)| s);
+        let (group, resource) = group_of(self.resource);
         let extra = match self.node {
             Some(node) => json!({ NODE_NAME_KEY: [node] }),
             None => json!({}),
@@ -162,8 +166,13 @@ pub(super) fn matches(
         .into_iter()
         .flatten()
         .any(|rule| {
-            any(&rule.api_groups, group_of(request.resource))
-                && any(&rule.resources, request.resource)
+            let (group, plural) = group_of(request.resource);
+            let resource = match request.resource.split_once('/') {
+                Some((_, sub)) => format!("{plural}/{sub}"),
+                None => plural.to_string(),
+            };
+            any(&rule.api_groups, group)
+                && any(&rule.resources, &resource)
                 && any(&rule.operations, request.operation)
         })
 }
@@ -531,15 +540,19 @@ pub(super) fn check_expressions(
         .flatten()
         .find(|v| v.name == "driver")
         .map(|v| v.expression.trim_matches(['\'', '"']).to_string());
-    // Policies on Nodes name no driver; the others must name the plugin's.
+    // Policies on Nodes and on ComputeDomain status (whose entries are per node, not per driver) name
+    // no driver; the others must name the plugin's.
     let on_nodes = spec
         .match_constraints
         .as_ref()
         .and_then(|m| m.resource_rules.as_ref())
         .is_some_and(|rules| {
-            rules
-                .iter()
-                .all(|r| r.resources.iter().flatten().all(|x| x == "nodes"))
+            rules.iter().all(|r| {
+                r.resources
+                    .iter()
+                    .flatten()
+                    .all(|x| x == "nodes" || x == "computedomains/status")
+            })
         });
     if !on_nodes {
         assert_eq!(

@@ -11,6 +11,7 @@ mod admission;
 mod cel_env;
 mod config_admission;
 mod daemonset;
+mod domain_status_admission;
 mod extended_resource;
 mod helm_chart;
 mod mps_pod_admission;

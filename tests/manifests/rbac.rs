@@ -307,6 +307,8 @@ fn the_explain_role_allows_every_call_of_explain_and_only_reads() {
         ("gpu.dra.dev", "computedomains"),
         ("resource.nvidia.com", "computedomains"),
     ];
+    // Where the controller placed the domains: listed with them (`kubectl get computedomainplacements`).
+    let listed_only = [("gpu.dra.dev", "computedomainplacements")];
     let expected: BTreeSet<Grant> = kinds
         .iter()
         .flat_map(|(group, resource)| {
@@ -316,6 +318,11 @@ fn the_explain_role_allows_every_call_of_explain_and_only_reads() {
                 verb: verb.to_string(),
             })
         })
+        .chain(listed_only.iter().map(|(group, resource)| Grant {
+            group: group.to_string(),
+            resource: resource.to_string(),
+            verb: "list".to_string(),
+        }))
         .collect();
     assert_eq!(granted, expected);
     // It is for people: nothing in deploy/ binds it (the plugin's service account must not get it).

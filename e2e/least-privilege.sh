@@ -72,13 +72,16 @@ raw_patch_as() { # TOKEN PATH JSON
 }
 echo "token bound to node: $(plugin auth whoami -o jsonpath='{.status.userInfo.extra.authentication\.kubernetes\.io/node-name[0]}')"
 
-# expect allow|deny WHAT COMMAND...: runs COMMAND as given and checks the server's verdict.
+# expect allow|deny WHAT [--says TEXT] COMMAND...: runs COMMAND as given and checks the server's verdict
+# (and that its answer contains TEXT).
 expect() {
-  local want=$1 what=$2 out rc
+  local want=$1 what=$2 says='' out rc
   shift 2
+  if [ "$1" = --says ]; then says=$2; shift 2; fi
   out=$("$@" 2>&1)
   rc=$?
-  if { [ "$want" = allow ] && [ $rc -eq 0 ]; } || { [ "$want" = deny ] && [ $rc -ne 0 ] && grep -qiE 'denied|forbidden' <<<"$out"; }; then
+  if { [ "$want" = allow ] && [ $rc -eq 0 ]; } ||
+     { [ "$want" = deny ] && [ $rc -ne 0 ] && grep -qiE 'denied|forbidden' <<<"$out" && grep -qF -- "$says" <<<"$out"; }; then
     printf 'ok    %-5s %s\n' "$want" "$what"
   else
     printf 'FAIL  %-5s %s\n' "$want" "$what"
@@ -198,6 +201,97 @@ expect allow "only the allowed changes reached node-1" bash -c "kubectl get node
   .metadata.labels[\"nvidia.com/gpu.product\"] == \"NVIDIA-H100-80GB-HBM3\" and (.metadata.labels | has(\"nvidia.com/gpu.count\") | not)
   and .metadata.labels.team == \"ml\" and (.spec.taints // []) == [] and (.spec.unschedulable // false) == false'"
 
+echo "== ComputeDomain status (its node's entry of status.nodes, the status replaced whole as the plugin does)"
+CD=computedomains.gpu.dra.dev
+NV=computedomains.resource.nvidia.com
+cd_entry() { # node ipAddress index status
+  echo "{\"name\": \"$1\", \"ipAddress\": \"$2\", \"cliqueID\": \"c.0\", \"index\": $3, \"status\": \"$4\"}"
+}
+# domain APIVERSION NAME: a domain node-2 joined, written by an admin as the controller and node-2 would.
+domain() {
+  local resource="computedomains.${1%/*}"
+  kubectl -n $CLAIM_NS delete "$resource" "$2" --ignore-not-found >/dev/null
+  kubectl -n $CLAIM_NS create -f - >/dev/null <<EOF
+{"apiVersion": "$1", "kind": "ComputeDomain", "metadata": {"name": "$2"},
+ "spec": {"numNodes": 2, "channel": {"resourceClaimTemplate": {"name": "$2-channel"}}}}
+EOF
+  kubectl -n $CLAIM_NS patch "$resource" "$2" --subresource=status --type=merge -p "{\"status\": {
+    \"status\": \"NotReady\", \"nodes\": [$(cd_entry node-2 10.0.0.2 0 Ready)],
+    \"conditions\": [{\"type\": \"Placed\", \"status\": \"True\", \"reason\": \"Placed\", \"message\": \"c.0\"}]}}" >/dev/null
+}
+unbound() { local TOKEN=$UNBOUND; "$@"; } # COMMAND... with the token bound to no pod
+ONLY_ITS_OWN='the gpu-dra plugin on node node-1 may only write the entry of that node'
+MINE=$(cd_entry node-1 10.0.0.1 1 NotReady)
+domain gpu.dra.dev/v1alpha1 lp-domain
+
+expect allow "join: add its own entry to a domain's status.nodes" edit $CD lp-domain $CLAIM_NS \
+  ".status.nodes += [$MINE]" --subresource=status
+expect allow "turn its entry Ready" edit $CD lp-domain $CLAIM_NS \
+  '(.status.nodes[] | select(.name == "node-1") | .status) = "Ready"' --subresource=status
+expect deny "point node-2's entry at another address" --says "$ONLY_ITS_OWN" edit $CD lp-domain $CLAIM_NS \
+  '(.status.nodes[] | select(.name == "node-2") | .ipAddress) = "192.0.2.66"' --subresource=status
+expect deny "remove node-2's entry" --says "$ONLY_ITS_OWN" edit $CD lp-domain $CLAIM_NS \
+  '.status.nodes |= map(select(.name != "node-2"))' --subresource=status
+expect deny "add an entry for node-3" --says "$ONLY_ITS_OWN" edit $CD lp-domain $CLAIM_NS \
+  ".status.nodes += [$(cd_entry node-3 192.0.2.66 2 Ready)]" --subresource=status
+expect deny "add a second entry of its own" --says 'may write one entry of that node' edit $CD lp-domain $CLAIM_NS \
+  ".status.nodes += [$(cd_entry node-1 192.0.2.66 2 Ready)]" --subresource=status
+expect deny "mark the domain Ready (status.status)" --says 'status.status or status.conditions' \
+  edit $CD lp-domain $CLAIM_NS '.status.status = "Ready"' --subresource=status
+expect deny "change the domain's conditions" --says 'status.status or status.conditions' \
+  edit $CD lp-domain $CLAIM_NS '.status.conditions[0].status = "False"' --subresource=status
+expect deny "change its entry with a token bound to no pod" --says 'names no node' unbound edit $CD lp-domain $CLAIM_NS \
+  '(.status.nodes[] | select(.name == "node-1") | .ipAddress) = "10.0.0.9"' --subresource=status
+expect deny "update a domain (RBAC: only its status)" edit $CD lp-domain $CLAIM_NS '.metadata.labels.owned = "yes"'
+expect deny "patch a domain's status (RBAC: it replaces the status)" raw_patch \
+  /apis/gpu.dra.dev/v1alpha1/namespaces/$CLAIM_NS/computedomains/lp-domain/status '{"status": {}}'
+expect allow "leave: remove its own entry" edit $CD lp-domain $CLAIM_NS \
+  'del(.status.nodes[] | select(.name == "node-1"))' --subresource=status
+expect allow "only the allowed changes reached the domain" bash -c "kubectl -n $CLAIM_NS get $CD lp-domain -o json | jq -e '
+  .status.status == \"NotReady\" and .status.conditions[0].status == \"True\"
+  and (.status.nodes | map([.name, .ipAddress])) == [[\"node-2\", \"10.0.0.2\"]]'"
+
+# NVIDIA's group (compatibility mode): its CRD as installed, or else a minimal stand-in with a status
+# subresource that keeps every field, removed afterwards.
+NV_CRD_OURS=
+if ! kubectl get crd $NV >/dev/null 2>&1 &&
+  kubectl create -f - >/dev/null <<EOF; then
+{"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition", "metadata": {"name": "$NV"},
+ "spec": {"group": "resource.nvidia.com", "scope": "Namespaced",
+          "names": {"kind": "ComputeDomain", "plural": "computedomains", "singular": "computedomain"},
+          "versions": [{"name": "v1beta1", "served": true, "storage": true, "subresources": {"status": {}},
+                        "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": true}}}]}}
+EOF
+  NV_CRD_OURS=1
+  kubectl wait --for condition=established --timeout=30s crd/$NV >/dev/null
+fi
+if kubectl get crd $NV >/dev/null 2>&1 && domain resource.nvidia.com/v1beta1 lp-domain; then
+  expect allow "join a domain of NVIDIA's group" edit $NV lp-domain $CLAIM_NS \
+    ".status.nodes += [$MINE]" --subresource=status
+  expect deny "point node-2's entry at another address in NVIDIA's group" --says "$ONLY_ITS_OWN" \
+    edit $NV lp-domain $CLAIM_NS '(.status.nodes[] | select(.name == "node-2") | .ipAddress) = "192.0.2.66"' \
+    --subresource=status
+else
+  echo "skip  NVIDIA's group: no $NV and none could be installed"
+fi
+
+echo "== ComputeDomainPlacements (the controller's alone; the plugin gets one by name)"
+DOMAIN_UID=$(kubectl -n $CLAIM_NS get $CD lp-domain -o jsonpath='{.metadata.uid}')
+placement() { # name
+  cat <<EOF
+{"apiVersion": "gpu.dra.dev/v1alpha1", "kind": "ComputeDomainPlacement", "metadata": {"name": "$1"},
+ "spec": {"clique": "c.0", "domain": {"apiVersion": "gpu.dra.dev/v1alpha1", "name": "lp-domain",
+                                      "namespace": "$CLAIM_NS", "uid": "$DOMAIN_UID"}}}
+EOF
+}
+kubectl delete computedomainplacements "$DOMAIN_UID" lp-forged --ignore-not-found >/dev/null
+kubectl create -f <(placement "$DOMAIN_UID") >/dev/null
+expect allow "get a domain's placement" plugin get computedomainplacement "$DOMAIN_UID"
+expect deny "list placements (RBAC: it gets one by name)" plugin get computedomainplacements
+expect deny "create a placement (RBAC)" plugin create -f <(placement lp-forged)
+expect deny "move a domain to another clique (RBAC)" edit computedomainplacement "$DOMAIN_UID" "" '.spec.clique = "c.1"'
+expect deny "delete a placement (RBAC)" plugin delete computedomainplacement "$DOMAIN_UID"
+
 echo "== the rest of the grants"
 expect allow "get its Node" plugin get node node-1
 expect deny "update its Node (RBAC)" edit node node-1 "" '.metadata.labels.owned = "yes"'
@@ -221,6 +315,10 @@ for c in lp-here lp-there; do
   kubectl -n $CLAIM_NS delete pod $c --ignore-not-found --force --grace-period=0 >/dev/null 2>&1
 done
 kubectl -n default delete events.v1.events.k8s.io least-privilege-probe --ignore-not-found >/dev/null
+kubectl delete computedomainplacements "$DOMAIN_UID" lp-forged --ignore-not-found >/dev/null
+kubectl -n $CLAIM_NS delete $CD lp-domain --ignore-not-found >/dev/null
+if [ -n "$NV_CRD_OURS" ]; then kubectl delete crd $NV >/dev/null; else
+  kubectl -n $CLAIM_NS delete $NV lp-domain --ignore-not-found >/dev/null 2>&1; fi
 kubectl -n "$NS" delete pod least-privilege-probe --force --grace-period=0 >/dev/null 2>&1
 echo "failures: $failures"
 exit "$failures"

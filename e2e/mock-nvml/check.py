@@ -37,8 +37,9 @@ PER_NODE = {"uuid", "minor", f"{K8S}/pciBusID", f"{K8S}/pcieRoot", f"{K8S}/numaN
 failures = 0
 
 
-# `gpu-dra devices --imex-channels`' default.
-DEFAULT_CHANNELS = 32
+# `gpu-dra devices --imex-channels`' default: the one channel device of a node (a node serves one
+# ComputeDomain at a time).
+DEFAULT_CHANNELS = 1
 
 
 def report(kind, text):
@@ -216,8 +217,8 @@ def check_gpus(devices, system, gpus):
 
 
 def check_channels(devices, gpus):
-    """IMEX channels: published (the plugin's default count) exactly where every GPU joined one fabric
-    clique, each carrying that clique and its number; none where any GPU has no completed fabric."""
+    """IMEX channel: published (channel 0) exactly where every GPU joined one fabric clique, carrying that
+    clique and its number; none where any GPU has no completed fabric."""
     channels = {n: d for n, d in devices.items() if attr(d, "type") == "imex-channel"}
     cliques = {fabric_domain(g["fabric"]) for g in gpus}
     if len(cliques) == 1 and None not in cliques:
@@ -230,7 +231,7 @@ def check_channels(devices, gpus):
                 continue
             if attr(d, "channel") != n or attr(d, "nvlinkDomain") != clique:
                 report("FAIL", f"imex-channel-{n}: channel {attr(d, 'channel')!r}, nvlinkDomain {attr(d, 'nvlinkDomain')!r}; want {n}, {clique!r}")
-        report("PASS", f"IMEX channels 0..{DEFAULT_CHANNELS - 1} carry clique {clique!r}")
+        report("PASS", f"IMEX channel 0 carries clique {clique!r}")
     else:
         check("IMEX channels (no single completed fabric clique)", len(channels), 0)
 

@@ -30,8 +30,25 @@ pub const READY_TIMEOUT: Duration = Duration::from_secs(20);
 const POLL: Duration = Duration::from_millis(250);
 /// How often the members' daemons and peers are looked at.
 pub const SYNC_PERIOD: Duration = Duration::from_secs(2);
-/// Conflicting writers of one domain's status (every member node and the controller) retry this often.
-const STATUS_ATTEMPTS: usize = 8;
+/// Conflicting writers of one domain's status (every member node and the controller: 18 trays of a
+/// clique joining at once) retry after a delay that doubles from the first to the longest, each drawn
+/// at random from its upper half so that the writers spread out, for at most this long in all: well
+/// inside the kubelet's 45 s for a prepare.
+const CONFLICT_FIRST_DELAY: Duration = Duration::from_millis(20);
+const CONFLICT_LONGEST_DELAY: Duration = Duration::from_secs(1);
+const CONFLICT_RETRY_FOR: Duration = Duration::from_secs(15);
+
+/// How a write of this node's status entry treats an entry that is not there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum EntryWrite {
+    /// Join: add it when missing.
+    Upsert,
+    /// Report health: change it only if it is there, so a node that left while a sync ran is not
+    /// added back.
+    UpdateOnly,
+    /// Leave: remove it.
+    Remove,
+}
 
 /// The plugin's settings for ComputeDomains.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -309,6 +326,7 @@ impl Membership {
         let nodes = self
             .set_entry(
                 member,
+                EntryWrite::Upsert,
                 Some(entry(NOT_READY, Some("IMEX daemon starting".into()))),
             )
             .await?;
@@ -329,14 +347,19 @@ impl Membership {
         };
         match state {
             Ok(()) => {
-                self.set_entry(member, Some(entry(READY, None))).await?;
+                self.set_entry(member, EntryWrite::Upsert, Some(entry(READY, None)))
+                    .await?;
                 self.note(member, Health::Ready).await;
                 info!(domain = %member.key(), channel = member.channel, "joined ComputeDomain");
                 Ok(())
             }
             Err(reason) => {
-                self.set_entry(member, Some(entry(NOT_READY, Some(reason.clone()))))
-                    .await?;
+                self.set_entry(
+                    member,
+                    EntryWrite::Upsert,
+                    Some(entry(NOT_READY, Some(reason.clone()))),
+                )
+                .await?;
                 Err(format!(
                     "the IMEX daemon of ComputeDomain {} on node {} is not ready after {:?}: {reason}",
                     member.key(),
@@ -351,7 +374,7 @@ impl Membership {
     /// removes this node's entry. Succeeds when the domain is gone.
     pub async fn leave(&self, member: &ChannelMembership) -> Result<(), String> {
         self.daemons.stop(&member.domain_uid).await?;
-        self.set_entry(member, None).await?;
+        self.set_entry(member, EntryWrite::Remove, None).await?;
         self.taints.send_modify(|taints| {
             taints.remove(&super::channels::device_name(member.channel));
         });
@@ -455,7 +478,10 @@ impl Membership {
             status: status.to_string(),
             reason: reason.clone(),
         };
-        if let Err(error) = self.set_entry(member, Some(entry)).await {
+        if let Err(error) = self
+            .set_entry(member, EntryWrite::UpdateOnly, Some(entry))
+            .await
+        {
             warn!(domain = %member.key(), %error, "writing this node's ComputeDomain status");
         }
         let note = match &reason {
@@ -525,15 +551,19 @@ impl Membership {
     }
 
     /// Sets (or with `None` removes) this node's entry in the domain's status, keeping its index;
-    /// retried on conflicts with the other writers. Returns the entries after the write (empty
-    /// when the domain is gone).
+    /// retried on conflicts with the other writers, with backoff and jitter. Returns the entries after
+    /// the write (empty when the domain is gone).
     async fn set_entry(
         &self,
         member: &ChannelMembership,
+        write: EntryWrite,
         entry: Option<ComputeDomainNode>,
     ) -> Result<Vec<ComputeDomainNode>, String> {
         let api = self.api(member);
-        for _ in 0..STATUS_ATTEMPTS {
+        let started = Instant::now();
+        let mut delay = CONFLICT_FIRST_DELAY;
+        let mut conflicts = 0;
+        loop {
             let object = match api.get_opt(&member.domain).await {
                 Ok(Some(object)) if object.metadata.uid.as_deref() == Some(&member.domain_uid) => {
                     object
@@ -544,6 +574,10 @@ impl Membership {
             let domain = DomainObject::from_dynamic(member.group(), &object)?;
             let mut status = domain.status.clone();
             let before = status.nodes.clone();
+            let present = before.iter().any(|n| n.name == self.node);
+            if write == EntryWrite::UpdateOnly && !present {
+                return Ok(before);
+            }
             upsert(&mut status.nodes, &self.node, entry.clone());
             if status.nodes == before {
                 return Ok(status.nodes);
@@ -555,7 +589,18 @@ impl Membership {
                 .await
             {
                 Ok(_) => return Ok(status.nodes),
-                Err(kube::Error::Api(e)) if e.code == 409 => continue,
+                Err(kube::Error::Api(e)) if e.code == 409 => {
+                    conflicts += 1;
+                    if started.elapsed() + delay > CONFLICT_RETRY_FOR {
+                        return Err(format!(
+                            "writing the status of ComputeDomain {}: still conflicting with other writers after {conflicts} attempts in {:?}",
+                            member.key(),
+                            started.elapsed()
+                        ));
+                    }
+                    tokio::time::sleep(crate::apiclient::jittered_cap(delay)).await;
+                    delay = (delay * 2).min(CONFLICT_LONGEST_DELAY);
+                }
                 Err(kube::Error::Api(e)) if e.code == 404 => return Ok(Vec::new()),
                 Err(e) => {
                     return Err(format!(
@@ -565,10 +610,6 @@ impl Membership {
                 }
             }
         }
-        Err(format!(
-            "writing the status of ComputeDomain {}: still conflicting after {STATUS_ATTEMPTS} attempts",
-            member.key()
-        ))
     }
 
     /// Stops the daemons of domains no prepared claim here holds and no prepare tried to join within

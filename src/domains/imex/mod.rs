@@ -18,6 +18,7 @@ use thiserror::Error;
 
 pub mod config;
 mod daemons;
+pub mod host_service;
 pub mod pod;
 #[cfg(feature = "doubles")]
 pub mod stand_in;

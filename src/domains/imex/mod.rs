@@ -1,14 +1,18 @@
-//! The IMEX daemon of one ComputeDomain on one node. Memory shared over NVLink between nodes is
-//! brokered by NVIDIA's `nvidia-imex`, one daemon per domain on every node of the domain, each knowing
-//! all the others' addresses. The plugin calls [`ImexDaemons`] when it prepares a domain's channel:
-//! it writes the daemon's config and peers into `<plugin-dir>/imex/<domainUID>/` (`config.rs`) and
-//! creates a Pod of the daemon's own (`pod.rs`), so the daemon outlives plugin restarts and upgrades.
+//! This node's IMEX daemon. Memory shared over NVLink between nodes is brokered by NVIDIA's
+//! `nvidia-imex`, one daemon per node (per OS instance, as NVIDIA's service), serving the one
+//! ComputeDomain the node is in, each knowing all the others by name. The plugin calls
+//! [`ImexDaemons`] when it prepares a domain's channel: it writes the daemon's files into
+//! `<plugin-dir>/imex/<domainUID>/` (`config.rs`) and creates a Pod of the daemon's own (`pod.rs`), so
+//! the daemon outlives plugin restarts and upgrades.
 //! In the Pod, `gpu-dra imex-daemon` (`supervisor.rs`) runs `nvidia-imex`, asks `nvidia-imex-ctl`
-//! whether it is ready, and restarts it when the peers change. The fake backend runs a stand-in for
-//! both programs (`stand_in.rs`, only with the `doubles` feature).
+//! whether it is ready, and keeps the daemon's hosts file in step with the peers, with SIGUSR1 to make
+//! the daemon resolve them again (never a restart). The fake backend runs a stand-in for both
+//! programs (`stand_in.rs`, only with the `doubles` feature).
 //!
-//! A domain's directory holds `config.cfg`, `nodes_config.cfg` (the plugin's), and the supervisor's
-//! `ready` (present while the daemon answers READY) and `not-ready` (why not, for the plugin to report).
+//! A domain's directory holds `config.cfg`, `nodes_config.cfg` (the 18 names) and `peers` (hosts lines
+//! that map the joined nodes' names to their addresses), all the plugin's; and the supervisor's
+//! `ready` (present while the daemon answers READY), `not-ready` (why not, for the plugin to report)
+//! and, where the daemon does not resolve through the container's own `/etc/hosts`, `hosts`.
 
 use std::io;
 use std::path::PathBuf;
@@ -24,7 +28,7 @@ pub mod pod;
 pub mod stand_in;
 pub mod supervisor;
 
-pub use config::ConfigError;
+pub use config::{ConfigError, Peer};
 pub use daemons::ImexDaemons;
 pub use pod::{ImexPodTemplate, ImexProgram};
 
@@ -37,17 +41,15 @@ pub const NOT_READY_FILE: &str = "not-ready";
 const GONE_TIMEOUT: Duration = Duration::from_secs(25);
 const POLL: Duration = Duration::from_millis(200);
 
-/// The daemon one node runs for one domain.
+/// The daemon one node runs for the domain it is in.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ImexDaemonSpec {
     /// The domain's UID: its directory and Pod are named by it.
     pub domain_uid: String,
     /// `namespace/name`, for messages.
     pub domain: String,
-    /// The domain's IMEX channel, which gives the daemon its ports (`config.rs`).
-    pub channel: u32,
-    /// Every node of the domain, this one included: IP addresses.
-    pub peers: Vec<String>,
+    /// Every joined node of the domain's clique, this one included: index and IP address.
+    pub peers: Vec<Peer>,
 }
 
 /// Whether a domain's daemon on this node brokers memory now.

@@ -1,7 +1,8 @@
 //! A node's IMEX daemon as the node runs it: a Pod of its own, which the plugin creates through the
 //! API server (double) and the kubelet (the pod runner double) runs as a process, with the fake
 //! backend's stand-in for `nvidia-imex`. Ready on NVIDIA's ports, given new peers by SIGUSR1 (the same
-//! process), crashed, refused (bad peers), stopped; two nodes of one domain on one machine.
+//! process), crashed, refused (bad peers, another domain's daemon still on the node, the host's own
+//! IMEX service), stopped; two nodes of one domain on one machine.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -13,7 +14,7 @@ use gpu_dra::domains::imex::{
 use gpu_dra::support::apiserver::ApiServer;
 use gpu_dra::support::pod_runner::PodRunner;
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::Api;
+use kube::api::{Api, DeleteParams, Patch, PatchParams};
 
 const DOMAIN_UID: &str = "7a1e5c3d-1111-4b2c-9d8e-0f1a2b3c4d5e";
 const NAMESPACE: &str = "gpu-dra";
@@ -116,6 +117,14 @@ async fn wait_for_state(
             Instant::now() < deadline,
             "timed out waiting for the daemon with {what}; its state: {state:?}"
         );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn wait_until(what: &str, condition: impl AsyncFn() -> bool) {
+    let deadline = Instant::now() + READY_WITHIN;
+    while !condition().await {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
@@ -395,4 +404,120 @@ async fn two_nodes_of_one_domain_on_one_machine_each_run_their_daemon() {
     }
     on_a.stop(DOMAIN_UID).await.unwrap();
     on_b.stop(DOMAIN_UID).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_domains_daemon_is_refused_while_the_first_ones_pod_exists_even_terminating() {
+    const OTHER_UID: &str = "9c2f4e6a-2222-4d3e-8f90-1a2b3c4d5e6f";
+    let cluster = Cluster::new().await;
+    let node = cluster.node("node-a", "10.0.0.1");
+    let daemons = cluster.daemons(&node);
+    daemons
+        .ensure(&spec(&[(0, "10.0.0.1"), (1, "10.0.0.2")]))
+        .await
+        .unwrap();
+    assert_eq!(
+        daemons.wait_ready(DOMAIN_UID, READY_WITHIN).await,
+        DaemonState::Ready
+    );
+    let mut other = spec(&[(0, "10.0.0.1")]);
+    other.domain_uid = OTHER_UID.into();
+    other.domain = "team/inference".into();
+    let other_pod = format!("gpu-dra-imex-{OTHER_UID}-node-a");
+    let pods: Api<Pod> = Api::namespaced(cluster.api.client(), NAMESPACE);
+    let refused = |error: ImexError, terminating: bool| {
+        assert!(
+            matches!(error, ImexError::OtherDomainRunning { .. }),
+            "{error:?}"
+        );
+        let message = error.to_string();
+        let expected = format!("the IMEX daemon of ComputeDomain {DOMAIN_UID} still runs on this node: a node runs one IMEX daemon, serving one ComputeDomain at a time");
+        assert!(
+            message.contains("team/inference") && message.contains(&expected),
+            "{message}"
+        );
+        assert_eq!(
+            message.contains("is being deleted"),
+            terminating,
+            "{message}"
+        );
+    };
+    refused(daemons.ensure(&other).await.unwrap_err(), false);
+    assert!(!node.root.join(OTHER_UID).exists(), "nothing created");
+    assert!(pods.get_opt(&other_pod).await.unwrap().is_none());
+
+    // The first Pod is being deleted (a finalizer holds it): still refused.
+    let first_pod = format!("gpu-dra-imex-{DOMAIN_UID}-node-a");
+    let hold = serde_json::json!({"metadata": {"finalizers": ["test.gpu.dra.dev/hold"]}});
+    pods.patch(&first_pod, &PatchParams::default(), &Patch::Merge(&hold))
+        .await
+        .unwrap();
+    pods.delete(&first_pod, &DeleteParams::default())
+        .await
+        .unwrap();
+    refused(daemons.ensure(&other).await.unwrap_err(), true);
+    assert!(!node.root.join(OTHER_UID).exists(), "nothing created");
+
+    // Once it is gone, the second domain's daemon starts.
+    let release = serde_json::json!({"metadata": {"finalizers": []}});
+    pods.patch(&first_pod, &PatchParams::default(), &Patch::Merge(&release))
+        .await
+        .unwrap();
+    wait_until("the first Pod to be gone", async || {
+        pods.get_opt(&first_pod).await.unwrap().is_none()
+    })
+    .await;
+    daemons
+        .ensure(&other)
+        .await
+        .expect("the second domain's daemon");
+    assert_eq!(
+        daemons.wait_ready(OTHER_UID, READY_WITHIN).await,
+        DaemonState::Ready
+    );
+    daemons.stop(OTHER_UID).await.unwrap();
+    daemons.stop(DOMAIN_UID).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_running_nvidias_imex_service_gets_no_daemon_of_ours() {
+    let cluster = Cluster::new().await;
+    let node = cluster.node("node-a", "10.0.0.1");
+    let host = tempfile::tempdir().unwrap();
+    let units = host.path().join("run/systemd/units");
+    std::fs::create_dir_all(&units).unwrap();
+    // What systemd keeps while the unit is active: a link to its invocation ID.
+    std::os::unix::fs::symlink(
+        "0f9e8d7c6b5a49382716a5b4c3d2e1f0",
+        units.join("invocation:nvidia-imex.service"),
+    )
+    .unwrap();
+    let daemons = cluster
+        .daemons(&node)
+        .with_host_system_root(host.path().into());
+    let error = daemons.ensure(&spec(&[(0, "10.0.0.1")])).await.unwrap_err();
+    assert!(matches!(error, ImexError::HostService { .. }), "{error:?}");
+    let message = error.to_string();
+    for expected in [
+        "team/training",
+        "the host runs NVIDIA's IMEX service nvidia-imex.service",
+        "systemctl disable --now nvidia-imex.service && systemctl mask nvidia-imex.service",
+        "--imex-mode host",
+    ] {
+        assert!(
+            message.contains(expected),
+            "{expected:?} not in {message:?}"
+        );
+    }
+    assert!(cluster.pod(&node).await.is_none(), "no Pod");
+    assert!(!node.root.join(DOMAIN_UID).exists(), "no directory");
+
+    // Disabled and stopped: systemd removed the link; the daemon starts.
+    std::fs::remove_file(units.join("invocation:nvidia-imex.service")).unwrap();
+    daemons.ensure(&spec(&[(0, "10.0.0.1")])).await.unwrap();
+    assert_eq!(
+        daemons.wait_ready(DOMAIN_UID, READY_WITHIN).await,
+        DaemonState::Ready
+    );
+    daemons.stop(DOMAIN_UID).await.unwrap();
 }

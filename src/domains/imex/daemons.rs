@@ -1,7 +1,7 @@
 //! The plugin's handle on this node's IMEX daemon: the directory of the domain it serves
 //! (`<plugin-dir>/imex/<domainUID>/`) with the daemon's config, node config and peers, and its Pod,
-//! created, asked whether it is Ready (with the kubelet's and the daemon's reason when not) and
-//! deleted. Every call on `Api<Pod>`
+//! created (one domain's at a time, and none beside the host's own IMEX service), asked whether it is
+//! Ready (with the kubelet's and the daemon's reason when not) and deleted. Every call on `Api<Pod>`
 //! stays in this file, beside the field that types it: tests/manifests/rbac.rs tells a call's kind by
 //! the binding in its own file.
 
@@ -19,6 +19,7 @@ use super::config::{
     render_config, render_nodes_config, render_peers, Peer, CONFIG_FILE, NODES_CONFIG_FILE,
     PEERS_FILE,
 };
+use super::host_service::host_imex_service;
 use super::pod::COMPONENT;
 use super::{
     check_domain_uid, DaemonState, ImexDaemonSpec, ImexError, ImexPodTemplate, ImexProgram,
@@ -37,6 +38,9 @@ pub struct ImexDaemons {
     root: PathBuf,
     /// The same directory as the host (and so the daemon's Pod) sees it.
     host_root: PathBuf,
+    /// Where this process sees the host's `/`, to tell whether the host runs NVIDIA's IMEX service;
+    /// `None`: not looked at.
+    host_system_root: Option<PathBuf>,
     template: ImexPodTemplate,
 }
 
@@ -45,6 +49,7 @@ impl std::fmt::Debug for ImexDaemons {
         f.debug_struct("ImexDaemons")
             .field("root", &self.root)
             .field("host_root", &self.host_root)
+            .field("host_system_root", &self.host_system_root)
             .field("template", &self.template)
             .finish()
     }
@@ -59,6 +64,7 @@ impl ImexDaemons {
             api: Api::namespaced(client, &template.namespace),
             host_root: root.clone(),
             root,
+            host_system_root: None,
             template,
         }
     }
@@ -66,6 +72,14 @@ impl ImexDaemons {
     /// Where the host sees `root` (the hostPath of the daemons' Pods).
     pub fn with_host_root(mut self, host_root: PathBuf) -> Self {
         self.host_root = host_root;
+        self
+    }
+
+    /// Where this process sees the host's whole filesystem (`/`): [`ensure`](Self::ensure) then
+    /// refuses while the host runs NVIDIA's `nvidia-imex.service` (`host_service.rs`). Not the same as
+    /// [`with_host_root`](Self::with_host_root), the host's path of `root`.
+    pub fn with_host_system_root(mut self, host_system_root: PathBuf) -> Self {
+        self.host_system_root = Some(host_system_root);
         self
     }
 
@@ -80,12 +94,20 @@ impl ImexDaemons {
     }
 
     /// Writes the config, node config and peers files and creates the daemon's Pod when it is absent
-    /// (after a Pod still being deleted is gone); does not wait for it to be Ready.
+    /// (after a Pod of the same domain still being deleted is gone); does not wait for it to be
+    /// Ready. Refuses, creating nothing, while the host runs NVIDIA's IMEX service or a daemon of
+    /// another domain (its Pod, even one being deleted) is on this node: a node runs one.
     pub async fn ensure(&self, spec: &ImexDaemonSpec) -> Result<(), ImexError> {
         let dir = self.domain_dir(&spec.domain_uid)?;
         if self.template.program == ImexProgram::StandIn && !cfg!(feature = "doubles") {
             return Err(ImexError::NoStandIn {
                 domain: spec.domain.clone(),
+            });
+        }
+        if let Some(reason) = self.host_system_root.as_deref().and_then(host_imex_service) {
+            return Err(ImexError::HostService {
+                domain: spec.domain.clone(),
+                reason,
             });
         }
         let host_dir = self.host_root.join(&spec.domain_uid);
@@ -94,6 +116,7 @@ impl ImexDaemons {
             source,
         })?;
         let config = render_config(&spec.domain, &self.template.nodes_config_path(&host_dir));
+        self.refuse_other_domain(spec).await?;
         let io = |action, path: &Path| {
             let (domain, path) = (spec.domain.clone(), path.to_path_buf());
             move |source| ImexError::Io {
@@ -267,6 +290,38 @@ impl ImexDaemons {
         uids.sort();
         uids.dedup();
         uids
+    }
+
+    /// Fails when a daemon Pod of another domain than `spec`'s is on this node, being deleted or not.
+    async fn refuse_other_domain(&self, spec: &ImexDaemonSpec) -> Result<(), ImexError> {
+        let params = ListParams::default()
+            .labels(&format!(
+                "{COMPONENT_LABEL}={COMPONENT},{DRIVER_LABEL}={}",
+                self.template.driver
+            ))
+            .fields(&format!("spec.nodeName={}", self.template.node));
+        let pods = self.api.list(&params).await.map_err(|e| {
+            self.api_error(
+                &spec.domain,
+                &self.template.pod_name(&spec.domain_uid),
+                "listing this node's IMEX daemon Pods before creating it",
+                e,
+            )
+        })?;
+        let other = pods.items.iter().find_map(|pod| {
+            let uid = pod.metadata.labels.as_ref()?.get(DOMAIN_LABEL)?;
+            (*uid != spec.domain_uid).then(|| (uid.clone(), pod))
+        });
+        match other {
+            None => Ok(()),
+            Some((other_uid, pod)) => Err(ImexError::OtherDomainRunning {
+                domain: spec.domain.clone(),
+                other_uid: crate::claims::names::truncated(&other_uid),
+                namespace: self.template.namespace.clone(),
+                pod: pod.metadata.name.clone().unwrap_or_default(),
+                terminating: pod.metadata.deletion_timestamp.is_some(),
+            }),
+        }
     }
 
     async fn wait_gone(&self, domain: &str, name: &str) -> Result<(), ImexError> {

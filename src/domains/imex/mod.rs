@@ -3,7 +3,8 @@
 //! ComputeDomain the node is in, each knowing all the others by name. The plugin calls
 //! [`ImexDaemons`] when it prepares a domain's channel: it writes the daemon's files into
 //! `<plugin-dir>/imex/<domainUID>/` (`config.rs`) and creates a Pod of the daemon's own (`pod.rs`), so
-//! the daemon outlives plugin restarts and upgrades.
+//! the daemon outlives plugin restarts and upgrades. It refuses while another domain's daemon still
+//! runs on the node, and where the host runs NVIDIA's `nvidia-imex.service` (`host_service.rs`).
 //! In the Pod, `gpu-dra imex-daemon` (`supervisor.rs`) runs `nvidia-imex`, asks `nvidia-imex-ctl`
 //! whether it is ready, and keeps the daemon's hosts file in step with the peers, with SIGUSR1 to make
 //! the daemon resolve them again (never a restart). The fake backend runs a stand-in for both
@@ -85,6 +86,16 @@ pub enum ImexError {
         action: &'static str,
         source: Box<kube::Error>,
     },
+    #[error("IMEX daemon of ComputeDomain {domain}: the IMEX daemon of ComputeDomain {other_uid} still runs on this node: a node runs one IMEX daemon, serving one ComputeDomain at a time (its Pod {namespace}/{pod}{})", being_deleted(.terminating))]
+    OtherDomainRunning {
+        domain: String,
+        other_uid: String,
+        namespace: String,
+        pod: String,
+        terminating: bool,
+    },
+    #[error("IMEX daemon of ComputeDomain {domain}: {reason}")]
+    HostService { domain: String, reason: String },
     #[error("IMEX daemon of ComputeDomain {domain}: Pod {namespace}/{pod} still there {waited:?} after its deletion")]
     StillRunning {
         domain: String,
@@ -92,6 +103,14 @@ pub enum ImexError {
         pod: String,
         waited: Duration,
     },
+}
+
+fn being_deleted(terminating: &bool) -> &'static str {
+    if *terminating {
+        " is being deleted"
+    } else {
+        ""
+    }
 }
 
 /// A domain UID is a Kubernetes UID (a lowercase UUID) before it names a directory or a Pod.

@@ -3,6 +3,9 @@
 //! `nvidia-imex-ctl -q` every second whether it is READY and keeps `<dir>/ready` (read by the Pod's
 //! readiness probe) or `<dir>/not-ready` (why not, read by the plugin) accordingly.
 //!
+//! - Before the daemon starts: where another daemon holds port 50000 or 50005 (the host's
+//!   `nvidia-imex.service`, most likely) it waits, not ready with that reason, and looks again every
+//!   second.
 //! - The peers (`<dir>/peers`, hosts lines for the names in `nodes_config.cfg`): merged into the hosts
 //!   file the daemon resolves names with, before it starts and whenever they change; then SIGUSR1 makes
 //!   the running daemon resolve them again and reconnect (never a restart), at most once per 5 s as
@@ -16,6 +19,7 @@
 //!   container and the Pod is not Ready meanwhile; the daemon's last stderr line goes into `not-ready`.
 
 use std::fs;
+use std::net::{Ipv4Addr, SocketAddr};
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
@@ -27,7 +31,10 @@ use tokio::io::AsyncBufReadExt;
 use tokio::process::{Child, Command};
 use tokio::task::JoinHandle;
 
-use super::config::{merge_hosts, parse_peers, Peer, CONFIG_FILE, PEERS_FILE};
+use super::config::{
+    merge_hosts, parse_peers, Peer, CMD_PORT, CONFIG_FILE, PEERS_FILE, SERVER_PORT,
+};
+use super::host_service::HOST_SERVICE;
 use super::{NOT_READY_FILE, READY_FILE};
 use crate::fsutil::write_for_this_boot;
 
@@ -346,6 +353,17 @@ pub async fn supervise(args: SupervisorArgs) -> Result<i32, SupervisorError> {
     };
     let mut check = tokio::time::interval(CHECK_PERIOD);
     check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // Another IMEX daemon on the node's ports (the host's service, most likely) would make ours fail
+    // to bind them, or answer its readiness queries for it. Stand-ins use no ports: tests run many.
+    if !args.is_stand_in() {
+        while let Some(taken) = port_in_use(&imex_ports()) {
+            readiness.not_ready(&port_taken_reason(taken));
+            tokio::select! {
+                _ = term.recv() => return Ok(0),
+                _ = check.tick() => {}
+            }
+        }
+    }
     let applied = match hosts.sync() {
         Ok(peers) => peers,
         Err(detail) => {
@@ -547,6 +565,31 @@ fn mount_hosts_in_root(root: &Path, hosts: &Path, peers: &[Peer]) -> Result<(), 
     })
 }
 
+/// Where the daemon listens: [`SERVER_PORT`] on the node's address (any, to be sure) and [`CMD_PORT`]
+/// on loopback.
+fn imex_ports() -> [SocketAddr; 2] {
+    [
+        SocketAddr::from((Ipv4Addr::UNSPECIFIED, SERVER_PORT)),
+        SocketAddr::from((Ipv4Addr::LOCALHOST, CMD_PORT)),
+    ]
+}
+
+/// The first of `addresses` that another socket listens on (binding it fails with EADDRINUSE); any
+/// other failure to bind is not this check's to report.
+pub fn port_in_use(addresses: &[SocketAddr]) -> Option<SocketAddr> {
+    addresses.iter().copied().find(|address| {
+        matches!(std::net::TcpListener::bind(address),
+                 Err(e) if e.kind() == std::io::ErrorKind::AddrInUse)
+    })
+}
+
+fn port_taken_reason(taken: SocketAddr) -> String {
+    format!(
+        "port {} ({taken}) is in use: another IMEX daemon holds it, most likely the host's {HOST_SERVICE} (`systemctl disable --now {HOST_SERVICE} && systemctl mask {HOST_SERVICE}`); nvidia-imex starts once it is free",
+        taken.port()
+    )
+}
+
 /// `nvidia-imex-ctl -q`: `Ok` when the daemon answers READY, else what it said.
 async fn query_ready(args: &SupervisorArgs) -> Result<(), String> {
     let config = args.config().display().to_string();
@@ -628,6 +671,27 @@ mod tests {
         // Back to three within the window: it waits too, and still goes.
         assert!(!reload.due(&three, at(7000)));
         assert!(reload.due(&three, at(12000)));
+    }
+
+    #[test]
+    fn a_port_another_socket_listens_on_is_found_and_a_free_one_is_not() {
+        let held = std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+        let port = held.local_addr().unwrap().port();
+        let on_loopback = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+        let anywhere = SocketAddr::from((Ipv4Addr::UNSPECIFIED, port));
+        assert_eq!(port_in_use(&[on_loopback]), Some(on_loopback));
+        assert_eq!(
+            port_in_use(&[anywhere]),
+            Some(anywhere),
+            "a listener on loopback holds the port on every address"
+        );
+        let reason = port_taken_reason(anywhere);
+        assert!(
+            reason.contains(&format!("port {port} ")) && reason.contains("nvidia-imex.service"),
+            "{reason}"
+        );
+        drop(held);
+        assert_eq!(port_in_use(&[on_loopback, anywhere]), None);
     }
 
     #[test]

@@ -24,6 +24,7 @@ use tracing::{info, warn};
 use super::api::{
     ComputeDomainNode, ComputeDomainPlacement, DomainGroup, DomainObject, NOT_READY, READY,
 };
+pub use super::imex::config::Peer;
 
 /// How long a prepare waits for the domain's daemon on this node: inside the kubelet's 45 s.
 pub const READY_TIMEOUT: Duration = Duration::from_secs(20);
@@ -104,9 +105,8 @@ pub struct DaemonSpec {
     pub domain_uid: String,
     /// `namespace/name`, for messages.
     pub domain: String,
-    pub channel: u32,
-    /// Every joined node's address, this node's included.
-    pub peers: Vec<String>,
+    /// Every joined node of the clique, this node included: its index and address.
+    pub peers: Vec<Peer>,
 }
 
 /// The IMEX daemons of this node, one per domain (`imex::ImexDaemons` on a node; a stand-in in unit
@@ -115,7 +115,7 @@ pub trait DomainDaemons: Send + Sync {
     /// Writes the daemon's configuration and starts it where it does not run; does not wait.
     fn ensure<'a>(&'a self, spec: &'a DaemonSpec) -> BoxFuture<'a, Result<(), String>>;
     /// Gives a running daemon new peers; whether they changed.
-    fn set_peers(&self, domain_uid: &str, peers: &[String]) -> Result<bool, String>;
+    fn set_peers(&self, domain_uid: &str, peers: &[Peer]) -> Result<bool, String>;
     /// `Ok` when the daemon is ready, else why not.
     fn state<'a>(&'a self, domain_uid: &'a str) -> BoxFuture<'a, Result<(), String>>;
     /// Stops the daemon and removes what it had on the node; succeeds when there was none.
@@ -333,7 +333,6 @@ impl Membership {
         let spec = DaemonSpec {
             domain_uid: member.domain_uid.clone(),
             domain: member.key(),
-            channel: member.channel,
             peers: peers_of(&nodes, &member.clique),
         };
         self.daemons.ensure(&spec).await?;
@@ -416,8 +415,8 @@ impl Membership {
                             lock(&self.not_ready_since).remove(&member.domain_uid);
                             Health::Ready
                         }
-                        // A daemon restarting for new peers is briefly not ready: only a state
-                        // that outlasts one sync period is reported.
+                        // A blip (the daemon reconnecting to its peers) is not reported: only a
+                        // state that outlasts one sync period is.
                         Err(_) if self.first_not_ready(&member.domain_uid) => continue,
                         Err(reason) => Health::NotReady(format!("IMEX daemon not ready: {reason}")),
                     }
@@ -670,14 +669,18 @@ fn upsert(nodes: &mut Vec<ComputeDomainNode>, node: &str, entry: Option<ComputeD
     }
 }
 
-/// The addresses of the joined nodes of one clique: a daemon's peers.
-fn peers_of(nodes: &[ComputeDomainNode], clique: &str) -> Vec<String> {
-    let peers: BTreeSet<String> = nodes
+/// The joined nodes of one clique, by index: a daemon's peers.
+fn peers_of(nodes: &[ComputeDomainNode], clique: &str) -> Vec<Peer> {
+    let mut peers: Vec<Peer> = nodes
         .iter()
         .filter(|n| n.clique_id == clique && !n.ip_address.is_empty())
-        .map(|n| n.ip_address.clone())
+        .map(|n| Peer {
+            index: n.index,
+            address: n.ip_address.clone(),
+        })
         .collect();
-    peers.into_iter().collect()
+    peers.sort();
+    peers
 }
 
 #[cfg(test)]
@@ -715,9 +718,13 @@ mod tests {
         ready.status = READY.into();
         upsert(&mut nodes, "b", Some(ready));
         assert_eq!(index(&nodes, "b"), Some(1));
+        let peer = |index, address: &str| Peer {
+            index,
+            address: address.into(),
+        };
         assert_eq!(
             peers_of(&nodes, "c.1"),
-            vec!["10.0.0.2".to_string(), "10.0.0.4".to_string()]
+            vec![peer(0, "10.0.0.4"), peer(1, "10.0.0.2")]
         );
     }
 }

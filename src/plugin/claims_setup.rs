@@ -119,19 +119,25 @@ pub(super) fn domains(
     let node_ip = config.domains.node_ip.clone();
     use crate::domains::imex::pod::program_for_root;
     use crate::domains::imex::{ImexDaemons, ImexPodTemplate, ImexProgram};
-    let (program, host_driver_root) = match &config.backend {
+    // Where the driver root is the host's `/`, this process sees the host's systemd state in it, and
+    // the daemons are refused while the host runs nvidia-imex.service.
+    let (program, host_driver_root, host_system_root) = match &config.backend {
         BackendChoice::Nvml {
             driver_root,
             host_driver_root,
-        } => (program_for_root(driver_root), host_driver_root.clone()),
-        BackendChoice::Fake { .. } => (ImexProgram::StandIn, PathBuf::from("/")),
+        } => (
+            program_for_root(driver_root),
+            host_driver_root.clone(),
+            (host_driver_root.as_path() == std::path::Path::new("/")).then(|| driver_root.clone()),
+        ),
+        BackendChoice::Fake { .. } => (ImexProgram::StandIn, PathBuf::from("/"), None),
     };
     // The daemons run this plugin's image, as the MPS daemons do.
     let Some(image) = image else {
         warn!("no image for IMEX daemon Pods (not running in a Pod, and no --mps-daemon-image): IMEX channel claims will fail at prepare");
         return None;
     };
-    let daemons = ImexDaemons::new(
+    let mut daemons = ImexDaemons::new(
         client.clone(),
         plugin_dir.join("imex"),
         ImexPodTemplate {
@@ -145,6 +151,9 @@ pub(super) fn domains(
             node_ip: node_ip.clone(),
         },
     );
+    if let Some(root) = host_system_root {
+        daemons = daemons.with_host_system_root(root);
+    }
     Some(std::sync::Arc::new(
         crate::domains::membership::Membership::new(
             client.clone(),

@@ -39,7 +39,7 @@ fn daemon_pod(node: &str) -> Json {
 
 /// An IMEX daemon Pod exactly as the plugin on `node` makes it for a ComputeDomain.
 fn imex_pod(node: &str) -> Json {
-    use gpu_dra::domains::imex::{ImexDaemonSpec, ImexPodTemplate, ImexProgram};
+    use gpu_dra::domains::imex::{ImexDaemonSpec, ImexPodTemplate, ImexProgram, Peer};
     let template = ImexPodTemplate {
         namespace: "gpu-dra".into(),
         node: node.into(),
@@ -55,8 +55,16 @@ fn imex_pod(node: &str) -> Json {
     let spec = ImexDaemonSpec {
         domain_uid: "5b1d0c3a-0000-4a8e-9f00-1d2c3b4a5e6f".into(),
         domain: "team/job".into(),
-        channel: 0,
-        peers: vec!["10.0.0.1".into(), "10.0.0.2".into()],
+        peers: vec![
+            Peer {
+                index: 0,
+                address: "10.0.0.1".into(),
+            },
+            Peer {
+                index: 1,
+                address: "10.0.0.2".into(),
+            },
+        ],
     };
     let dir =
         Path::new("/var/lib/kubelet/plugins/gpu.dra.dev/imex/5b1d0c3a-0000-4a8e-9f00-1d2c3b4a5e6f");

@@ -1,8 +1,9 @@
-//! The plugin's handle on this node's IMEX daemons: each domain's directory
-//! (`<plugin-dir>/imex/<domainUID>/`) with the daemon's config and peers, and its Pod, created,
-//! asked whether it is Ready (with the kubelet's and the daemon's reason when not) and deleted. Every
-//! call on `Api<Pod>` stays in this file, beside the field that types it: tests/manifests/rbac.rs
-//! tells a call's kind by the binding in its own file.
+//! The plugin's handle on this node's IMEX daemon: the directory of the domain it serves
+//! (`<plugin-dir>/imex/<domainUID>/`) with the daemon's config, node config and peers, and its Pod,
+//! created (one domain's at a time, and none beside the host's own IMEX service), asked whether it is
+//! Ready (with the kubelet's and the daemon's reason when not) and deleted. Every call on `Api<Pod>`
+//! stays in this file, beside the field that types it: tests/manifests/rbac.rs tells a call's kind by
+//! the binding in its own file.
 
 use std::fs;
 use std::io;
@@ -14,7 +15,11 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use tracing::{info, warn};
 
-use super::config::{render_config, render_peers, CONFIG_FILE, NODES_CONFIG_FILE};
+use super::config::{
+    render_config, render_nodes_config, render_peers, Peer, CONFIG_FILE, NODES_CONFIG_FILE,
+    PEERS_FILE,
+};
+use super::host_service::host_imex_service;
 use super::pod::COMPONENT;
 use super::{
     check_domain_uid, DaemonState, ImexDaemonSpec, ImexError, ImexPodTemplate, ImexProgram,
@@ -25,7 +30,7 @@ use crate::claims::mps::pod::{COMPONENT_LABEL, DRIVER_LABEL};
 use crate::domains::api::DOMAIN_LABEL;
 use crate::fsutil::write_for_this_boot;
 
-/// This node's IMEX daemons, one per domain with a channel prepared here.
+/// This node's IMEX daemon, of the one domain with channels prepared here.
 #[derive(Clone)]
 pub struct ImexDaemons {
     api: Api<Pod>,
@@ -33,6 +38,9 @@ pub struct ImexDaemons {
     root: PathBuf,
     /// The same directory as the host (and so the daemon's Pod) sees it.
     host_root: PathBuf,
+    /// Where this process sees the host's `/`, to tell whether the host runs NVIDIA's IMEX service;
+    /// `None`: not looked at.
+    host_system_root: Option<PathBuf>,
     template: ImexPodTemplate,
 }
 
@@ -41,6 +49,7 @@ impl std::fmt::Debug for ImexDaemons {
         f.debug_struct("ImexDaemons")
             .field("root", &self.root)
             .field("host_root", &self.host_root)
+            .field("host_system_root", &self.host_system_root)
             .field("template", &self.template)
             .finish()
     }
@@ -55,6 +64,7 @@ impl ImexDaemons {
             api: Api::namespaced(client, &template.namespace),
             host_root: root.clone(),
             root,
+            host_system_root: None,
             template,
         }
     }
@@ -62,6 +72,14 @@ impl ImexDaemons {
     /// Where the host sees `root` (the hostPath of the daemons' Pods).
     pub fn with_host_root(mut self, host_root: PathBuf) -> Self {
         self.host_root = host_root;
+        self
+    }
+
+    /// Where this process sees the host's whole filesystem (`/`): [`ensure`](Self::ensure) then
+    /// refuses while the host runs NVIDIA's `nvidia-imex.service` (`host_service.rs`). Not the same as
+    /// [`with_host_root`](Self::with_host_root), the host's path of `root`.
+    pub fn with_host_system_root(mut self, host_system_root: PathBuf) -> Self {
+        self.host_system_root = Some(host_system_root);
         self
     }
 
@@ -75,8 +93,10 @@ impl ImexDaemons {
         Ok(self.root.join(domain_uid))
     }
 
-    /// Writes the config and peers files and creates the daemon's Pod when it is absent (after a
-    /// Pod still being deleted is gone); does not wait for it to be Ready.
+    /// Writes the config, node config and peers files and creates the daemon's Pod when it is absent
+    /// (after a Pod of the same domain still being deleted is gone); does not wait for it to be
+    /// Ready. Refuses, creating nothing, while the host runs NVIDIA's IMEX service or a daemon of
+    /// another domain (its Pod, even one being deleted) is on this node: a node runs one.
     pub async fn ensure(&self, spec: &ImexDaemonSpec) -> Result<(), ImexError> {
         let dir = self.domain_dir(&spec.domain_uid)?;
         if self.template.program == ImexProgram::StandIn && !cfg!(feature = "doubles") {
@@ -84,18 +104,19 @@ impl ImexDaemons {
                 domain: spec.domain.clone(),
             });
         }
+        if let Some(reason) = self.host_system_root.as_deref().and_then(host_imex_service) {
+            return Err(ImexError::HostService {
+                domain: spec.domain.clone(),
+                reason,
+            });
+        }
         let host_dir = self.host_root.join(&spec.domain_uid);
-        let config_error = |source| ImexError::Config {
+        let peers = render_peers(&spec.peers).map_err(|source| ImexError::Config {
             domain: spec.domain.clone(),
             source,
-        };
-        let peers = render_peers(&spec.peers).map_err(config_error)?;
-        let config = render_config(
-            &spec.domain,
-            spec.channel,
-            &self.template.nodes_config_path(&host_dir),
-        )
-        .map_err(config_error)?;
+        })?;
+        let config = render_config(&spec.domain, &self.template.nodes_config_path(&host_dir));
+        self.refuse_other_domain(spec).await?;
         let io = |action, path: &Path| {
             let (domain, path) = (spec.domain.clone(), path.to_path_buf());
             move |source| ImexError::Io {
@@ -110,7 +131,12 @@ impl ImexDaemons {
             fs::set_permissions(dir, fs::Permissions::from_mode(0o755))
                 .map_err(io("setting the mode of", dir))?;
         }
-        for (name, text) in [(NODES_CONFIG_FILE, &peers), (CONFIG_FILE, &config)] {
+        let files = [
+            (NODES_CONFIG_FILE, &render_nodes_config()),
+            (PEERS_FILE, &peers),
+            (CONFIG_FILE, &config),
+        ];
+        for (name, text) in files {
             let path = dir.join(name);
             write_if_changed(&path, text).map_err(io("writing", &path))?;
         }
@@ -125,7 +151,7 @@ impl ImexDaemons {
         let pod = self.template.pod(spec, &host_dir)?;
         match self.api.create(&PostParams::default(), &pod).await {
             Ok(_) => {
-                info!(domain = %spec.domain, domain_uid = %spec.domain_uid, pod = %name, channel = spec.channel, "IMEX daemon Pod created");
+                info!(domain = %spec.domain, domain_uid = %spec.domain_uid, pod = %name, "IMEX daemon Pod created");
                 Ok(())
             }
             // Another ensure of the same domain created it first.
@@ -135,14 +161,15 @@ impl ImexDaemons {
     }
 
     /// Rewrites the domain's peers file when the peers changed (atomically: a temporary file, then
-    /// a rename), which makes the daemon's supervisor restart it. Returns whether they changed.
-    pub fn set_peers(&self, domain_uid: &str, peers: &[String]) -> Result<bool, ImexError> {
+    /// a rename); the daemon's supervisor puts them into the daemon's hosts file and sends it
+    /// SIGUSR1. Returns whether they changed.
+    pub fn set_peers(&self, domain_uid: &str, peers: &[Peer]) -> Result<bool, ImexError> {
         let dir = self.domain_dir(domain_uid)?;
         let text = render_peers(peers).map_err(|source| ImexError::Config {
             domain: domain_uid.to_string(),
             source,
         })?;
-        let path = dir.join(NODES_CONFIG_FILE);
+        let path = dir.join(PEERS_FILE);
         let io = |action| {
             let path = path.clone();
             move |source| ImexError::Io {
@@ -160,7 +187,7 @@ impl ImexDaemons {
         }
         let changed = write_if_changed(&path, &text).map_err(io("writing"))?;
         if changed {
-            info!(domain_uid, peers = %text.trim().replace('\n', ","), "IMEX daemon peers changed");
+            info!(domain_uid, peers = %text.trim().replace('\n', ", "), "IMEX daemon peers changed");
         }
         Ok(changed)
     }
@@ -265,6 +292,38 @@ impl ImexDaemons {
         uids
     }
 
+    /// Fails when a daemon Pod of another domain than `spec`'s is on this node, being deleted or not.
+    async fn refuse_other_domain(&self, spec: &ImexDaemonSpec) -> Result<(), ImexError> {
+        let params = ListParams::default()
+            .labels(&format!(
+                "{COMPONENT_LABEL}={COMPONENT},{DRIVER_LABEL}={}",
+                self.template.driver
+            ))
+            .fields(&format!("spec.nodeName={}", self.template.node));
+        let pods = self.api.list(&params).await.map_err(|e| {
+            self.api_error(
+                &spec.domain,
+                &self.template.pod_name(&spec.domain_uid),
+                "listing this node's IMEX daemon Pods before creating it",
+                e,
+            )
+        })?;
+        let other = pods.items.iter().find_map(|pod| {
+            let uid = pod.metadata.labels.as_ref()?.get(DOMAIN_LABEL)?;
+            (*uid != spec.domain_uid).then(|| (uid.clone(), pod))
+        });
+        match other {
+            None => Ok(()),
+            Some((other_uid, pod)) => Err(ImexError::OtherDomainRunning {
+                domain: spec.domain.clone(),
+                other_uid: crate::claims::names::truncated(&other_uid),
+                namespace: self.template.namespace.clone(),
+                pod: pod.metadata.name.clone().unwrap_or_default(),
+                terminating: pod.metadata.deletion_timestamp.is_some(),
+            }),
+        }
+    }
+
     async fn wait_gone(&self, domain: &str, name: &str) -> Result<(), ImexError> {
         let deadline = Instant::now() + GONE_TIMEOUT;
         loop {
@@ -364,7 +423,6 @@ impl crate::domains::membership::DomainDaemons for ImexDaemons {
             let spec = ImexDaemonSpec {
                 domain_uid: spec.domain_uid.clone(),
                 domain: spec.domain.clone(),
-                channel: spec.channel,
                 peers: spec.peers.clone(),
             };
             ImexDaemons::ensure(self, &spec)
@@ -373,7 +431,7 @@ impl crate::domains::membership::DomainDaemons for ImexDaemons {
         })
     }
 
-    fn set_peers(&self, domain_uid: &str, peers: &[String]) -> Result<bool, String> {
+    fn set_peers(&self, domain_uid: &str, peers: &[Peer]) -> Result<bool, String> {
         ImexDaemons::set_peers(self, domain_uid, peers).map_err(|e| e.to_string())
     }
 
@@ -444,10 +502,12 @@ mod tests {
     #[test]
     fn files_are_rewritten_only_when_their_content_changes() {
         let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join(NODES_CONFIG_FILE);
-        assert!(write_if_changed(&path, "10.0.0.1\n").unwrap());
-        assert!(!write_if_changed(&path, "10.0.0.1\n").unwrap());
-        assert!(write_if_changed(&path, "10.0.0.1\n10.0.0.2\n").unwrap());
-        assert_eq!(fs::read_to_string(&path).unwrap(), "10.0.0.1\n10.0.0.2\n");
+        let path = dir.path().join(PEERS_FILE);
+        let one = "10.0.0.1\tcompute-domain-daemon-0000\n";
+        let two = format!("{one}10.0.0.2\tcompute-domain-daemon-0001\n");
+        assert!(write_if_changed(&path, one).unwrap());
+        assert!(!write_if_changed(&path, one).unwrap());
+        assert!(write_if_changed(&path, &two).unwrap());
+        assert_eq!(fs::read_to_string(&path).unwrap(), two);
     }
 }

@@ -1,8 +1,8 @@
-//! The Pod that runs one domain's IMEX daemon on this node: bound to the node (`nodeName`), in the
-//! plugin's namespace, on the host's network (the other nodes' daemons reach it at the node's
-//! address), restarted by the kubelet when it dies, Ready while `nvidia-imex-ctl -q` says READY.
-//! It runs this binary as `gpu-dra imex-daemon` (the plugin's own image), which sees the domain's
-//! directory (`config.cfg`, `nodes_config.cfg`, `ready`):
+//! The Pod that runs this node's IMEX daemon for the domain it serves: bound to the node (`nodeName`),
+//! in the plugin's namespace, on the host's network (the other nodes' daemons reach it at the node's
+//! address, port 50000), restarted by the kubelet when it dies, Ready while `nvidia-imex-ctl -q` says
+//! READY. It runs this binary as `gpu-dra imex-daemon` (the plugin's own image), which sees the
+//! domain's directory (`config.cfg`, `nodes_config.cfg`, `peers`, `ready`):
 //! - chroot: at `<root>/tmp`, so `/tmp` once it entered the driver root, where `nvidia-imex` runs with
 //!   the root's own libc;
 //! - direct (a root that cannot run its own binaries, GKE's) and stand-in: at the host's path itself,
@@ -187,7 +187,9 @@ impl ImexPodTemplate {
                     // A daemon that dies says why in its last lines: `kubectl describe` shows them.
                     "terminationMessagePolicy": "FallbackToLogsOnError",
                     // The daemon opens the GPUs' and IMEX channels' device nodes; chroot needs
-                    // CAP_SYS_CHROOT.
+                    // CAP_SYS_CHROOT, and the supervisor's private mount namespace with the
+                    // daemon's hosts file over the driver root's CAP_SYS_ADMIN (`supervisor.rs`):
+                    // privileged grants all three, nothing to add.
                     "securityContext": {"privileged": true},
                     "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}},
                     "volumeMounts": mounts,
@@ -265,8 +267,16 @@ mod tests {
         ImexDaemonSpec {
             domain_uid: UID.into(),
             domain: "team/training".into(),
-            channel: 3,
-            peers: vec!["10.0.0.1".into(), "10.0.0.2".into()],
+            peers: vec![
+                crate::domains::imex::Peer {
+                    index: 0,
+                    address: "10.0.0.1".into(),
+                },
+                crate::domains::imex::Peer {
+                    index: 1,
+                    address: "10.0.0.2".into(),
+                },
+            ],
         }
     }
 

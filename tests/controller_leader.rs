@@ -4,7 +4,8 @@
 //! Lease expires on the other's clock; a graceful stop releases and the other takes over at its next
 //! try; a leader that cannot renew stops its work before anyone could take the Lease. Then two real
 //! controllers: the leader dies while it writes a domain's template, and the other finishes the job
-//! from what the API server holds.
+//! from what the API server holds. Last, `gpu-dra controller` as a process: it exits non-zero when it
+//! loses the Lease and releases it on SIGTERM.
 
 use std::future::Future;
 use std::sync::{Arc, Mutex};
@@ -415,4 +416,70 @@ async fn the_other_controller_finishes_the_job_of_a_leader_that_died_mid_way() {
     assert_eq!(placed_events, 1);
     assert_eq!(holder(&api), b.identity);
     assert_eq!(b.stop().await.unwrap(), Ended::Shutdown);
+}
+
+/// `gpu-dra controller` as a process: its identity is its Pod's name and a random suffix, the Lease is
+/// in its Pod's namespace; a lost Lease exits non-zero (so the kubelet restarts it as a candidate) and
+/// SIGTERM releases the Lease and exits 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binary_exits_non_zero_when_it_loses_the_lease_and_releases_it_on_sigterm() {
+    let api = ApiServer::start().await.expect("API server double");
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = dir.path().join("kubeconfig");
+    api.write_kubeconfig(&kubeconfig).unwrap();
+    let spawn = |pod: &str| {
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_gpu-dra"))
+            .arg("controller")
+            .arg("--kubeconfig")
+            .arg(&kubeconfig)
+            .args(["--leader-elect-lease-duration", "2s"])
+            .args(["--leader-elect-renew-deadline", "1s"])
+            .args(["--leader-elect-retry-period", "200ms"])
+            .env("POD_NAME", pod)
+            .env("POD_NAMESPACE", "controllers")
+            .env_remove("LEADER_ELECT")
+            .env_remove("LEADER_ELECT_LEASE_NAMESPACE")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("gpu-dra runs")
+    };
+    let lease_holder = |api: &ApiServer| {
+        api.get("leases", Some("controllers"), LEASE)
+            .and_then(|l| l["spec"]["holderIdentity"].as_str().map(String::from))
+            .unwrap_or_default()
+    };
+
+    let mut first = spawn("gpu-dra-controller-abc");
+    until("the first process leads", || {
+        lease_holder(&api).starts_with("gpu-dra-controller-abc_")
+    })
+    .await;
+    api.fail_next(FaultSpec {
+        verb: Some(Verb::Update),
+        resource: Some("leases".into()),
+        code: 500,
+        count: usize::MAX,
+    });
+    let status = tokio::time::timeout(WAIT, first.wait())
+        .await
+        .expect("a leader that cannot renew exits")
+        .unwrap();
+    assert!(!status.success(), "{status}");
+    api.clear_faults();
+
+    let mut second = spawn("gpu-dra-controller-def");
+    until("the second process leads", || {
+        lease_holder(&api).starts_with("gpu-dra-controller-def_")
+    })
+    .await;
+    let pid = nix::unistd::Pid::from_raw(second.id().expect("running") as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+    let status = tokio::time::timeout(WAIT, second.wait())
+        .await
+        .expect("SIGTERM ends the controller")
+        .unwrap();
+    assert!(status.success(), "{status}");
+    assert_eq!(lease_holder(&api), "", "released on SIGTERM");
 }

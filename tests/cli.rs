@@ -153,6 +153,42 @@ fn mistakes_get_clear_errors() {
     );
 }
 
+/// Leader election timings that cannot work stop `gpu-dra controller` before it talks to any cluster,
+/// with the flags named.
+#[test]
+fn the_controller_refuses_leader_election_timings_that_cannot_work() {
+    let controller = |args: &[&str]| {
+        let output = Command::new(env!("CARGO_BIN_EXE_gpu-dra"))
+            .arg("controller")
+            .args(args)
+            .env("KUBECONFIG", "/nonexistent/kubeconfig")
+            .env_remove("LEADER_ELECT")
+            .output()
+            .expect("gpu-dra runs");
+        assert!(!output.status.success(), "{args:?} accepted");
+        String::from_utf8_lossy(&output.stderr).into_owned()
+    };
+    let stderr = controller(&["--leader-elect-renew-deadline", "15s"]);
+    assert!(
+        stderr.contains(
+            "--leader-elect-renew-deadline (15s) must be shorter than --leader-elect-lease-duration (15s)"
+        ),
+        "{stderr}"
+    );
+    let stderr = controller(&["--leader-elect-retry-period=10s"]);
+    assert!(
+        stderr.contains(
+            "--leader-elect-retry-period (10s) must be shorter than --leader-elect-renew-deadline (10s)"
+        ),
+        "{stderr}"
+    );
+    let stderr = controller(&["--leader-elect-retry-period", "2"]);
+    assert!(
+        stderr.contains("--leader-elect-retry-period") && stderr.contains("invalid duration \"2\""),
+        "{stderr}"
+    );
+}
+
 #[test]
 fn devices_shows_dynamic_mig_in_both_slice_layouts() {
     let split = stdout(&gpu_dra(&[

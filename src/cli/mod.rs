@@ -33,8 +33,8 @@ pub struct Cli {
 pub enum Command {
     /// Run the kubelet plugin on this node.
     Plugin(Box<PluginArgs>),
-    /// Run the ComputeDomain controller (one per cluster): places domains on NVLink cliques and
-    /// writes their IMEX channel claim templates and status.
+    /// Run the ComputeDomain controller (one replica leads, elected with a Lease): places domains on
+    /// NVLink cliques and writes their IMEX channel claim templates and status.
     Controller(controller::ControllerArgs),
     /// Print the ResourceSlices this node would publish.
     Devices(DevicesArgs),

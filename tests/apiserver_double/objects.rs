@@ -1,8 +1,9 @@
 //! Objects through the `kube` client: create, read, update, patch and delete, name conflicts and
 //! generated names, resourceVersion and uid preconditions, field and label selectors, the claim
-//! status subresource and deletion held by finalizers.
+//! status subresource, deletion held by finalizers, and Leases (every update guarded).
 
 use gpu_dra::support::apiserver::Verb;
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams, Preconditions};
@@ -105,6 +106,84 @@ async fn stale_resource_version_conflicts() {
         err.message.contains("the object has been modified"),
         "{}",
         err.message
+    );
+}
+
+/// Leases, as leader election writes them: namespaced, no status subresource, and an update must name
+/// the resourceVersion it read (the lease strategy allows no unconditional update), so of two replicas
+/// that read the same record only the first write lands.
+#[tokio::test]
+async fn lease_updates_are_guarded_by_the_resource_version() {
+    let (server, _) = start().await;
+    let leases: Api<Lease> = Api::namespaced(server.client(), "gpu-dra");
+    let lease = |holder: &str, seconds: i32| Lease {
+        metadata: kube::api::ObjectMeta {
+            name: Some("gpu-dra-controller".into()),
+            ..Default::default()
+        },
+        spec: Some(LeaseSpec {
+            holder_identity: Some(holder.into()),
+            lease_duration_seconds: Some(seconds),
+            lease_transitions: Some(0),
+            ..Default::default()
+        }),
+    };
+    let created = leases
+        .create(&PostParams::default(), &lease("a", 15))
+        .await
+        .unwrap();
+    assert_eq!(created.metadata.namespace.as_deref(), Some("gpu-dra"));
+
+    let mut first = created.clone();
+    first.spec = lease("b", 15).spec;
+    leases
+        .replace("gpu-dra-controller", &PostParams::default(), &first)
+        .await
+        .unwrap();
+    let mut second = created.clone();
+    second.spec = lease("c", 15).spec;
+    let err = status(
+        leases
+            .replace("gpu-dra-controller", &PostParams::default(), &second)
+            .await,
+    );
+    assert_eq!((err.code, err.reason.as_str()), (409, "Conflict"));
+
+    let mut unguarded = lease("c", 15);
+    unguarded.metadata.namespace = Some("gpu-dra".into());
+    let err = status(
+        leases
+            .replace("gpu-dra-controller", &PostParams::default(), &unguarded)
+            .await,
+    );
+    assert_eq!(err.code, 422);
+    assert!(
+        err.message.contains(
+            "metadata.resourceVersion: Invalid value: 0: must be specified for an update"
+        ),
+        "{}",
+        err.message
+    );
+
+    let mut invalid = leases.get("gpu-dra-controller").await.unwrap();
+    invalid.spec = lease("c", 0).spec;
+    let err = status(
+        leases
+            .replace("gpu-dra-controller", &PostParams::default(), &invalid)
+            .await,
+    );
+    assert_eq!(err.code, 422);
+    assert!(
+        err.message
+            .contains("spec.leaseDurationSeconds: Invalid value: 0: must be greater than 0"),
+        "{}",
+        err.message
+    );
+    assert_eq!(
+        server
+            .get("leases", Some("gpu-dra"), "gpu-dra-controller")
+            .unwrap()["spec"]["holderIdentity"],
+        "b"
     );
 }
 

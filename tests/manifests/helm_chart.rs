@@ -554,6 +554,99 @@ patches:
     );
 }
 
+/// JSON patch operations on the controller container that replace the value of its env entry `name`,
+/// found by name in deploy/base (see `replace_in_list`).
+fn replace_controller_env(name: &str, value: &str) -> String {
+    let deployment = read_docs(&root().join("deploy/base/controller.yaml"))
+        .into_iter()
+        .find(|d| d.kind() == "Deployment")
+        .unwrap_or_else(|| panic!("deploy/base/controller.yaml has no Deployment"));
+    let deployment: k8s_openapi::api::apps::v1::Deployment = deployment.typed();
+    let pod = deployment.spec.template.spec.unwrap_or_default();
+    let index = pod.containers[0]
+        .env
+        .iter()
+        .flatten()
+        .position(|e| e.name == name)
+        .unwrap_or_else(|| panic!("deploy/base's controller has no env entry {name}"));
+    let path = format!("/spec/template/spec/containers/0/env/{index}");
+    format!(
+        "      - {{op: test, path: {path}/name, value: {name}}}\n      - {{op: replace, path: {path}/value, value: {value}}}\n"
+    )
+}
+
+/// `controller.replicas` and `controller.leaderElection` render like a kustomize patch of the controller's
+/// Deployment; one replica without leader election also leaves out the Lease's Role and binding and the
+/// PodDisruptionBudget (which would block every drain); more replicas without it are refused, and so is
+/// a timing that is not a duration.
+#[test]
+fn the_controller_values_render_like_a_patched_deployment() {
+    let timings = json!({"controller": {"replicas": 3, "leaderElection": {
+        "leaseDuration": "30s", "renewDeadline": "20s", "retryPeriod": "4s"}}});
+    let patch = [
+        replace_controller_env("LEADER_ELECT_LEASE_DURATION", "30s"),
+        replace_controller_env("LEADER_ELECT_RENEW_DEADLINE", "20s"),
+        replace_controller_env("LEADER_ELECT_RETRY_PERIOD", "4s"),
+    ]
+    .concat();
+    assert_same(
+        &timings.to_string(),
+        &helm(None, &timings),
+        &kustomize(&format!(
+            "{NVML}patches:
+  - target: {{kind: Deployment, name: gpu-dra-controller}}
+    patch: |-
+      - {{op: replace, path: /spec/replicas, value: 3}}
+{patch}"
+        )),
+    );
+
+    let single = json!({"controller": {"replicas": 1, "leaderElection": {"enabled": false}}});
+    assert_same(
+        &single.to_string(),
+        &helm(None, &single),
+        &kustomize(&format!(
+            "{NVML}patches:
+  - target: {{kind: Deployment, name: gpu-dra-controller}}
+    patch: |-
+      - {{op: replace, path: /spec/replicas, value: 1}}
+{}{}{}{}",
+            replace_controller_env("LEADER_ELECT", "\"false\""),
+            delete_patch(
+                "Role",
+                "rbac.authorization.k8s.io/v1",
+                &["gpu-dra-controller"]
+            ),
+            delete_patch(
+                "RoleBinding",
+                "rbac.authorization.k8s.io/v1",
+                &["gpu-dra-controller"]
+            ),
+            delete_patch("PodDisruptionBudget", "policy/v1", &["gpu-dra-controller"]),
+        )),
+    );
+
+    for (set, says) in [
+        (
+            r#"{"controller": {"leaderElection": {"enabled": false}}}"#,
+            "controller.replicas above 1 needs controller.leaderElection.enabled",
+        ),
+        (
+            r#"{"controller": {"leaderElection": {"leaseDuration": "15"}}}"#,
+            "/controller/leaderElection/leaseDuration",
+        ),
+    ] {
+        let output = helm_render(&["render", CHART, "--set-json", set]);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(
+            output.status.code(),
+            Some(1),
+            "render {set} must be refused: {stderr}"
+        );
+        assert!(stderr.contains(says), "render {set}: {stderr}");
+    }
+}
+
 /// `crds/` of the chart is `crd/` byte for byte (Helm applies it at install, `kubectl apply -f crd/` the
 /// other); Helm reads it as the chart's CRDs.
 #[test]

@@ -206,6 +206,9 @@ fn check_strict(doc: &Doc) -> Result<(), String> {
         ("v1", "Pod") => round_trip::<Pod>(v),
         ("apps/v1", "DaemonSet") => round_trip::<DaemonSet>(v),
         ("apps/v1", "Deployment") => round_trip::<k8s_openapi::api::apps::v1::Deployment>(v),
+        ("policy/v1", "PodDisruptionBudget") => {
+            round_trip::<k8s_openapi::api::policy::v1::PodDisruptionBudget>(v)
+        }
         ("rbac.authorization.k8s.io/v1", "ClusterRole") => round_trip::<ClusterRole>(v),
         ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding") => {
             round_trip::<ClusterRoleBinding>(v)

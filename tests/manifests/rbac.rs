@@ -41,7 +41,8 @@ impl std::fmt::Display for Grant {
 /// The ComputeDomain controller runs as its own service account (`deploy/base/controller.yaml`).
 const NOT_THE_PLUGIN: &[&str] = &["src/demo/", EXPLAIN, NVIDIA_MIGRATION, CONTROLLER];
 
-/// The source of `gpu-dra controller`, whose calls the ClusterRole `gpu-dra-controller` must allow exactly.
+/// The source of `gpu-dra controller`, whose calls the ClusterRole `gpu-dra-controller` and the Role of the
+/// same name in its namespace (the leader election's Lease) must allow exactly.
 const CONTROLLER: &str = "src/domains/controller/";
 
 /// What unprepares the claims taken over from NVIDIA's plugin (`deploy/components/nvidia-migration`).
@@ -388,7 +389,43 @@ fn the_nvidia_migration_role_allows_exactly_the_calls_of_taking_over_nvidias_cla
 #[test]
 fn the_controller_role_allows_exactly_the_calls_of_the_controller() {
     let (objects, _) = manifests();
-    let granted = role_grants(&objects, "gpu-dra-controller");
+    let cluster_wide = role_grants(&objects, "gpu-dra-controller");
+    // The Lease, only in the controller's own namespace: a Role there, bound to its service account.
+    let deployment = one(&objects, "Deployment", "gpu-dra-controller");
+    let namespace = deployment.namespace();
+    let role: Role = one(&objects, "Role", "gpu-dra-controller").typed();
+    assert_eq!(role.metadata.namespace.as_deref(), Some(namespace));
+    let role_binding: RoleBinding = one(&objects, "RoleBinding", "gpu-dra-controller").typed();
+    assert_eq!(role_binding.metadata.namespace.as_deref(), Some(namespace));
+    assert_eq!(
+        (
+            role_binding.role_ref.kind.as_str(),
+            role_binding.role_ref.name.as_str()
+        ),
+        ("Role", "gpu-dra-controller")
+    );
+    assert!(role_binding
+        .subjects
+        .iter()
+        .flatten()
+        .any(|s| s.kind == "ServiceAccount"
+            && s.name == "gpu-dra-controller"
+            && s.namespace.as_deref() == Some(namespace)));
+    let namespaced = rule_grants("Role gpu-dra-controller", role.rules.iter().flatten());
+    let lease = |verb: &str| Grant {
+        group: "coordination.k8s.io".into(),
+        resource: "leases".into(),
+        verb: verb.into(),
+    };
+    assert_eq!(
+        namespaced,
+        BTreeSet::from([lease("get"), lease("create"), lease("update")])
+    );
+    assert!(
+        cluster_wide.iter().all(|g| g.resource != "leases"),
+        "the ClusterRole grants Leases in every namespace"
+    );
+    let granted: BTreeSet<Grant> = cluster_wide.union(&namespaced).cloned().collect();
     let used: BTreeSet<Grant> = grants_used_by(|origin| origin.starts_with(CONTROLLER))
         .into_keys()
         .collect();

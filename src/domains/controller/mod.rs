@@ -7,9 +7,14 @@
 //! are logged and retried by the next round; a domain that does not parse gets its own status and
 //! Event and never stops the others.
 //!
+//! It keeps nothing between rounds that the API server does not hold, so it can run as several
+//! replicas of which one, elected with a Lease ([`leader`]), runs rounds: a new leader starts from
+//! what the objects say.
+//!
 //! [`placement`]: crate::domains::placement
 
 pub mod crd;
+pub mod leader;
 pub mod status;
 pub mod template;
 
@@ -114,7 +119,8 @@ impl Controller {
     /// (debounced) or every `resync`, whichever comes first.
     pub async fn run(mut self, shutdown: impl std::future::Future<Output = ()>) {
         let changed = Arc::new(Notify::new());
-        let watches = self.start_watches(changed.clone());
+        // Aborted however the loop ends, also when this future is dropped (a lost Lease).
+        let _watches = Watches(self.start_watches(changed.clone()));
         tokio::pin!(shutdown);
         loop {
             if let Err(error) = self.round().await {
@@ -125,9 +131,6 @@ impl Controller {
                 () = changed.notified() => tokio::time::sleep(DEBOUNCE).await,
                 () = tokio::time::sleep(self.config.resync) => {}
             }
-        }
-        for watch in watches {
-            watch.abort();
         }
     }
 
@@ -682,6 +685,17 @@ impl Controller {
             Ok(Ok(())) => {}
             Ok(Err(error)) => warn!(%error, reason, "could not record an Event on the ComputeDomain"),
             Err(_) => warn!(reason, "could not record an Event on the ComputeDomain: the API server did not answer in time"),
+        }
+    }
+}
+
+/// The watch tasks of a running controller, aborted when dropped.
+struct Watches(Vec<tokio::task::JoinHandle<()>>);
+
+impl Drop for Watches {
+    fn drop(&mut self) {
+        for watch in &self.0 {
+            watch.abort();
         }
     }
 }

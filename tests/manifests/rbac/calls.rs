@@ -187,6 +187,7 @@ fn calls_in(origin: &str, text: &str) -> Result<Vec<Call>, String> {
 fn resource_of(kind: &str) -> Option<(String, String)> {
     use k8s_openapi::api::apps::v1::Deployment;
     use k8s_openapi::api::authentication::v1::SelfSubjectReview;
+    use k8s_openapi::api::coordination::v1::Lease;
     use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod, Secret};
     use k8s_openapi::api::events::v1::Event;
     use k8s_openapi::api::resource::v1::{
@@ -207,6 +208,7 @@ fn resource_of(kind: &str) -> Option<(String, String)> {
         "events.k8s.io/Event" => Some(of::<Event>()),
         "SelfSubjectReview" => Some(of::<SelfSubjectReview>()),
         "Deployment" => Some(of::<Deployment>()),
+        "Lease" => Some(of::<Lease>()),
         _ => None,
     };
     builtin.or_else(|| {

@@ -96,6 +96,7 @@ pub(super) fn admit(
         }
         "pods" => roundtrip::<k8s_openapi::api::core::v1::Pod>(obj),
         "deployments" => roundtrip::<k8s_openapi::api::apps::v1::Deployment>(obj),
+        "leases" => roundtrip::<k8s_openapi::api::coordination::v1::Lease>(obj),
         _ => Ok(obj),
     };
     decoded.map_err(|err| {

@@ -1,6 +1,7 @@
 //! An in-process Kubernetes API server double: a real HTTP/1.1 server on loopback that speaks enough of the
 //! Kubernetes REST/JSON protocol for the `kube` client and `kube::runtime::watcher`, stores nodes, pods,
-//! ResourceSlices, ResourceClaims, ResourceClaimTemplates and DeviceClasses, and rejects invalid ResourceSlices as the real server does.
+//! ResourceSlices, ResourceClaims, ResourceClaimTemplates, DeviceClasses, Leases and the other kinds of
+//! [`resources`], and rejects invalid ResourceSlices as the real server does.
 //!
 //! Tests drive it over HTTP like a cluster, and reach around HTTP through the hooks on [`ApiServer`] to play
 //! the kubelet or a controller (`insert`, `remove`), issue service account tokens that its SelfSubjectReview

@@ -18,6 +18,9 @@ pub(super) struct ResourceDef {
     pub(super) status_subresource: bool,
     /// Whether a create keeps the status it is given (nodes) or starts with none (claims).
     pub(super) status_on_create: bool,
+    /// Whether an update (PUT) may leave out `metadata.resourceVersion` and overwrite whatever is
+    /// stored (the registry strategy's `AllowUnconditionalUpdate`); where not, the server refuses it.
+    pub(super) unconditional_update: bool,
 }
 
 impl ResourceDef {
@@ -53,7 +56,7 @@ impl ResourceDef {
     }
 }
 
-const RESOURCES: [ResourceDef; 12] = [
+const RESOURCES: [ResourceDef; 13] = [
     ResourceDef {
         plural: "nodes",
         kind: "Node",
@@ -63,6 +66,7 @@ const RESOURCES: [ResourceDef; 12] = [
         path_plural: None,
         status_subresource: true,
         status_on_create: true,
+        unconditional_update: true,
     },
     ResourceDef {
         plural: "resourceslices",
@@ -73,6 +77,7 @@ const RESOURCES: [ResourceDef; 12] = [
         path_plural: None,
         status_subresource: false,
         status_on_create: false,
+        unconditional_update: true,
     },
     ResourceDef {
         plural: "resourceclaims",
@@ -83,6 +88,7 @@ const RESOURCES: [ResourceDef; 12] = [
         path_plural: None,
         status_subresource: true,
         status_on_create: false,
+        unconditional_update: true,
     },
     ResourceDef {
         plural: "resourceclaimtemplates",
@@ -93,6 +99,7 @@ const RESOURCES: [ResourceDef; 12] = [
         path_plural: None,
         status_subresource: false,
         status_on_create: false,
+        unconditional_update: true,
     },
     // What `gpu-dra explain` reads about a pod: its claims, node selector, affinity and tolerations. Its
     // status (the claims made from templates) is written with `insert`, as the controllers would.
@@ -105,6 +112,7 @@ const RESOURCES: [ResourceDef; 12] = [
         path_plural: None,
         status_subresource: true,
         status_on_create: false,
+        unconditional_update: true,
     },
     ResourceDef {
         plural: "deviceclasses",
@@ -115,6 +123,7 @@ const RESOURCES: [ResourceDef; 12] = [
         path_plural: None,
         status_subresource: false,
         status_on_create: false,
+        unconditional_update: true,
     },
     // What the plugin reports about DeviceClasses, on its Node (as kube's Recorder writes them).
     ResourceDef {
@@ -126,6 +135,7 @@ const RESOURCES: [ResourceDef; 12] = [
         path_plural: None,
         status_subresource: false,
         status_on_create: false,
+        unconditional_update: true,
     },
     // NVIDIA's plugin runs each MPS control daemon as a Deployment; under NVIDIA's driver name the
     // plugin deletes those of the claims it took over from NVIDIA's checkpoint.
@@ -138,6 +148,7 @@ const RESOURCES: [ResourceDef; 12] = [
         path_plural: None,
         status_subresource: true,
         status_on_create: false,
+        unconditional_update: true,
     },
     // gpu-dra's own CRD (crd/), cluster-scoped with a status subresource.
     ResourceDef {
@@ -149,6 +160,7 @@ const RESOURCES: [ResourceDef; 12] = [
         path_plural: None,
         status_subresource: true,
         status_on_create: false,
+        unconditional_update: true,
     },
     // ComputeDomains: ours (crd/gpu.dra.dev_computedomains.yaml) and NVIDIA's, served in NVIDIA
     // compatibility mode; namespaced, with a status subresource, as both CRDs declare. Like the other
@@ -162,6 +174,7 @@ const RESOURCES: [ResourceDef; 12] = [
         path_plural: None,
         status_subresource: true,
         status_on_create: false,
+        unconditional_update: true,
     },
     ResourceDef {
         plural: "computedomains.resource.nvidia.com",
@@ -172,6 +185,20 @@ const RESOURCES: [ResourceDef; 12] = [
         path_plural: Some("computedomains"),
         status_subresource: true,
         status_on_create: false,
+        unconditional_update: true,
+    },
+    // What the ComputeDomain controller's replicas elect their leader with. Its strategy allows no
+    // unconditional update: every write of a Lease is guarded by the resourceVersion it read.
+    ResourceDef {
+        plural: "leases",
+        kind: "Lease",
+        group: "coordination.k8s.io",
+        version: "v1",
+        namespaced: true,
+        path_plural: None,
+        status_subresource: false,
+        status_on_create: false,
+        unconditional_update: false,
     },
     // Where the controller placed each ComputeDomain (crd/gpu.dra.dev_computedomainplacements.yaml):
     // cluster-scoped, no status.
@@ -184,6 +211,7 @@ const RESOURCES: [ResourceDef; 12] = [
         path_plural: None,
         status_subresource: false,
         status_on_create: false,
+        unconditional_update: true,
     },
 ];
 

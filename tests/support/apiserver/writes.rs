@@ -86,6 +86,14 @@ fn generate_name(prefix: &str) -> String {
 
 pub(super) fn update(shared: &Shared, request: &Request, body: &[u8]) -> Answer {
     let obj = parse_body(body)?;
+    if !request.def.unconditional_update && meta_str(&obj, "resourceVersion").is_none() {
+        // The generic registry's check, before it reads the stored object.
+        return Err(ApiError::Invalid {
+            def: request.def,
+            name: request.name().to_string(),
+            errors: vec![super::validation::resource_version_required()],
+        });
+    }
     let mut store = shared.store();
     let old = stored(&store, request)?;
     write_update(shared, &mut store, request, &old, obj)

@@ -139,6 +139,17 @@ impl Errors {
     }
 }
 
+/// What the server says to an update without `metadata.resourceVersion` of a kind that allows no
+/// unconditional update.
+pub(super) fn resource_version_required() -> FieldError {
+    FieldError {
+        kind: ErrorKind::Invalid,
+        field: "metadata.resourceVersion".into(),
+        value: "0".into(),
+        detail: "must be specified for an update".into(),
+    }
+}
+
 /// Validates an object about to be stored; `old` is the stored object on update.
 pub(super) fn validate(
     version: ServerVersion,
@@ -154,9 +165,45 @@ pub(super) fn validate(
             immutable(&mut errors, "spec", obj.get("spec"), old.get("spec"))
         }
         ("events", _) => validate_event(obj, &mut errors),
+        ("leases", _) => validate_lease(obj, &mut errors),
         _ => {}
     }
     errors.0
+}
+
+/// The rules of coordination.k8s.io/v1 Leases (`ValidateLeaseSpec`) that a leader elector can get
+/// wrong; the coordinated election's `strategy` and `preferredHolder` are only checked to go together.
+fn validate_lease(obj: &Value, errors: &mut Errors) {
+    let spec = obj.get("spec").unwrap_or(&Value::Null);
+    if let Some(seconds) = spec.get("leaseDurationSeconds").filter(|v| !v.is_null()) {
+        if seconds.as_i64().is_none_or(|s| s <= 0) {
+            errors.invalid(
+                "spec.leaseDurationSeconds",
+                seconds,
+                "must be greater than 0",
+            );
+        }
+    }
+    if let Some(transitions) = spec.get("leaseTransitions").filter(|v| !v.is_null()) {
+        if transitions.as_i64().is_none_or(|t| t < 0) {
+            errors.invalid(
+                "spec.leaseTransitions",
+                transitions,
+                "must be greater than or equal to 0",
+            );
+        }
+    }
+    let set = |field: &str| {
+        spec.get(field)
+            .and_then(Value::as_str)
+            .is_some_and(|s| !s.is_empty())
+    };
+    if set("preferredHolder") && !set("strategy") {
+        errors.forbidden(
+            "spec.preferredHolder",
+            "may only be specified if `strategy` is defined",
+        );
+    }
 }
 
 /// The rules of events.k8s.io/v1 that a reporter can get wrong (`ValidateEventCreate`).

@@ -144,6 +144,8 @@ pub struct DomainCondition {
 /// it). A plugin prepares a domain's channel only on a node of this clique, for a claim in the domain's
 /// namespace. It holds no node and no channel: the nodes are taken by the workers' channel claims,
 /// one domain per node, so a domain without workers keeps no one else's job from running.
+// Clippy reads the printcolumns with `type_ = "string"` as a duplicated attribute.
+#[allow(clippy::duplicated_attributes)]
 #[derive(CustomResource, Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[kube(
     group = "gpu.dra.dev",

@@ -1,0 +1,195 @@
+//! A node's membership of a ComputeDomain under load, against the API server double: the 18 trays of one
+//! NVLink clique join one domain at the same moment (every one writes its entry of `status.nodes`, and
+//! all but one of each round conflict), and all are in within the kubelet's deadline, each with its own
+//! index; a node that leaves while a sync of its health runs is not added back; and a node that leaves
+//! and joins again is reported Ready, never as a failure.
+
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::future::BoxFuture;
+use gpu_dra::domains::api::{ComputeDomainStatus, DomainGroup, DomainObject, READY};
+use gpu_dra::domains::membership::{ChannelMembership, DaemonSpec, DomainDaemons, Membership};
+use gpu_dra::support::apiserver::ApiServer;
+use kube::api::{Api, DynamicObject, PostParams};
+
+const NAMESPACE: &str = "team";
+const CLIQUE: &str = "00000000-0000-0000-0000-000000000001.0";
+/// How long the kubelet waits for NodePrepareResources.
+const KUBELET_DEADLINE: Duration = Duration::from_secs(45);
+
+/// A node's daemons that are ready at once and remember the peers they were given.
+#[derive(Default)]
+struct ReadyDaemons {
+    peers: Mutex<Vec<String>>,
+    running: Mutex<BTreeSet<String>>,
+}
+
+impl DomainDaemons for ReadyDaemons {
+    fn ensure<'a>(&'a self, spec: &'a DaemonSpec) -> BoxFuture<'a, Result<(), String>> {
+        Box::pin(async move {
+            *self.peers.lock().unwrap() = spec.peers.iter().map(|p| format!("{p:?}")).collect();
+            self.running.lock().unwrap().insert(spec.domain_uid.clone());
+            Ok(())
+        })
+    }
+    fn set_peers(
+        &self,
+        _domain_uid: &str,
+        peers: &[gpu_dra::domains::membership::Peer],
+    ) -> Result<bool, String> {
+        let peers: Vec<String> = peers.iter().map(|p| format!("{p:?}")).collect();
+        let mut current = self.peers.lock().unwrap();
+        let changed = *current != peers;
+        *current = peers;
+        Ok(changed)
+    }
+    fn state<'a>(&'a self, _domain_uid: &'a str) -> BoxFuture<'a, Result<(), String>> {
+        Box::pin(async { Ok(()) })
+    }
+    fn stop<'a>(&'a self, domain_uid: &'a str) -> BoxFuture<'a, Result<(), String>> {
+        Box::pin(async move {
+            self.running.lock().unwrap().remove(domain_uid);
+            Ok(())
+        })
+    }
+    fn running(&self) -> BoxFuture<'_, Vec<String>> {
+        Box::pin(async { self.running.lock().unwrap().iter().cloned().collect() })
+    }
+}
+
+async fn create_domain(client: &kube::Client, nodes: u32) -> DomainObject {
+    let api: Api<DynamicObject> =
+        Api::namespaced_with(client.clone(), NAMESPACE, &DomainGroup::Ours.api_resource());
+    let object: DynamicObject = serde_json::from_value(serde_json::json!({
+        "apiVersion": "gpu.dra.dev/v1alpha1", "kind": "ComputeDomain",
+        "metadata": {"name": "job", "namespace": NAMESPACE},
+        "spec": {"numNodes": nodes, "channel": {"resourceClaimTemplate": {"name": "job-channel"}}},
+    }))
+    .unwrap();
+    let created = api.create(&PostParams::default(), &object).await.unwrap();
+    DomainObject::from_dynamic(DomainGroup::Ours, &created).unwrap()
+}
+
+async fn status(client: &kube::Client) -> ComputeDomainStatus {
+    let api: Api<DynamicObject> =
+        Api::namespaced_with(client.clone(), NAMESPACE, &DomainGroup::Ours.api_resource());
+    let object = api.get("job").await.unwrap();
+    DomainObject::from_dynamic(DomainGroup::Ours, &object)
+        .unwrap()
+        .status
+}
+
+fn member(domain: &DomainObject) -> ChannelMembership {
+    ChannelMembership {
+        domain_uid: domain.uid.clone(),
+        namespace: NAMESPACE.into(),
+        domain: domain.name.clone(),
+        nvidia_group: false,
+        channel: 0,
+        clique: CLIQUE.into(),
+    }
+}
+
+fn node(client: &kube::Client, i: usize) -> (Membership, Arc<ReadyDaemons>) {
+    let daemons = Arc::new(ReadyDaemons::default());
+    let membership = Membership::new(
+        client.clone(),
+        "gpu.dra.dev",
+        &format!("tray-{i:02}"),
+        Some(&format!("10.0.1.{}", i + 1)),
+        daemons.clone(),
+    );
+    (membership, daemons)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn eighteen_trays_join_one_domain_at_once_within_the_kubelets_deadline() {
+    let api = ApiServer::start().await.expect("API server double");
+    let client = api.client();
+    let domain = create_domain(&client, 18).await;
+    let member = member(&domain);
+    let nodes: Vec<_> = (0..18).map(|i| node(&client, i)).collect();
+    let started = Instant::now();
+    let joins = nodes.iter().map(|(membership, _)| {
+        let member = member.clone();
+        async move {
+            let at = Instant::now();
+            let result = membership.join(&member).await;
+            (result, at.elapsed())
+        }
+    });
+    let results = futures::future::join_all(joins).await;
+    let elapsed = started.elapsed();
+    for (i, (result, took)) in results.iter().enumerate() {
+        assert!(result.is_ok(), "tray-{i:02}: {result:?}");
+        assert!(*took < KUBELET_DEADLINE, "tray-{i:02} took {took:?}");
+    }
+    let status = status(&client).await;
+    assert_eq!(status.nodes.len(), 18, "{status:?}");
+    assert!(status.nodes.iter().all(|n| n.status == READY), "{status:?}");
+    let indices: BTreeSet<u32> = status.nodes.iter().map(|n| n.index).collect();
+    assert_eq!(indices, (0..18).collect(), "each tray its own index");
+    let conflicts = api
+        .requests()
+        .iter()
+        .filter(|r| r.resource == "computedomains/status" && r.code == 409)
+        .count();
+    assert!(
+        conflicts > 0,
+        "the joins never met: the test proves nothing"
+    );
+    println!("18 joins in {elapsed:?}, {conflicts} conflicts retried");
+
+    // Every tray's daemon ends up with all 18 peers once it syncs.
+    let clique = Ok(CLIQUE.to_string());
+    for (membership, _) in &nodes {
+        membership
+            .sync(std::slice::from_ref(&member), &clique)
+            .await;
+    }
+    for (i, (_, daemons)) in nodes.iter().enumerate() {
+        assert_eq!(daemons.peers.lock().unwrap().len(), 18, "tray-{i:02}");
+    }
+}
+
+#[tokio::test]
+async fn a_node_that_left_is_not_added_back_and_a_rejoin_is_no_failure() {
+    let api = ApiServer::start().await.expect("API server double");
+    let client = api.client();
+    let domain = create_domain(&client, 2).await;
+    let member = member(&domain);
+    let (one, _) = node(&client, 1);
+    let (two, _) = node(&client, 2);
+    one.join(&member).await.unwrap();
+    two.join(&member).await.unwrap();
+    let clique = Ok(CLIQUE.to_string());
+
+    // tray-01 leaves; a sync that still had it as a member (it ran while the leave did) reports its
+    // health: its entry must stay gone.
+    one.leave(&member).await.unwrap();
+    one.sync(std::slice::from_ref(&member), &clique).await;
+    let names: Vec<String> = status(&client)
+        .await
+        .nodes
+        .into_iter()
+        .map(|n| n.name)
+        .collect();
+    assert_eq!(names, ["tray-02"]);
+
+    // It joins again: Ready, with the lowest free index, and no Warning Event anywhere.
+    one.join(&member).await.unwrap();
+    one.sync(std::slice::from_ref(&member), &clique).await;
+    let status = status(&client).await;
+    let entry = status.nodes.iter().find(|n| n.name == "tray-01").unwrap();
+    assert_eq!(entry.status, READY);
+    assert_eq!(entry.index, 0);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let warnings: Vec<_> = api
+        .list("events")
+        .into_iter()
+        .filter(|e| e["type"] == "Warning")
+        .collect();
+    assert!(warnings.is_empty(), "{warnings:#?}");
+}

@@ -193,3 +193,53 @@ async fn a_node_that_left_is_not_added_back_and_a_rejoin_is_no_failure() {
         .collect();
     assert!(warnings.is_empty(), "{warnings:#?}");
 }
+
+/// `--imex-mode host`: the node joins with the host daemon's state and starts nothing.
+#[tokio::test]
+async fn with_the_hosts_imex_daemon_the_node_reports_its_state_and_starts_nothing() {
+    use gpu_dra::domains::imex::host_managed::{HostImex, DEFAULT_SOCKET};
+    use std::os::unix::fs::PermissionsExt;
+    let api = ApiServer::start().await.expect("API server double");
+    let client = api.client();
+    let domain = create_domain(&client, 1).await;
+    let member = member(&domain);
+    let dir = tempfile::tempdir().unwrap();
+    let ctl = dir.path().join("nvidia-imex-ctl");
+    let answer = dir.path().join("answer");
+    std::fs::write(&ctl, format!("#!/bin/sh\ncat {}\n", answer.display())).unwrap();
+    std::fs::set_permissions(&ctl, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let host = Membership::new(
+        client.clone(),
+        "gpu.dra.dev",
+        "tray-01",
+        Some("10.0.1.2"),
+        Arc::new(HostImex::with_program(
+            ctl,
+            std::path::Path::new(DEFAULT_SOCKET),
+        )),
+    )
+    .with_ready_timeout(Duration::from_millis(600));
+
+    // The host's daemon waits for its quorum: the claim fails with its answer, the entry says it.
+    std::fs::write(&answer, "UNAVAILABLE\n").unwrap();
+    let error = host.join(&member).await.unwrap_err();
+    assert!(
+        error.contains("the host's nvidia-imex daemon is not ready"),
+        "{error}"
+    );
+    let entry = status(&client).await.nodes.pop().unwrap();
+    assert_eq!(entry.status, "NotReady");
+    assert!(entry.reason.unwrap_or_default().contains("UNAVAILABLE"));
+
+    // It is ready: the node joins, Ready; no daemon Pod was made.
+    std::fs::write(&answer, "READY\n").unwrap();
+    host.join(&member).await.unwrap();
+    let entry = status(&client).await.nodes.pop().unwrap();
+    assert_eq!(
+        (entry.name.as_str(), entry.status.as_str()),
+        ("tray-01", READY)
+    );
+    assert!(api.list("pods").is_empty());
+    host.leave(&member).await.unwrap();
+    assert!(status(&client).await.nodes.is_empty());
+}

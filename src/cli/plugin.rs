@@ -78,6 +78,18 @@ pub struct PluginArgs {
     /// Node's InternalIP when absent.
     #[arg(long, env = "NODE_IP")]
     node_ip: Option<String>,
+    /// Who runs the node's IMEX daemon for ComputeDomains: the plugin, in a Pod of its own, or the
+    /// host (`nvidia-imex.service`), which the plugin then only asks whether it is ready.
+    #[arg(long, env = "IMEX_MODE", value_enum, default_value_t = crate::domains::membership::ImexMode::Plugin)]
+    imex_mode: crate::domains::membership::ImexMode,
+    /// With --imex-mode host: the host daemon's command socket (`IMEX_CMD_UNIX_DOMAIN_PATH` of its
+    /// config.cfg), as a path on the host.
+    #[arg(long, env = "IMEX_HOST_SOCKET", default_value = crate::domains::imex::host_managed::DEFAULT_SOCKET)]
+    imex_host_socket: PathBuf,
+    /// With --imex-mode host: the program to ask instead of the driver root's nvidia-imex-ctl (run
+    /// as it is, with `-q --u=<socket>`), e.g. a stand-in with the fake backend.
+    #[arg(long, env = "IMEX_HOST_CTL")]
+    imex_host_ctl: Option<PathBuf>,
     /// Where this node's boot id is read (a node reboot is told from a plugin restart by it); the
     /// kernel's when absent. For acting out a reboot on a host that does not reboot (e2e/day-two.sh).
     #[arg(long, env = "BOOT_ID_FILE")]
@@ -191,6 +203,9 @@ pub fn run_plugin(args: PluginArgs) -> Result<()> {
         domains: crate::domains::membership::DomainsConfig {
             imex_channels: args.imex_channels,
             node_ip: args.node_ip,
+            imex_mode: args.imex_mode,
+            host_socket: args.imex_host_socket,
+            host_ctl: args.imex_host_ctl,
         },
     };
     use crate::plugin::preflight::{self, DriverRootSetting, Environment, Preflight};

@@ -51,13 +51,29 @@ enum EntryWrite {
     Remove,
 }
 
+/// Who runs the node's IMEX daemon.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum ImexMode {
+    /// The plugin, in a Pod of its own (NVIDIA's `driverManaged`).
+    #[default]
+    Plugin,
+    /// The host, as `nvidia-imex.service`; the plugin asks it and starts nothing (NVIDIA's
+    /// `hostManaged`).
+    Host,
+}
+
 /// The plugin's settings for ComputeDomains.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DomainsConfig {
-    /// How many IMEX channels a node of an NVLink clique publishes; 0 publishes none.
+    /// How many IMEX channel devices a node of an NVLink clique publishes (1, or 0 for none).
     pub imex_channels: u32,
     /// The address other nodes' IMEX daemons reach this node's at (the Pod's `status.hostIP`).
     pub node_ip: Option<String>,
+    pub imex_mode: ImexMode,
+    /// With [`ImexMode::Host`]: the host daemon's command socket (its path on the host).
+    pub host_socket: std::path::PathBuf,
+    /// With [`ImexMode::Host`]: a program to ask instead of the driver root's `nvidia-imex-ctl`.
+    pub host_ctl: Option<std::path::PathBuf>,
 }
 
 impl Default for DomainsConfig {
@@ -65,6 +81,9 @@ impl Default for DomainsConfig {
         DomainsConfig {
             imex_channels: super::channels::DEFAULT_CHANNELS,
             node_ip: None,
+            imex_mode: ImexMode::Plugin,
+            host_socket: super::imex::host_managed::DEFAULT_SOCKET.into(),
+            host_ctl: None,
         }
     }
 }

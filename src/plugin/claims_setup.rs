@@ -104,9 +104,10 @@ async fn own_image(client: &kube::Client, namespace: &str, pod: &str) -> Option<
     }
 }
 
-/// This node's side of ComputeDomains: its IMEX daemons run in Pods of this plugin's image, with
-/// their files under `<plugin-dir>/imex`. `None` (IMEX channel claims then fail at prepare with a
-/// reason) where the node publishes no channels or no image is known for the daemons.
+/// This node's side of ComputeDomains: its IMEX daemon runs in a Pod of this plugin's image, with its
+/// files under `<plugin-dir>/imex`, or (`--imex-mode host`) is the host's, which the plugin only asks.
+/// `None` (IMEX channel claims then fail at prepare with a reason) where the node publishes no channels
+/// or no image is known for the daemon.
 pub(super) fn domains(
     config: &PluginConfig,
     plugin_dir: &std::path::Path,
@@ -117,6 +118,31 @@ pub(super) fn domains(
         return None;
     }
     let node_ip = config.domains.node_ip.clone();
+    if config.domains.imex_mode == crate::domains::membership::ImexMode::Host {
+        use crate::domains::imex::host_managed::HostImex;
+        let host = match (&config.domains.host_ctl, &config.backend) {
+            (Some(program), _) => {
+                HostImex::with_program(program.clone(), &config.domains.host_socket)
+            }
+            (None, BackendChoice::Nvml { driver_root, .. }) => {
+                HostImex::new(driver_root, &config.domains.host_socket)
+            }
+            // The fake backend's root has no nvidia-imex-ctl: channel claims fail with that reason.
+            (None, BackendChoice::Fake { .. }) => HostImex::new(
+                std::path::Path::new("/nonexistent"),
+                &config.domains.host_socket,
+            ),
+        };
+        return Some(std::sync::Arc::new(
+            crate::domains::membership::Membership::new(
+                client.clone(),
+                &config.driver_name,
+                &config.node_name,
+                node_ip.as_deref(),
+                std::sync::Arc::new(host),
+            ),
+        ));
+    }
     use crate::domains::imex::pod::program_for_root;
     use crate::domains::imex::{ImexDaemons, ImexPodTemplate, ImexProgram};
     // Where the driver root is the host's `/`, this process sees the host's systemd state in it, and

@@ -23,6 +23,7 @@ use thiserror::Error;
 
 pub mod config;
 mod daemons;
+pub mod host_managed;
 pub mod host_service;
 pub mod pod;
 #[cfg(feature = "doubles")]

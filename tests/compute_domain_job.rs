@@ -436,3 +436,102 @@ async fn a_four_node_job_gets_one_clique_a_channel_everywhere_and_its_faults_rep
     controller.stop().await;
     rack.shutdown().await;
 }
+
+/// A whole GB200 NVL72 rack: 18 trays of one clique, a domain of 18 nodes, and its 18 workers started by
+/// their kubelets at the same moment. Every prepare (status entry written against 17 other writers, the
+/// node's IMEX daemon started and ready) ends within the kubelet's 45 s, every tray gets its own index,
+/// every daemon ends with all 18 peers, and the domain turns Ready.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn eighteen_trays_of_one_clique_prepare_their_workers_at_once() {
+    const TRAYS: usize = 18;
+    const KUBELET_DEADLINE: Duration = Duration::from_secs(45);
+    let api = ApiServer::start().await.expect("API server double");
+    install_device_classes(&api);
+    let client = api.client();
+    let names: Vec<String> = (0..TRAYS).map(|i| format!("t{i:02}")).collect();
+    let nodes: Vec<(&str, Fabric)> = names
+        .iter()
+        .map(|n| (n.as_str(), Fabric::Clique(0)))
+        .collect();
+    let rack = Rack::start(&api, &nodes, "gpu-dra:test").await;
+    for name in &names {
+        whole_pool(&client, name).await;
+    }
+    let controller = rack::RunningController::start(&client, Duration::from_millis(500));
+    rack::create_gpus_template(&client, NAMESPACE, "four-gpus", 4).await;
+    create_domain(&client, "rack", TRAYS as u32).await;
+    let templates: Api<ResourceClaimTemplate> = Api::namespaced(client.clone(), NAMESPACE);
+    wait_for(
+        "the channel template",
+        Duration::from_secs(20),
+        async || templates.get_opt("rack-channel").await.ok().flatten(),
+    )
+    .await;
+    let mut placed_on = Vec::new();
+    for i in 0..TRAYS {
+        let name = format!("worker-{i}");
+        create_worker(&client, &name, "rack-channel").await;
+        let node = rack
+            .schedule(&client, NAMESPACE, &name)
+            .await
+            .unwrap_or_else(|why| panic!("{name} fits no node: {why}"));
+        placed_on.push((name, node));
+    }
+
+    let starts = placed_on.iter().map(|(name, node)| {
+        let (rack, client) = (&rack, &client);
+        async move {
+            let began = std::time::Instant::now();
+            let prepared = rack.start_pod(client, NAMESPACE, name, node).await;
+            (name, node, prepared, began.elapsed())
+        }
+    });
+    for (name, node, prepared, took) in futures::future::join_all(starts).await {
+        let prepared = prepared.unwrap_or_else(|e| panic!("{name} on {node}: {e}"));
+        assert!(
+            prepared.cdi_devices["worker"]
+                .iter()
+                .any(|id| id.ends_with("-imex-channel-0")),
+            "{name} gets the channel"
+        );
+        assert!(took < KUBELET_DEADLINE, "{name} on {node} took {took:?}");
+    }
+
+    let ready = wait_for(
+        "the domain to be Ready",
+        Duration::from_secs(30),
+        async || {
+            let domain = domain(&client, "rack").await;
+            (domain.status.status == "Ready").then_some(domain)
+        },
+    )
+    .await;
+    assert_eq!(ready.status.nodes.len(), TRAYS);
+    let indices: std::collections::BTreeSet<u32> =
+        ready.status.nodes.iter().map(|n| n.index).collect();
+    assert_eq!(indices.len(), TRAYS, "each tray its own index");
+    assert!(indices.iter().all(|i| *i < TRAYS as u32));
+    for name in &names {
+        let dir = rack.node(name).imex_dir(&ready.uid);
+        wait_for(
+            &format!("{name}'s daemon with {TRAYS} peers"),
+            Duration::from_secs(30),
+            async || {
+                let state: Value = serde_json::from_str(
+                    &std::fs::read_to_string(dir.join("stand-in.json")).ok()?,
+                )
+                .ok()?;
+                (state["peers"].as_array()?.len() == TRAYS).then_some(())
+            },
+        )
+        .await;
+    }
+    let warnings: Vec<Value> = api
+        .list("events")
+        .into_iter()
+        .filter(|e| e["type"] == "Warning")
+        .collect();
+    assert!(warnings.is_empty(), "no failure reported: {warnings:#?}");
+    controller.stop().await;
+    rack.shutdown().await;
+}

@@ -36,7 +36,7 @@ fn cluster(driver: &str) -> Cluster {
         ("gb-b1", 1),
     ] {
         let profile = gb200_tray(GB200_CLUSTER_UUID, clique);
-        let slices = fixture::fabric_node_slices(driver, node, &profile, 4);
+        let slices = fixture::fabric_node_slices(driver, node, &profile, 1);
         objects.extend(slices.iter().map(|s| serde_json::to_value(s).unwrap()));
         objects.push(fixture::node(node, &[], &[], false));
     }

@@ -517,10 +517,9 @@ async fn eighteen_trays_of_one_clique_prepare_their_workers_at_once() {
             &format!("{name}'s daemon with {TRAYS} peers"),
             Duration::from_secs(30),
             async || {
-                let state: Value = serde_json::from_str(
-                    &std::fs::read_to_string(dir.join("stand-in.json")).ok()?,
-                )
-                .ok()?;
+                let state: Value =
+                    serde_json::from_str(&std::fs::read_to_string(dir.join("stand-in.json")).ok()?)
+                        .ok()?;
                 (state["peers"].as_array()?.len() == TRAYS).then_some(())
             },
         )

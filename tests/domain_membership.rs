@@ -243,3 +243,112 @@ async fn with_the_hosts_imex_daemon_the_node_reports_its_state_and_starts_nothin
     host.leave(&member).await.unwrap();
     assert!(status(&client).await.nodes.is_empty());
 }
+
+/// Before a channel is prepared the plugin checks the claim against the controller's placement: the
+/// domain must be in the claim's namespace, placed by a ComputeDomainPlacement made for it, on this
+/// node's clique. Annotations a user preset, a placement of another domain and a claim of another
+/// namespace naming the domain's UID change nothing.
+#[tokio::test]
+async fn a_channel_is_prepared_only_as_the_controllers_placement_says() {
+    use gpu_dra::domains::api::ComputeDomainPlacement;
+    let api = ApiServer::start().await.expect("API server double");
+    let client = api.client();
+    let mut domain = create_domain(&client, 1).await;
+    let (node, _) = node(&client, 1);
+    let groups = [DomainGroup::Ours];
+    let resolve = |namespace: &'static str, clique: &'static str, uid: String| {
+        let node = &node;
+        async move { node.resolve(&groups, namespace, &uid, 0, clique).await }
+    };
+
+    // A user presets the old placement annotations: not placed.
+    let domains: Api<DynamicObject> =
+        Api::namespaced_with(client.clone(), NAMESPACE, &DomainGroup::Ours.api_resource());
+    let mut object = domains.get("job").await.unwrap();
+    object.metadata.annotations = Some(
+        [
+            ("gpu.dra.dev/nvlink-domain".to_string(), CLIQUE.to_string()),
+            ("gpu.dra.dev/imex-channel".to_string(), "0".to_string()),
+        ]
+        .into(),
+    );
+    domains
+        .replace("job", &PostParams::default(), &object)
+        .await
+        .unwrap();
+    let error = resolve(NAMESPACE, CLIQUE, domain.uid.clone())
+        .await
+        .unwrap_err();
+    assert!(
+        error.contains("is not placed on an NVLink clique yet"),
+        "{error}"
+    );
+
+    // A placement under the domain's UID that was made for another domain is not its placement.
+    let placements: Api<ComputeDomainPlacement> = Api::all(client.clone());
+    let mut other = domain.clone();
+    other.namespace = "elsewhere".into();
+    let forged = ComputeDomainPlacement::of(&other, CLIQUE);
+    placements
+        .create(&PostParams::default(), &forged)
+        .await
+        .unwrap();
+    let error = resolve(NAMESPACE, CLIQUE, domain.uid.clone())
+        .await
+        .unwrap_err();
+    assert!(
+        error.contains("is not placed on an NVLink clique yet"),
+        "{error}"
+    );
+    placements
+        .delete(&domain.uid, &Default::default())
+        .await
+        .unwrap();
+
+    // Placed on another clique: this node's channel is refused, naming both.
+    domain.namespace = NAMESPACE.into();
+    let placed = ComputeDomainPlacement::of(&domain, "00000000-0000-0000-0000-000000000001.1");
+    placements
+        .create(&PostParams::default(), &placed)
+        .await
+        .unwrap();
+    let error = resolve(NAMESPACE, CLIQUE, domain.uid.clone())
+        .await
+        .unwrap_err();
+    assert!(
+        error.contains("is placed on NVLink clique 00000000-0000-0000-0000-000000000001.1")
+            && error.contains(&format!("this node's channel is in clique {CLIQUE}")),
+        "{error}"
+    );
+    placements
+        .delete(&domain.uid, &Default::default())
+        .await
+        .unwrap();
+
+    // Placed here: the claim of the domain's namespace joins; one of another namespace that names
+    // the domain's UID finds no such domain.
+    placements
+        .create(
+            &PostParams::default(),
+            &ComputeDomainPlacement::of(&domain, CLIQUE),
+        )
+        .await
+        .unwrap();
+    let member = resolve(NAMESPACE, CLIQUE, domain.uid.clone())
+        .await
+        .unwrap();
+    assert_eq!(
+        (member.namespace.as_str(), member.domain.as_str()),
+        (NAMESPACE, "job")
+    );
+    let error = resolve("intruder", CLIQUE, domain.uid.clone())
+        .await
+        .unwrap_err();
+    assert!(
+        error.contains(&format!(
+            "no ComputeDomain with UID {} in namespace intruder",
+            domain.uid
+        )),
+        "{error}"
+    );
+}

@@ -264,6 +264,41 @@ mod tests {
     }
 
     #[test]
+    fn a_channel_claim_gets_channel0_or_with_allocation_mode_all_every_channel() {
+        let cdi = CdiRegistry::new("/tmp/unused", "gpu.dra.dev");
+        let mut inventory = FakeBackend::new("node-a", "gb200-nvl72")
+            .unwrap()
+            .inventory()
+            .unwrap();
+        inventory.stand_in_device = None;
+        inventory.device_majors = crate::gpu::DeviceMajors::parse(
+            Path::new("/proc/devices"),
+            "Character devices:\n234 nvidia-caps-imex-channels\n",
+        );
+        let single = device(&cdi, "u", "imex-channel-0");
+        let edits = container_edits(&inventory, &single);
+        let paths: Vec<&str> = edits.device_nodes.iter().map(|n| n.path.as_str()).collect();
+        assert_eq!(paths, ["/dev/nvidia-caps-imex-channels/channel0"]);
+
+        let all = PreparedDevice {
+            imex_channels: Some(crate::domains::channels::MAX_CHANNELS),
+            ..single
+        };
+        let edits = container_edits(&inventory, &all);
+        assert_eq!(edits.device_nodes.len(), 2048);
+        for (n, node) in [0u32, 222, 2047]
+            .iter()
+            .map(|n| (*n, &edits.device_nodes[*n as usize]))
+        {
+            assert_eq!(
+                node.path,
+                format!("/dev/nvidia-caps-imex-channels/channel{n}")
+            );
+            assert_eq!((node.major, node.minor), (Some(234), Some(i64::from(n))));
+        }
+    }
+
+    #[test]
     fn toolkit_devices_are_referenced_and_other_devices_get_the_host_driver_files() {
         let root = tempfile::tempdir().unwrap();
         let cdi = CdiRegistry::new(root.path().join("cdi"), "gpu.dra.dev");

@@ -14,11 +14,11 @@
 #      node-1, node-1's IMEX daemon Pod Running; the pod deleted: the daemon Pod goes and node-1's entry is
 #      removed; the domain deleted: its template and placement go
 #   03 NVIDIA's channel-injection-all.yaml (allocationMode All): the same, and the log lists channel0,
-#      channel222 and channel2047 (what NVIDIA's own test asserts)
+#      channel222 and channel2047 (what NVIDIA's own test asserts), 2048 channels in all
 #   04 a worker shaped like NVIDIA's nvbandwidth job's worker (e2e/real-node-compute-domain-nvidia/): a
 #      ComputeDomain of numNodes 1 and a Pod with `nvidia.com/gpu: 2` plus the domain's channel claim: the
-#      scheduler's claim has two GPUs of node-1, the container sees those two (GPU_DRA_DEVICE_*, two
-#      /dev/nvidiaN) and channel0
+#      scheduler's claim has two GPUs of node-1, the container sees those two (GPU_DRA_DEVICE_* names them
+#      and imex-channel-0; two /dev/nvidiaN) and channel0; the domain Ready, the daemon Pod gone after the pod
 #   after: no CDI spec of gpu.nvidia.com and no IMEX daemon Pod left
 # NVIDIA's two demo files are applied unchanged except what a node without a registry needs: every `image:`
 # becomes TEST_IMAGE, and where that image has no bash (busybox has none) `command: ["bash", "-c"]` becomes
@@ -39,8 +39,10 @@
 #     NVIDIA_IMEX_DEMO_DIR=/tmp/nvidia/imex e2e/real-node-compute-domain-nvidia.sh
 #   (as root, from the project root, with no plugin running or installed on the node)
 #
-# Each check prints `ok` or `FAIL`; a failure prints what the cluster said (describe, events, the plugin's
-# log) and the exit status is 1.
+# Each check prints `ok` or `FAIL`; a pod that does not run prints what the cluster said (describe, events,
+# the plugin's and controller's logs); the exit status is 1 on any failure. It stops at once where node-1
+# reports DiskPressure (or another pressure): that kubelet evicts every pod it is given (its default
+# imagefs.available<15% is met on a host disk that is more than 85% full).
 set -uo pipefail
 : "${KUBECONFIG:?set KUBECONFIG to the admin kubeconfig of the real cluster}"
 : "${NVIDIA_CD_CRD:?set NVIDIA_CD_CRD to NVIDIA's resource.nvidia.com_computedomains.yaml}"
@@ -66,6 +68,7 @@ bad() { echo "FAIL  $*"; failures=$((failures + 1)); }
 check() { local what=$1; shift; if "$@"; then ok "$what"; else bad "$what"; fi; }
 wait_until() { local t=$1; shift; local end=$((SECONDS + t)); until "$@"; do [ $SECONDS -lt $end ] || return 1; sleep 1; done; }
 indent() { sed 's/^/      /'; }
+quiet() { "$@" >/dev/null 2>&1; }
 
 for f in "$NVIDIA_CD_CRD" "$NVIDIA_IMEX_DEMO_DIR/channel-injection.yaml" "$NVIDIA_IMEX_DEMO_DIR/channel-injection-all.yaml"; do
   [ -f "$f" ] || { echo "${0##*/}: no $f" >&2; exit 1; }
@@ -144,14 +147,19 @@ channel_case() {
   kubectl apply -n $NS -f "$WORK/$file" >/dev/null || { bad "kubectl apply -f $file"; return; }
   check "$pod Running" run_pod "$pod"
   local log; log=$(logs_of "$pod")
-  echo "      $pod's log: $(echo "$log" | wc -l) lines; first and last:"
-  { echo "$log" | head -5; echo "      ..."; echo "$log" | tail -2; } | indent
+  if [ "$(echo "$log" | wc -l)" -le 8 ]; then
+    echo "      $pod's log:"; echo "$log" | indent
+  else
+    echo "      $pod's log: $(echo "$log" | wc -l) lines; the first five and the last two (ls sorts by name):"
+    { echo "$log" | head -5; echo "..."; echo "$log" | tail -2; } | indent
+  fi
   for c in "$@"; do
     check "its log lists $c as a character device" \
       bash -c "grep -qE '^c.* $c\$' <<<'$(echo "$log" | grep -E " $c\$")'"
   done
   local count; count=$(echo "$log" | grep -cE ' channel[0-9]+$')
-  echo "      channels listed: $count"
+  local expect=1; [ "$#" -gt 1 ] && expect=2048
+  check "$count channel device(s) listed ($expect: $( [ $expect = 1 ] && echo 'one channel' || echo 'allocationMode All, channel0 … channel2047'))" test "$count" = $expect
   local uid; uid=$(cd_jp "$domain" '{.metadata.uid}')
   check "the ComputeDomain $domain Ready with $NODE's entry" wait_until 60 domain_ready "$domain"
   echo "      status.status=$(cd_jp "$domain" '{.status.status}'); $NODE's entry (name ipAddress cliqueID index status): $(node_entry "$domain")"
@@ -174,14 +182,21 @@ channel_case() {
 }
 
 echo "----- install (plugin and controller as processes)"
+# A node under DiskPressure evicts every pod it is given (the kubelet's default imagefs.available<15%).
+pressure=$(kubectl get node "$NODE" -o jsonpath='{range .status.conditions[?(@.status=="True")]}{.type} {end}')
+if [ "$pressure" != "Ready " ]; then
+  bad "$NODE Ready, without DiskPressure, MemoryPressure or PIDPressure (true: $pressure): its kubelet would evict every pod"
+  exit 1
+fi
+ok "$NODE Ready, without DiskPressure, MemoryPressure or PIDPressure"
 rm -rf /var/lib/gpu-dra "${PLUGINS:?}/$DRIVER"
 rm -f "$CDI"/k8s.$DRIVER-*.json
 e2e/image.sh "$BIN" gpu-dra:dev "$WORK/gpu-dra-image.tar" >/dev/null || { bad "image built from $BIN"; exit 1; }
-"$BIN_DIR/ctr" -n k8s.io images import "$WORK/gpu-dra-image.tar" >/dev/null
+"$BIN_DIR/ctr" -n k8s.io images import "$WORK/gpu-dra-image.tar" >/dev/null 2>&1
 "$BIN_DIR/ctr" -n k8s.io images ls -q 2>/dev/null | grep -qx localhost/busybox:local ||
-  "$BIN_DIR/ctr" -n k8s.io images import --local "${XDG_CACHE_HOME:-$HOME/.cache}/gpu-dra-realk8s/images/busybox.tar" >/dev/null
+  "$BIN_DIR/ctr" -n k8s.io images import --local "${XDG_CACHE_HOME:-$HOME/.cache}/gpu-dra-realk8s/images/busybox.tar" >/dev/null 2>&1
 check "image gpu-dra:dev imported into containerd (the IMEX daemon Pod's)" \
-  bash -c "'$BIN_DIR/ctr' -n k8s.io images ls -q | grep -qx 'docker.io/library/gpu-dra:dev'"
+  bash -c "'$BIN_DIR/ctr' -n k8s.io images ls -q 2>/dev/null | grep -qx 'docker.io/library/gpu-dra:dev'"
 # Whether TEST_IMAGE has bash: its root file system mounted read-only through containerd.
 mnt=$WORK/rootfs; mkdir -p "$mnt"; HAS_BASH=
 if "$BIN_DIR/ctr" -n k8s.io images mount "$TEST_IMAGE" "$mnt" >/dev/null 2>&1; then
@@ -195,18 +210,18 @@ case $HAS_BASH in
   *) HAS_BASH=0; echo "      could not look into $TEST_IMAGE; assuming no bash: NVIDIA's command bash -c runs as sh -c" ;;
 esac
 check "NVIDIA's CRD applied: $(sha256sum "$NVIDIA_CD_CRD" | cut -c1-16)… $(basename "$NVIDIA_CD_CRD")" \
-  kubectl apply -f "$NVIDIA_CD_CRD" >/dev/null
+  quiet kubectl apply -f "$NVIDIA_CD_CRD"
 check "computedomains.resource.nvidia.com Established" \
-  kubectl wait --for=condition=Established crd/computedomains.resource.nvidia.com --timeout=30s >/dev/null
+  quiet kubectl wait --for=condition=Established crd/computedomains.resource.nvidia.com --timeout=30s
 check "crd/ (ours) has no resource.nvidia.com CRD" bash -c "! grep -qE '^  group: resource.nvidia.com' crd/*.yaml"
-check "crd/ applied (placements, ComputeDomains of gpu.dra.dev, GpuNodePolicies)" kubectl apply -f crd/ >/dev/null
+check "crd/ applied (placements, ComputeDomains of gpu.dra.dev, GpuNodePolicies)" quiet kubectl apply -f crd/
 kubectl wait --for=condition=Established crd/computedomainplacements.gpu.dra.dev --timeout=30s >/dev/null 2>&1
 kubectl kustomize e2e/real-node-nvidia-compat > "$WORK/compat.yaml" 2>/dev/null
 python3 - "$WORK/compat.yaml" > "$WORK/classes.yaml" <<'EOF'
 import sys, yaml
 print(yaml.safe_dump_all([d for d in yaml.safe_load_all(open(sys.argv[1])) if d and d.get("kind") == "DeviceClass"]))
 EOF
-check "the nvidia-compat component's DeviceClasses applied" kubectl apply -f "$WORK/classes.yaml" >/dev/null
+check "the nvidia-compat component's DeviceClasses applied" quiet kubectl apply -f "$WORK/classes.yaml"
 kubectl get deviceclasses -o custom-columns='NAME:.metadata.name,SELECTOR:.spec.selectors[0].cel.expression,EXTENDED:.spec.extendedResourceName' | indent
 check "the channel class imex-channel.gpu.dra.dev selects $DRIVER's channels" bash -c \
   "kubectl get deviceclass imex-channel.gpu.dra.dev -o jsonpath='{.spec.selectors[0].cel.expression}' | grep -q 'device.driver == \"$DRIVER\"'"
@@ -251,9 +266,12 @@ gpus=$(results_of "$ext")
 echo "      the scheduler's claim for nvidia.com/gpu: ${ext:-none}; allocated:"; echo "$gpus" | indent
 check "it holds two whole GPUs of $DRIVER on $NODE" \
   test "$(echo "$gpus" | grep -cE "^$DRIVER $NODE gpu-[0-9]+\$")" = 2 -a "$(echo "$gpus" | grep -c .)" = 2
-seen=$(echo "$log" | sed -n 's/^GPU_DRA_DEVICE_\([^=]*\)=.*/\1/p' | tr 'A-Z_' 'a-z-' | sort | tr '\n' ' ')
+# GPU_DRA_DEVICE_<device> of every device the container got: its two GPUs and its channel.
+seen=$(echo "$log" | sed -n 's/^GPU_DRA_DEVICE_\([^=]*\)=.*/\1/p' | tr 'A-Z_' 'a-z-' | sort)
 want=$(echo "$gpus" | cut -d' ' -f3 | sort | tr '\n' ' ')
-check "the container sees those two GPUs, and only them (GPU_DRA_DEVICE_*: $seen)" test -n "$want" -a "$seen" = "$want"
+check "the container sees those two GPUs, and no other GPU (GPU_DRA_DEVICE_*: $(echo $seen))" \
+  test -n "$want" -a "$(echo "$seen" | grep -E '^gpu-[0-9]+$' | tr '\n' ' ')" = "$want"
+check "and the channel device imex-channel-0 (GPU_DRA_DEVICE_IMEX_CHANNEL_0)" test "$(echo "$seen" | grep -c '^imex-channel-0$')" = 1
 check "and two GPU device nodes /dev/nvidiaN ($(echo "$log" | grep -E '^nvidia[0-9]+$' | tr '\n' ' '))" \
   test "$(echo "$log" | grep -cE '^nvidia[0-9]+$')" = 2
 channel=$(claim_of $w compute-domain-channel)

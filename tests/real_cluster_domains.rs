@@ -149,7 +149,7 @@ async fn a_job_on_the_real_scheduler_stays_in_its_clique() {
     let notes = report.notes.join("\n");
     assert!(
         notes.contains(&format!(
-            "nodes of NVLink clique {CLIQUE_0} are free for IMEX channel 0"
+            "nodes of NVLink clique {CLIQUE_0} are free for the ComputeDomain's pods"
         )),
         "{notes}"
     );

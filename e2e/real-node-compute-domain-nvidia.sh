@@ -21,14 +21,15 @@
 #      and imex-channel-0; two /dev/nvidiaN) and channel0; the domain Ready, the daemon Pod gone after the pod
 #   after: no CDI spec of gpu.nvidia.com and no IMEX daemon Pod left
 # NVIDIA's two demo files are applied unchanged except what a node without a registry needs: every `image:`
-# becomes TEST_IMAGE, and where that image has no bash (busybox has none) `command: ["bash", "-c"]` becomes
-# `["sh", "-c"]`; the script prints the diff of each file it applied.
+# becomes TEST_IMAGE, by default busybox with Debian's static bash as /bin/bash (built and imported here from
+# BASH_STATIC), so NVIDIA's `bash -c` runs as written; only with an image without bash does `command: ["bash",
+# "-c"]` become `["sh", "-c"]`. The script prints the diff of each file it applied.
 #
 # Settings (env): KUBECONFIG (required), NVIDIA_CD_CRD (required: NVIDIA's
 #   deployments/helm/*/crds/resource.nvidia.com_computedomains.yaml), NVIDIA_IMEX_DEMO_DIR (required: a folder
 #   holding NVIDIA's demo/specs/imex/channel-injection.yaml and channel-injection-all.yaml),
 #   GPU_DRA_BIN [target/release/gpu-dra, of a --features doubles build: the IMEX stand-in],
-#   TEST_IMAGE [localhost/busybox:local], NODE_NAME [node-1], NODE_STATE_DIR [/tmp/gpu-dra-node],
+#   TEST_IMAGE [localhost/busybox-bash:local, built from BUSYBOX [/bin/busybox] and BASH_STATIC [/bin/bash-static]], NODE_NAME [node-1], NODE_STATE_DIR [/tmp/gpu-dra-node],
 #   KUBE_BIN_DIR, REALK8S [../shared/realk8s], KUBELET_PLUGINS_DIR, CDI_ROOT.
 # 04 needs DRAExtendedResource=true in the API server, scheduler and controller manager and in the kubelet:
 #
@@ -55,7 +56,8 @@ BIN=${GPU_DRA_BIN:-target/release/gpu-dra}
 BIN_DIR=${KUBE_BIN_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/gpu-dra-realk8s/bin}
 STATE=${NODE_STATE_DIR:-/tmp/gpu-dra-node}
 NODE=${NODE_NAME:-node-1}
-TEST_IMAGE=${TEST_IMAGE:-localhost/busybox:local}
+BASH_STATIC=${BASH_STATIC:-/bin/bash-static}
+TEST_IMAGE=${TEST_IMAGE:-localhost/busybox-bash:local}
 DRIVER=gpu.nvidia.com
 NS=cd-nvidia
 DAEMONS=gpu-dra
@@ -197,6 +199,33 @@ e2e/image.sh "$BIN" gpu-dra:dev "$WORK/gpu-dra-image.tar" >/dev/null || { bad "i
   "$BIN_DIR/ctr" -n k8s.io images import --local "${XDG_CACHE_HOME:-$HOME/.cache}/gpu-dra-realk8s/images/busybox.tar" >/dev/null 2>&1
 check "image gpu-dra:dev imported into containerd (the IMEX daemon Pod's)" \
   bash -c "'$BIN_DIR/ctr' -n k8s.io images ls -q 2>/dev/null | grep -qx 'docker.io/library/gpu-dra:dev'"
+# NVIDIA's demo pods run `bash -c`, and the node's busybox has no bash: the default TEST_IMAGE is that busybox
+# with Debian's statically linked bash (BASH_STATIC, package bash-static) as /bin/bash, built here, so that
+# only the image of NVIDIA's files changes. Without BASH_STATIC, busybox and `sh -c` instead (said below).
+if [ "$TEST_IMAGE" = localhost/busybox-bash:local ] &&
+  ! "$BIN_DIR/ctr" -n k8s.io images ls -q 2>/dev/null | grep -qx "$TEST_IMAGE"; then
+  busybox=${BUSYBOX:-/bin/busybox}
+  if [ -x "$BASH_STATIC" ] && [ -x "$busybox" ]; then
+    R=$WORK/busybox-bash
+    mkdir -p "$R"/{bin,sbin,usr/bin,usr/sbin,etc,dev,proc,sys,tmp}
+    chmod 1777 "$R/tmp"
+    cp "$busybox" "$R/bin/busybox"
+    for p in $("$busybox" --list-full); do
+      [ "$p" = bin/busybox ] && continue
+      mkdir -p "$R/$(dirname "$p")"; ln -sf /bin/busybox "$R/$p"
+    done
+    cp "$BASH_STATIC" "$R/bin/bash"
+    echo 'root:x:0:0:root:/root:/bin/sh' > "$R/etc/passwd"
+    echo 'root:x:0:' > "$R/etc/group"
+    python3 "$REALK8S/node/images/mkimage.py" "$TEST_IMAGE" "$R" "$WORK/busybox-bash.tar" null '["sh"]' >/dev/null &&
+      "$BIN_DIR/ctr" -n k8s.io images import --local "$WORK/busybox-bash.tar" >/dev/null 2>&1
+    check "image $TEST_IMAGE (busybox and $BASH_STATIC as /bin/bash) imported" \
+      bash -c "'$BIN_DIR/ctr' -n k8s.io images ls -q 2>/dev/null | grep -qx '$TEST_IMAGE'"
+  else
+    echo "      no $BASH_STATIC (apt-get install bash-static) or $busybox: TEST_IMAGE is localhost/busybox:local"
+    TEST_IMAGE=localhost/busybox:local
+  fi
+fi
 # Whether TEST_IMAGE has bash: its root file system mounted read-only through containerd.
 mnt=$WORK/rootfs; mkdir -p "$mnt"; HAS_BASH=
 if "$BIN_DIR/ctr" -n k8s.io images mount "$TEST_IMAGE" "$mnt" >/dev/null 2>&1; then

@@ -405,6 +405,30 @@ pub(super) fn check_cases(
     );
 }
 
+/// Runs the named cases of `cases` as the plugin of `docs` and checks that each is refused with a message
+/// that contains the expected text.
+pub(super) fn check_refusal_messages(
+    docs: &[Doc],
+    cases: fn(&str) -> Vec<(&'static str, Request, bool)>,
+    expected: &[(&str, &str)],
+) {
+    let (namespace, account) = plugin_account(docs);
+    let plugin = format!("system:serviceaccount:{namespace}:{account}");
+    let all = cases(&plugin);
+    for (case, message) in expected {
+        let request = all
+            .iter()
+            .find(|(what, _, _)| what == case)
+            .map(|(_, request, _)| request)
+            .unwrap_or_else(|| panic!("no case {case}"));
+        let verdict = admit(docs, request);
+        assert!(
+            verdict.as_ref().is_err_and(|m| m.contains(message)),
+            "{case}: {verdict:?} does not say {message:?}"
+        );
+    }
+}
+
 #[test]
 fn the_policies_decide_the_plugins_writes_as_intended() {
     let (objects, _) = manifests();

@@ -7,8 +7,7 @@
 
 use serde_json::{json, Value as Json};
 
-use super::admission::{admit, check_cases, Request};
-use super::rbac::plugin_account;
+use super::admission::{check_cases, check_refusal_messages, Request};
 use super::{kustomize_dir, manifests};
 
 fn entry(node: &str, ip: &str, index: u32, status: &str) -> Json {
@@ -195,34 +194,23 @@ fn the_domain_status_policy_still_applies_after_renaming_the_namespace_and_the_a
 #[test]
 fn the_domain_status_refusals_say_what_was_refused() {
     let (objects, _) = manifests();
-    let (namespace, account) = plugin_account(&objects);
-    let plugin = format!("system:serviceaccount:{namespace}:{account}");
-    let by_name = |name: &str| {
-        cases(&plugin)
-            .into_iter()
-            .find(|(what, _, _)| *what == name)
-            .map(|(_, request, _)| admit(&objects, &request))
-            .unwrap_or_else(|| panic!("no case {name}"))
-    };
-    for (case, message) in [
-        (
-            "point another node's entry at another address",
-            "on node node-1 may only write the entry of that node",
-        ),
-        (
-            "add a second entry of its own",
-            "may write one entry of that node",
-        ),
-        (
-            "mark the domain Ready",
-            "status.status or status.conditions",
-        ),
-        ("join with a token bound to no pod", "names no node"),
-    ] {
-        let verdict = by_name(case);
-        assert!(
-            verdict.as_ref().is_err_and(|m| m.contains(message)),
-            "{case}: {verdict:?} does not say {message:?}"
-        );
-    }
+    check_refusal_messages(
+        &objects,
+        cases,
+        &[
+            (
+                "point another node's entry at another address",
+                "on node node-1 may only write the entry of that node",
+            ),
+            (
+                "add a second entry of its own",
+                "may write one entry of that node",
+            ),
+            (
+                "mark the domain Ready",
+                "status.status or status.conditions",
+            ),
+            ("join with a token bound to no pod", "names no node"),
+        ],
+    );
 }

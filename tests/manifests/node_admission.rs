@@ -6,8 +6,7 @@
 
 use serde_json::{json, Value as Json};
 
-use super::admission::{admit, check_cases, Request};
-use super::rbac::plugin_account;
+use super::admission::{check_cases, check_refusal_messages, Request};
 use super::{kustomize_dir, manifests};
 
 /// A Node as the kubelet registers it, with GFD's labels from an earlier run.
@@ -221,39 +220,28 @@ fn the_node_policy_still_applies_after_renaming_the_namespace_and_the_account() 
 #[test]
 fn the_refusals_say_what_was_refused() {
     let (objects, _) = manifests();
-    let (namespace, account) = plugin_account(&objects);
-    let plugin = format!("system:serviceaccount:{namespace}:{account}");
-    let by_name = |name: &str| {
-        cases(&plugin)
-            .into_iter()
-            .find(|(what, _, _)| *what == name)
-            .map(|(_, request, _)| admit(&objects, &request))
-            .unwrap_or_else(|| panic!("no case {name}"))
-    };
-    for (case, message) in [
-        (
-            "label another Node",
-            "on node node-1 may only label that Node, not node-2",
-        ),
-        (
-            "add another label",
-            "may only set, change or remove the labels nvidia.com/gpu.present",
-        ),
-        ("add a taint", "may not change its Node's spec"),
-        (
-            "change an annotation",
-            "may not change its Node's annotations",
-        ),
-        ("add a finalizer", "owner references or finalizers"),
-        (
-            "label its Node with a token bound to no pod",
-            "names no node",
-        ),
-    ] {
-        let verdict = by_name(case);
-        assert!(
-            verdict.as_ref().is_err_and(|m| m.contains(message)),
-            "{case}: {verdict:?} does not say {message:?}"
-        );
-    }
+    check_refusal_messages(
+        &objects,
+        cases,
+        &[
+            (
+                "label another Node",
+                "on node node-1 may only label that Node, not node-2",
+            ),
+            (
+                "add another label",
+                "may only set, change or remove the labels nvidia.com/gpu.present",
+            ),
+            ("add a taint", "may not change its Node's spec"),
+            (
+                "change an annotation",
+                "may not change its Node's annotations",
+            ),
+            ("add a finalizer", "owner references or finalizers"),
+            (
+                "label its Node with a token bound to no pod",
+                "names no node",
+            ),
+        ],
+    );
 }

@@ -24,24 +24,29 @@ const CTL_TIMEOUT: Duration = Duration::from_secs(5);
 /// The host's IMEX daemon, as the plugin asks it.
 #[derive(Debug, Clone)]
 pub struct HostImex {
-    /// How `nvidia-imex-ctl` is started (`chroot <root> /usr/bin/nvidia-imex-ctl`), with the query's
-    /// arguments; or why it cannot be.
-    ctl: Result<(DriverCommand, Vec<String>), String>,
-    /// For tests and the fake backend: a program run as it is, with the query's arguments.
-    program: Option<(PathBuf, Vec<String>)>,
+    ctl: Ctl,
+}
+
+/// How the host's daemon is asked, with the query's arguments.
+#[derive(Debug, Clone)]
+enum Ctl {
+    /// The driver root's `nvidia-imex-ctl` (`chroot <root> /usr/bin/nvidia-imex-ctl`).
+    Driver(DriverCommand, Vec<String>),
+    /// A program run as it is (tests, the fake backend's `--imex-host-ctl`).
+    Program(PathBuf, Vec<String>),
+    /// Why it cannot be asked.
+    Missing(String),
 }
 
 impl HostImex {
     /// The driver root's `nvidia-imex-ctl`, asking the daemon behind `socket` (its path on the host).
     pub fn new(driver_root: &Path, socket: &Path) -> Self {
-        let ctl = DriverCommand::find(driver_root, "nvidia-imex-ctl")
-            .map_err(|error| {
-                format!(
+        let ctl = match DriverCommand::find(driver_root, "nvidia-imex-ctl") {
+            Err(error) => Ctl::Missing(format!(
                     "nvidia-imex-ctl not found under the driver root {} ({error}): is NVIDIA's IMEX package installed on this node? `--imex-mode host` asks the host's nvidia-imex.service",
-                    driver_root.display()
-                )
-            })
-            .map(|command| {
+                driver_root.display()
+            )),
+            Ok(command) => {
                 // Inside the root, the host's path is the socket's path; outside it (a root that cannot
                 // run its programs), the socket is where this process sees the host's file.
                 let socket = if command.runs_inside_root() {
@@ -49,33 +54,33 @@ impl HostImex {
                 } else {
                     driver_root.join(socket.strip_prefix("/").unwrap_or(socket))
                 };
-                (command, query_args(&socket))
-            });
-        HostImex { ctl, program: None }
+                Ctl::Driver(command, query_args(&socket))
+            }
+        };
+        HostImex { ctl }
     }
 
     /// `program` run as it is with the query's arguments (the fake backend's `--imex-host-ctl`).
     pub fn with_program(program: PathBuf, socket: &Path) -> Self {
         HostImex {
-            ctl: Err(String::new()),
-            program: Some((program, query_args(socket))),
+            ctl: Ctl::Program(program, query_args(socket)),
         }
     }
 
     /// `Ok` when the host's daemon answers READY, else why not.
     pub async fn query(&self) -> Result<(), String> {
-        let (mut command, describe) = match (&self.program, &self.ctl) {
-            (Some((program, args)), _) => {
+        let (mut command, describe) = match &self.ctl {
+            Ctl::Program(program, args) => {
                 let mut command = std::process::Command::new(program);
                 command.args(args);
                 (command, program.display().to_string())
             }
-            (None, Ok((ctl, args))) => {
+            Ctl::Driver(ctl, args) => {
                 let mut command = ctl.command();
                 command.args(args);
                 (command, ctl.describe())
             }
-            (None, Err(reason)) => return Err(reason.clone()),
+            Ctl::Missing(reason) => return Err(reason.clone()),
         };
         command
             .stdin(Stdio::null())
@@ -117,9 +122,9 @@ impl DomainDaemons for HostImex {
     /// Starts nothing: the host runs the daemon. A node without `nvidia-imex-ctl` is refused here.
     fn ensure<'a>(&'a self, _spec: &'a DaemonSpec) -> BoxFuture<'a, Result<(), String>> {
         Box::pin(async move {
-            match (&self.program, &self.ctl) {
-                (None, Err(reason)) => Err(reason.clone()),
-                _ => Ok(()),
+            match &self.ctl {
+                Ctl::Missing(reason) => Err(reason.clone()),
+                Ctl::Driver(..) | Ctl::Program(..) => Ok(()),
             }
         })
     }

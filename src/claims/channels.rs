@@ -125,8 +125,9 @@ impl Preparer {
         }
     }
 
-    /// Joins the claim's domain on this node; the error is the claim's, and the kubelet retries it.
-    pub(super) async fn join_domain(
+    /// The domain the claim's channel is for, checked against the domain this node serves: a claim
+    /// of another domain is refused. Nothing is made on the node here.
+    pub(super) async fn resolve_domain(
         &self,
         claim: &ClaimRef,
         request: &ChannelRequest,
@@ -160,7 +161,7 @@ impl Preparer {
                 other.namespace, other.domain, other.domain_uid
             )));
         }
-        let member = membership
+        membership
             .resolve(
                 &self.domain_groups,
                 &claim.namespace,
@@ -169,10 +170,27 @@ impl Preparer {
                 &request.clique,
             )
             .await
-            .map_err(failed)?;
+            .map_err(failed)
+    }
+
+    /// Joins the claim's (recorded) domain on this node; the error is the claim's, and the kubelet
+    /// retries it.
+    pub(super) async fn join_domain(
+        &self,
+        claim: &ClaimRef,
+        member: &ChannelMembership,
+    ) -> Result<(), ClaimError> {
+        let failed = |reason: String| ClaimError::Domain {
+            claim: claim.to_string(),
+            reason,
+        };
+        let Some(membership) = &self.domains else {
+            return Err(failed(
+                "ComputeDomains are not served by this plugin".into(),
+            ));
+        };
         membership.note_attempt(&member.domain_uid);
-        membership.join(&member).await.map_err(failed)?;
-        Ok(member)
+        membership.join(member).await.map_err(failed)
     }
 
     /// Leaves the claim's domain on this node when no other claim here holds it.

@@ -146,11 +146,17 @@ pub struct ClaimRecord {
     pub namespace: String,
     pub name: String,
     pub state: ClaimState,
+    /// Where the claim is in its life (`lifecycle.rs`); a record of a release before phases reads
+    /// as `reserved`, which its `state` overrides.
+    #[serde(default)]
+    pub phase: super::lifecycle::Phase,
     pub devices: Vec<PreparedDevice>,
-    /// The claim's MPS control daemon, while it runs.
+    /// The claim's MPS control daemon: written before its tmpfs or Pod are made, kept until both
+    /// are gone.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mps: Option<super::mps::MpsDaemonRecord>,
-    /// The ComputeDomain the claim's IMEX channel is for, once this node joined it.
+    /// The ComputeDomain the claim's IMEX channel is for: written before this node joins it, kept
+    /// until it left.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub domain: Option<crate::domains::membership::ChannelMembership>,
 }
@@ -315,6 +321,7 @@ mod tests {
                 namespace: "default".into(),
                 name: "claim".into(),
                 state: ClaimState::Completed,
+                phase: super::super::lifecycle::Phase::Completed,
                 devices: vec![PreparedDevice {
                     request_names: vec!["gpu".into()],
                     pool: "node-a".into(),

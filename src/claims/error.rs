@@ -69,6 +69,13 @@ pub enum ClaimError {
         claim: String,
         source: CheckpointError,
     },
+    #[error("ResourceClaim {claim}: {what} has not finished within {waited:?} (the claim's record is in phase {phase}); it goes on in the background, and the kubelet's retry gets its outcome")]
+    StillRunning {
+        claim: String,
+        what: &'static str,
+        waited: Duration,
+        phase: String,
+    },
     #[error("ResourceClaim {claim}: internal error: {reason}")]
     Internal { claim: String, reason: String },
 }

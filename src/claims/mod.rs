@@ -1,15 +1,17 @@
 //! Prepare and unprepare: what happens when the kubelet calls NodePrepareResources for a claim.
 //! Read top to bottom: validate the claim reference → fetch the ResourceClaim → take this driver's
-//! results for this node's pool → reserve the devices (exclusive, in memory) → make MIG devices and
-//! write the CDI spec → checkpoint `completed` → answer. Calls for different claims run in parallel;
-//! calls for one claim are serialised by a per-claim lock.
+//! results for this node's pool → reserve the devices (exclusive, in memory) → make MIG devices, GPU
+//! sharing modes, the MPS daemon or the domain membership, and the CDI spec → checkpoint `completed` →
+//! answer. Each claim's record moves through the phases of `lifecycle.rs`, which writes every thing
+//! made on the node into the record before it is made and undoes a claim from the record alone.
+//! Calls for different claims run in parallel; calls for one claim are serialised by a per-claim
+//! lock, and each runs in a task of its own, so a call the kubelet cancels still finishes.
 //!
-//! Nothing on the path is fsynced, and a prepare in progress is not written down, except each MIG
-//! device it is about to create (`mig_records.rs`): after a crash, recovery removes every CDI spec,
-//! MPS daemon and recorded MIG device that no completed claim owns, so only `completed` needs a
-//! record, and a record in the page cache survives a crash of the process.
-//! A power cut is a reboot, after which the kubelet prepares every claim again and recovery checks
-//! each record of the earlier boot against the API server first (`recovery.rs`).
+//! Nothing on the path is fsynced. A record in the page cache survives a crash of the process, and
+//! recovery rolls back every claim whose record is not `completed` and removes every CDI spec, MPS
+//! daemon and recorded (dynamic) MIG device that no completed claim owns. A power cut is a reboot,
+//! after which the kubelet prepares every claim again and recovery checks each record of the earlier
+//! boot against the API server first (`recovery.rs`).
 
 mod allocation;
 mod channels;
@@ -18,6 +20,7 @@ pub mod configs;
 mod edits;
 mod error;
 mod gpu_modes;
+pub mod lifecycle;
 mod mig;
 mod mig_records;
 pub mod mps;
@@ -36,14 +39,14 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
-use tracing::{info, info_span, warn, Instrument};
+use tracing::{info_span, warn, Instrument};
 
 pub use allocation::allocation_results;
 pub use checkpoint::{ClaimRecord, ClaimState, PreparedDevice, PreparedMig};
-use edits::write_spec_with;
 pub use edits::{container_edits, DriverEdits};
 pub use error::ClaimError;
 pub use gpu_modes::SHARING_TIMEOUT;
+pub use lifecycle::{Phase, Step, CALL_BUDGET};
 pub use nvidia_adoption::{Adoption, DEFAULT_NVIDIA_NAMESPACE};
 
 use crate::cdi::CdiRegistry;
@@ -140,6 +143,8 @@ pub struct ClaimsConfig {
     pub nvidia_namespace: String,
     /// This node's side of ComputeDomains; `None` refuses claims for IMEX channels.
     pub domains: Option<Arc<crate::domains::membership::Membership>>,
+    /// How long a kubelet call waits for its claims' work before it answers ([`CALL_BUDGET`]).
+    pub call_budget: Duration,
 }
 
 /// The claim state machine of one plugin instance.
@@ -167,6 +172,7 @@ pub struct Preparer {
     domains: Option<Arc<crate::domains::membership::Membership>>,
     /// The API groups of ComputeDomains this driver name serves.
     domain_groups: Vec<crate::domains::api::DomainGroup>,
+    call_budget: Duration,
 }
 
 impl Preparer {
@@ -205,12 +211,16 @@ impl Preparer {
             nvidia_namespace: config.nvidia_namespace,
             domain_groups: crate::domains::api::DomainGroup::served_by(&config.driver_name),
             domains: config.domains,
+            call_budget: config.call_budget,
         });
         let recovery = preparer.recover_at_start().await?;
         Ok((preparer, recovery))
     }
 
-    /// Prepares every claim in parallel; one result per claim, in order.
+    /// Prepares every claim in parallel; one result per claim, in order. Each claim's work runs in
+    /// a task of its own that finishes even when this call is dropped (the kubelet cancelled it), and
+    /// a failed prepare is rolled back after its answer went out; the call answers within the call
+    /// budget whatever the work does.
     pub async fn prepare(
         self: &Arc<Self>,
         claims: Vec<ClaimRef>,
@@ -218,20 +228,47 @@ impl Preparer {
         let calls = claims.into_iter().map(|claim| {
             let this = self.clone();
             async move {
+                let (answer, answered) = tokio::sync::oneshot::channel();
+                let (worker, uid) = (this.clone(), claim.clone());
                 let span = info_span!("prepare", claim_uid = %claim.uid, namespace = %claim.namespace, claim = %claim.name);
-                let started = Instant::now();
-                let result = this.with_claim_lock(&claim.uid, this.prepare_one(&claim)).instrument(span).await;
-                this.metrics.claim_prepared(result.is_ok(), started.elapsed());
-                if let Err(error) = &result {
-                    warn!(%error, "prepare failed");
-                }
+                tokio::spawn(
+                    async move {
+                        let started = Instant::now();
+                        let work = async {
+                            match worker.prepare_one(&uid).await {
+                                Ok(devices) => {
+                                    worker.metrics.claim_prepared(true, started.elapsed());
+                                    let _ = answer.send(Ok(devices));
+                                }
+                                Err(failed) => {
+                                    worker.metrics.claim_prepared(false, started.elapsed());
+                                    warn!(error = %failed.error, "prepare failed");
+                                    let _ = answer.send(Err(failed.error));
+                                    if failed.roll_back {
+                                        worker.roll_back(&uid).await;
+                                    }
+                                }
+                            }
+                        };
+                        if worker
+                            .with_claim_lock(&uid.uid, worker.call_budget, work)
+                            .await
+                            .is_none()
+                        {
+                            warn!("an earlier call for the claim is still running; prepare not started");
+                        }
+                    }
+                    .instrument(span),
+                );
+                let result = this.answer_within_budget(&claim, "prepare", answered).await;
                 (claim, result)
             }
         });
         futures::future::join_all(calls).await
     }
 
-    /// Unprepares every claim in parallel; unknown or already unprepared claims succeed.
+    /// Unprepares every claim in parallel; unknown or already unprepared claims succeed. Like
+    /// [`prepare`](Self::prepare), each claim's work finishes even when the call is dropped.
     pub async fn unprepare(
         self: &Arc<Self>,
         claims: Vec<ClaimRef>,
@@ -239,17 +276,61 @@ impl Preparer {
         let calls = claims.into_iter().map(|claim| {
             let this = self.clone();
             async move {
+                let (answer, answered) = tokio::sync::oneshot::channel();
+                let (worker, uid) = (this.clone(), claim.clone());
                 let span = info_span!("unprepare", claim_uid = %claim.uid, namespace = %claim.namespace, claim = %claim.name);
-                let started = Instant::now();
-                let result = this.with_claim_lock(&claim.uid, this.unprepare_one(&claim)).instrument(span).await;
-                this.metrics.claim_unprepared(result.is_ok(), started.elapsed());
-                if let Err(error) = &result {
-                    warn!(%error, "unprepare failed");
-                }
+                tokio::spawn(
+                    async move {
+                        let started = Instant::now();
+                        let work = async {
+                            let result = worker.unprepare_one(&uid).await;
+                            worker
+                                .metrics
+                                .claim_unprepared(result.is_ok(), started.elapsed());
+                            if let Err(error) = &result {
+                                warn!(%error, "unprepare failed");
+                            }
+                            let _ = answer.send(result);
+                        };
+                        if worker
+                            .with_claim_lock(&uid.uid, worker.call_budget, work)
+                            .await
+                            .is_none()
+                        {
+                            warn!("an earlier call for the claim is still running; unprepare not started");
+                        }
+                    }
+                    .instrument(span),
+                );
+                let result = this
+                    .answer_within_budget(&claim, "unprepare", answered)
+                    .await;
                 (claim, result)
             }
         });
         futures::future::join_all(calls).await
+    }
+
+    /// The claim task's answer, or why there is none within the call budget: the work (or an
+    /// earlier call's, which holds the claim's lock) goes on, and the kubelet's retry gets its outcome.
+    async fn answer_within_budget<T>(
+        &self,
+        claim: &ClaimRef,
+        what: &'static str,
+        answered: tokio::sync::oneshot::Receiver<Result<T, ClaimError>>,
+    ) -> Result<T, ClaimError> {
+        match tokio::time::timeout(self.call_budget, answered).await {
+            Ok(Ok(result)) => result,
+            // The task ended without answering: it waited for the claim's lock in vain.
+            Ok(Err(_)) | Err(_) => Err(ClaimError::StillRunning {
+                claim: claim.to_string(),
+                what,
+                waited: self.call_budget,
+                phase: self
+                    .phase_of(&claim.uid)
+                    .map_or("none".to_string(), |phase| phase.to_string()),
+            }),
+        }
     }
 
     /// Where the CDI spec of a claim lives.
@@ -267,238 +348,9 @@ impl Preparer {
             .map(|(uid, record)| (uid.clone(), record.clone()))
             .collect()
     }
-
-    async fn prepare_one(&self, claim: &ClaimRef) -> Result<Vec<PreparedDevice>, ClaimError> {
-        check_ref(claim)?;
-        if let Some(record) = lock(&self.state).data.claims.get(&claim.uid) {
-            if record.state == ClaimState::Completed {
-                return Ok(record.devices.clone());
-            }
-        }
-        if let Some(devices) = self.adopted_devices(&claim.uid) {
-            return Ok(devices);
-        }
-        let fetched = self.fetch_within_budget(claim).await?;
-        let inventory = self.inventory.borrow().clone();
-        let mut devices = self.allocated_devices(claim, &fetched.claim, &inventory)?;
-        let channel = self.channel_request(claim, &fetched, &devices, &inventory)?;
-        match &channel {
-            Some(request) => Self::apply_allocation_mode(request, &mut devices),
-            None => self.resolve_sharing(claim, &fetched, &inventory, &mut devices)?,
-        }
-
-        self.reserve(claim, &inventory, &devices)?;
-        // No `started` record on disk: whatever reaches the node before the `completed` record is
-        // cleaned up after a crash all the same, because recovery removes every spec, MPS daemon and
-        // recorded (dynamic) MIG device that no completed claim owns.
-        let made = match &channel {
-            Some(request) => {
-                self.make_channel(claim, &inventory, request, &devices)
-                    .await
-            }
-            None => self.make_devices(claim, &inventory, &mut devices).await,
-        };
-        if let Err(error) = made {
-            self.roll_back(claim, &devices).await;
-            return Err(error);
-        }
-
-        self.complete(claim, &devices);
-        if let Err(error) = self.persist(claim).await {
-            self.roll_back(claim, &devices).await;
-            return Err(error);
-        }
-        if devices
-            .iter()
-            .any(|d| d.mig.as_ref().is_some_and(|m| m.created))
-        {
-            tokio::spawn(mig::report_status(
-                self.client.clone(),
-                self.driver.clone(),
-                claim.clone(),
-                devices.clone(),
-            ));
-        }
-        info!(devices = ?devices.iter().map(|d| &d.device).collect::<Vec<_>>(), "claim prepared");
-        Ok(devices)
-    }
-
-    /// Creates (or finds) the claim's MIG devices, sets the GPUs' sharing modes and starts the claim's
-    /// MPS daemon, then writes its CDI spec, which names them.
-    async fn make_devices(
-        &self,
-        claim: &ClaimRef,
-        inventory: &Arc<Inventory>,
-        devices: &mut [PreparedDevice],
-    ) -> Result<(), ClaimError> {
-        let mig_mode = *self.mig_mode.borrow();
-        self.prepare_mig_devices(claim, inventory, mig_mode, devices)
-            .await
-            .map_err(|(device, reason)| ClaimError::Mig {
-                claim: claim.to_string(),
-                device,
-                reason,
-            })?;
-        self.sync_gpu_modes(claim, inventory, devices, None)
-            .await
-            .map_err(|reason| ClaimError::Sharing {
-                claim: claim.to_string(),
-                reason,
-            })?;
-        let mps = self.start_mps(claim, devices, inventory).await?;
-        let mps_edits =
-            match mps {
-                Some(record) => Some(self.mps.container_edits(&record).map_err(|error| {
-                    ClaimError::Sharing {
-                        claim: claim.to_string(),
-                        reason: error.to_string(),
-                    }
-                })?),
-                None => None,
-            };
-        for device in devices.iter_mut() {
-            self.driver_edits.reference_toolkit(inventory, device);
-        }
-        // Written in place on this worker, like every file on the prepare path: without fsync a
-        // write only reaches the page cache, which costs less than a hand-off to a blocking thread.
-        write_spec_with(
-            &self.cdi,
-            &claim.uid,
-            devices,
-            inventory,
-            &self.driver_edits,
-            mps_edits.as_ref(),
-        )
-        .map_err(|source| ClaimError::Cdi {
-            claim: claim.to_string(),
-            source,
-        })
-    }
-
-    /// Joins the channel's domain on this node (its daemon ready), records it, writes the CDI spec.
-    async fn make_channel(
-        &self,
-        claim: &ClaimRef,
-        inventory: &Arc<Inventory>,
-        request: &channels::ChannelRequest,
-        devices: &[PreparedDevice],
-    ) -> Result<(), ClaimError> {
-        let member = self.join_domain(claim, request).await?;
-        if let Some(record) = lock(&self.state).data.claims.get_mut(&claim.uid) {
-            record.domain = Some(member);
-        }
-        write_spec_with(
-            &self.cdi,
-            &claim.uid,
-            devices,
-            inventory,
-            &self.driver_edits,
-            None,
-        )
-        .map_err(|source| ClaimError::Cdi {
-            claim: claim.to_string(),
-            source,
-        })
-    }
-
-    async fn unprepare_one(&self, claim: &ClaimRef) -> Result<(), ClaimError> {
-        check_ref(claim)?;
-        let adopted = lock(&self.state)
-            .data
-            .nvidia_claims
-            .get(&claim.uid)
-            .cloned();
-        if let Some(adopted) = adopted {
-            return self.unprepare_adopted(claim, adopted).await;
-        }
-        let held = lock(&self.state).data.claims.get(&claim.uid).cloned();
-        let known = held.is_some();
-        if let Some(record) = held {
-            let devices = record.devices.clone();
-            // The MPS daemon and MIG devices go first, then the GPUs' sharing modes: if one of them
-            // fails the claim stays recorded and the kubelet's retry tries again.
-            if let Err(reason) = self.stop_mps(&record).await {
-                return Err(ClaimError::Sharing {
-                    claim: claim.to_string(),
-                    reason,
-                });
-            }
-            if let Some(held) = lock(&self.state).data.claims.get_mut(&claim.uid) {
-                held.mps = None;
-            }
-            self.leave_domain(claim, &record).await?;
-            if let Some(reason) = self.destroy_created(&devices).await {
-                return Err(ClaimError::Mig {
-                    claim: claim.to_string(),
-                    device: devices
-                        .iter()
-                        .find(|d| d.mig.is_some())
-                        .map(|d| d.device.clone())
-                        .unwrap_or_default(),
-                    reason,
-                });
-            }
-            let inventory = self.inventory.borrow().clone();
-            if let Err(reason) = self
-                .sync_gpu_modes(claim, &inventory, &devices, Some(&claim.uid))
-                .await
-            {
-                return Err(ClaimError::Sharing {
-                    claim: claim.to_string(),
-                    reason: format!("resetting the GPU: {reason}"),
-                });
-            }
-            self.release(claim);
-        } else if lock(&self.state).data.left_in_place.contains(&claim.uid) {
-            // A spec a rebuild left in place: the kubelet is done with it, so it goes now.
-            self.release(claim);
-        }
-        // The spec is removed even for a claim we no longer know: an earlier attempt may have
-        // forgotten the claim and then failed to remove it. The checkpoint is written after the
-        // removal, and a crash between them converges (a kept claim's missing spec is written again
-        // for the kubelet's retry).
-        self.cdi
-            .remove_claim_spec(&claim.uid)
-            .map_err(|source| ClaimError::Cdi {
-                claim: claim.to_string(),
-                source,
-            })?;
-        self.persist(claim).await?;
-        if known {
-            info!("claim unprepared");
-        }
-        Ok(())
-    }
-
-    /// Undoes a prepare that failed half way: MIG devices it created destroyed, spec removed, devices
-    /// freed, checkpoint updated. Failures here are logged; the restart recovery finishes the job if
-    /// the plugin dies meanwhile.
-    async fn roll_back(&self, claim: &ClaimRef, devices: &[PreparedDevice]) {
-        let held = lock(&self.state).data.claims.get(&claim.uid).cloned();
-        if let Some(record) = held {
-            if let Err(error) = self.stop_mps(&record).await {
-                warn!(%error, "stopping the MPS daemon during roll-back");
-            }
-        }
-        self.destroy_created(devices).await;
-        let inventory = self.inventory.borrow().clone();
-        if let Err(error) = self
-            .sync_gpu_modes(claim, &inventory, devices, Some(&claim.uid))
-            .await
-        {
-            warn!(%error, "resetting the GPU's sharing mode during roll-back");
-        }
-        if let Err(error) = self.cdi.remove_claim_spec(&claim.uid) {
-            warn!(%error, "removing CDI spec during roll-back");
-        }
-        self.release(claim);
-        if let Err(error) = self.persist(claim).await {
-            warn!(%error, "writing checkpoint during roll-back");
-        }
-    }
 }
 
-fn check_ref(claim: &ClaimRef) -> Result<(), ClaimError> {
+pub(super) fn check_ref(claim: &ClaimRef) -> Result<(), ClaimError> {
     names::check_uid(&claim.uid)
         .and_then(|_| names::check_namespace(&claim.namespace))
         .and_then(|_| names::check_claim_name(&claim.name))

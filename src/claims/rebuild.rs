@@ -112,6 +112,7 @@ impl Preparer {
             namespace: claim_ref.namespace,
             name: claim_ref.name,
             state: ClaimState::Completed,
+            phase: super::lifecycle::Phase::Completed,
             devices,
             // A rebuilt claim's MPS daemon is not known here; its directory is kept (see
             // `sweep_mps`) and the daemon goes with the next sweep after the claim is gone.

@@ -13,6 +13,7 @@ use tracing::{info, warn};
 
 use super::checkpoint::{self, CheckpointData, CheckpointError};
 use super::edits::write_spec_with;
+use super::lifecycle::Phase;
 use super::{
     describe, internal, lock, mig, mig_records, CheckpointSetAside, ClaimError, ClaimRecord,
     ClaimState, Preparer, Recovery,
@@ -195,67 +196,69 @@ impl Preparer {
             nvidia_claims_done: stored.nvidia_claims_done.clone(),
             ..Default::default()
         };
-        for (uid, record) in stored.claims {
-            match record.state {
-                // Unknown states were settled by `recover_at_start`; none reach here.
-                ClaimState::Started | ClaimState::Unknown => {
-                    self.cdi
-                        .remove_claim_spec(&uid)
-                        .map_err(|source| ClaimError::Cdi {
-                            claim: describe(&uid, &record),
-                            source,
-                        })?;
-                    recovery.rolled_back.push(uid);
-                }
-                ClaimState::Completed => {
-                    let mut record = record;
-                    let mut rewrite = false;
-                    if let Err(reason) = self.restore_mig_devices(
-                        &uid,
-                        &inventory,
-                        &mut record,
-                        &mut rewrite,
-                        &mut journal,
-                    ) {
-                        warn!(claim = %describe(&uid, &record), %reason, "MIG device of a prepared claim is gone and cannot be made again; rolling the claim back");
-                        self.cdi
-                            .remove_claim_spec(&uid)
-                            .map_err(|source| ClaimError::Cdi {
-                                claim: describe(&uid, &record),
-                                source,
-                            })?;
-                        recovery.rolled_back.push(uid);
-                        continue;
-                    }
-                    self.restore_mps(&uid, &mut record, &inventory, &mut recovery);
-                    // /var/run/cdi is tmpfs: after a reboot the spec is gone and is written again;
-                    // one that a power cut left unreadable is replaced the same way.
-                    if rewrite || !matches!(self.cdi.read_claim_spec(&uid), Ok(Some(_))) {
-                        let mps = match record.mps.as_ref().map(|d| self.mps.container_edits(d)) {
-                            Some(Ok(edits)) => Some(edits),
-                            Some(Err(error)) => {
-                                warn!(claim = %describe(&uid, &record), %error, "the MPS daemon's CDI edits cannot be made; the spec is written without them");
-                                None
-                            }
-                            None => None,
-                        };
-                        write_spec_with(
-                            &self.cdi,
-                            &uid,
-                            &record.devices,
-                            &inventory,
-                            &self.driver_edits,
-                            mps.as_ref(),
-                        )
-                        .map_err(|source| ClaimError::Cdi {
-                            claim: describe(&uid, &record),
-                            source,
-                        })?;
-                    }
-                    recovery.kept.push(uid.clone());
-                    data.claims.insert(uid, record);
-                }
+        for (uid, mut record) in stored.claims {
+            if record.state == ClaimState::Completed && record.phase == Phase::Reserved {
+                // Written by a release before phases.
+                record.phase = Phase::Completed;
             }
+            let finished = record.state == ClaimState::Completed
+                && !matches!(record.phase, Phase::Unpreparing | Phase::Unknown);
+            if !finished {
+                // Unknown states were settled by `recover_at_start`; what is left was being
+                // prepared or unprepared when the plugin stopped. Its MPS daemon, MIG devices and
+                // GPU modes go with the sweeps below, which keep only what completed claims own;
+                // its domain is left here, from the record.
+                self.leave_recorded_domain(&uid, &record);
+                self.cdi
+                    .remove_claim_spec(&uid)
+                    .map_err(|source| ClaimError::Cdi {
+                        claim: describe(&uid, &record),
+                        source,
+                    })?;
+                recovery.rolled_back.push(uid);
+                continue;
+            }
+            let mut rewrite = false;
+            if let Err(reason) =
+                self.restore_mig_devices(&uid, &inventory, &mut record, &mut rewrite, &mut journal)
+            {
+                warn!(claim = %describe(&uid, &record), %reason, "MIG device of a prepared claim is gone and cannot be made again; rolling the claim back");
+                self.cdi
+                    .remove_claim_spec(&uid)
+                    .map_err(|source| ClaimError::Cdi {
+                        claim: describe(&uid, &record),
+                        source,
+                    })?;
+                recovery.rolled_back.push(uid);
+                continue;
+            }
+            self.restore_mps(&uid, &mut record, &inventory, &mut recovery);
+            // /var/run/cdi is tmpfs: after a reboot the spec is gone and is written again;
+            // one that a power cut left unreadable is replaced the same way.
+            if rewrite || !matches!(self.cdi.read_claim_spec(&uid), Ok(Some(_))) {
+                let mps = match record.mps.as_ref().map(|d| self.mps.container_edits(d)) {
+                    Some(Ok(edits)) => Some(edits),
+                    Some(Err(error)) => {
+                        warn!(claim = %describe(&uid, &record), %error, "the MPS daemon's CDI edits cannot be made; the spec is written without them");
+                        None
+                    }
+                    None => None,
+                };
+                write_spec_with(
+                    &self.cdi,
+                    &uid,
+                    &record.devices,
+                    &inventory,
+                    &self.driver_edits,
+                    mps.as_ref(),
+                )
+                .map_err(|source| ClaimError::Cdi {
+                    claim: describe(&uid, &record),
+                    source,
+                })?;
+            }
+            recovery.kept.push(uid.clone());
+            data.claims.insert(uid, record);
         }
         let on_disk = self.cdi.claim_specs().map_err(|source| ClaimError::Cdi {
             claim: "(startup)".to_string(),
@@ -379,6 +382,26 @@ impl Preparer {
             *rewrite = true;
         }
         Ok(())
+    }
+}
+
+impl Preparer {
+    /// Leaves the domain a claim rolled back at start had joined, or was joining, unless a kept
+    /// claim holds it. Runs on recovery's blocking thread; a failure is logged (the entry then
+    /// stays until the domain is deleted, and the daemon goes with the first domain sweep).
+    fn leave_recorded_domain(&self, uid: &str, record: &ClaimRecord) {
+        let (Some(member), Some(membership)) = (&record.domain, &self.domains) else {
+            return;
+        };
+        let handle = tokio::runtime::Handle::current();
+        match handle.block_on(membership.leave(member)) {
+            Ok(()) => {
+                info!(claim = %describe(uid, record), domain = %member.domain, "left the ComputeDomain a claim rolled back at start was joining")
+            }
+            Err(error) => {
+                warn!(claim = %describe(uid, record), domain = %member.domain, %error, "leaving the ComputeDomain of a claim rolled back at start failed")
+            }
+        }
     }
 }
 

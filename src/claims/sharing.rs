@@ -210,8 +210,9 @@ impl Preparer {
         }
     }
 
-    /// Starts the claim's MPS control daemon when any of its devices uses MPS; records it with the
-    /// claim at once, so that a roll-back or unprepare stops it.
+    /// Starts the claim's MPS control daemon when any of its devices uses MPS. The daemon is in the
+    /// claim's record, and the record on file, before its tmpfs or Pod are made, so that a roll-back,
+    /// an unprepare or a restart stops it whatever point the start reached.
     pub(super) async fn start_mps(
         &self,
         claim: &ClaimRef,
@@ -228,17 +229,18 @@ impl Preparer {
                 })
             }
         };
-        let record = self
-            .mps
-            .start(&spec)
-            .await
-            .map_err(|error| ClaimError::Sharing {
-                claim: claim.to_string(),
-                reason: format!("starting the MPS control daemon: {error}"),
-            })?;
-        if let Some(held) = lock(&self.state).data.claims.get_mut(&claim.uid) {
-            held.mps = Some(record.clone());
-        }
+        let failed = |error: super::mps::MpsError| ClaimError::Sharing {
+            claim: claim.to_string(),
+            reason: format!("starting the MPS control daemon: {error}"),
+        };
+        let planned = self.mps.planned(&spec).map_err(failed)?;
+        self.update_record(claim, |record| {
+            record.mps = Some(planned);
+            record.phase = super::lifecycle::Phase::MpsDaemon;
+        });
+        self.persist(claim).await?;
+        let record = self.mps.start(&spec).await.map_err(failed)?;
+        self.update_record(claim, |held| held.mps = Some(record.clone()));
         info!(pod = %record.pod, "MPS control daemon started");
         Ok(Some(record))
     }

@@ -5,6 +5,7 @@
 use std::sync::{Arc, Mutex};
 
 use super::checkpoint::CheckpointData;
+use super::lifecycle::Phase;
 use super::{
     mig, sharing, ClaimError, ClaimRecord, ClaimRef, ClaimState, PreparedDevice, Preparer,
 };
@@ -92,6 +93,7 @@ impl Preparer {
                 namespace: claim.namespace.clone(),
                 name: claim.name.clone(),
                 state: ClaimState::Started,
+                phase: Phase::Reserved,
                 devices: devices.to_vec(),
                 mps: None,
                 domain: None,
@@ -108,6 +110,7 @@ impl Preparer {
         let mut state = lock(&self.state);
         if let Some(record) = state.data.claims.get_mut(&claim.uid) {
             record.state = ClaimState::Completed;
+            record.phase = Phase::Completed;
             record.devices = devices.to_vec();
         }
         state.revision += 1;
@@ -144,18 +147,21 @@ impl Preparer {
         Ok(())
     }
 
+    /// Runs `work` under the claim's lock, waiting at most `wait` for it; `None` when an earlier
+    /// call for the claim held the lock all that time.
     pub(super) async fn with_claim_lock<T>(
         &self,
         uid: &str,
+        wait: std::time::Duration,
         work: impl std::future::Future<Output = T>,
-    ) -> T {
+    ) -> Option<T> {
         let claim_lock = lock(&self.claim_locks)
             .entry(uid.to_string())
             .or_default()
             .clone();
-        let result = {
-            let _guard = claim_lock.lock().await;
-            work.await
+        let result = match tokio::time::timeout(wait, claim_lock.lock()).await {
+            Ok(_guard) => Some(work.await),
+            Err(_) => None,
         };
         // Drop the lock's map entry when nobody else is waiting on it, so the map does not grow forever.
         let mut locks = lock(&self.claim_locks);

@@ -53,6 +53,9 @@ pub struct PluginConfig {
     pub mps: MpsConfig,
     /// How long one change of a GPU's sharing mode may take before the GPU counts as stuck.
     pub sharing_timeout: Duration,
+    /// How long a kubelet call waits for its claims' work before it answers
+    /// ([`CALL_BUDGET`](crate::claims::CALL_BUDGET)); the work goes on after that.
+    pub call_budget: Duration,
     /// IMEX channels and ComputeDomains.
     pub domains: crate::domains::membership::DomainsConfig,
 }
@@ -111,6 +114,7 @@ impl PluginConfig {
             api: ApiTimeouts::default(),
             mps: MpsConfig::default(),
             sharing_timeout: claims::SHARING_TIMEOUT,
+            call_budget: claims::CALL_BUDGET,
             domains: Default::default(),
         }
     }

@@ -227,6 +227,7 @@ pub async fn start(
             sharing_timeout: config.sharing_timeout,
             nvidia_namespace: config.mps.nvidia_namespace.clone(),
             domains: domains.clone(),
+            call_budget: config.call_budget,
         },
         client.clone(),
         backend.clone(),

@@ -10,6 +10,7 @@ use std::time::Duration;
 use gpu_dra::claims::checkpoint::{
     CheckpointData, CheckpointFile, ClaimRecord, ClaimState, PreparedDevice,
 };
+use gpu_dra::claims::Phase;
 use gpu_dra::support::harness::{Harness, DRIVER, NODE};
 use gpu_dra::support::kubelet::{ClaimRef, KubeletDouble};
 
@@ -22,6 +23,10 @@ fn record(name: &str, state: ClaimState, device: &str, uid: &str) -> ClaimRecord
         namespace: "default".into(),
         name: name.into(),
         state,
+        phase: match state {
+            ClaimState::Completed => Phase::Completed,
+            _ => Phase::Reserved,
+        },
         devices: vec![PreparedDevice {
             request_names: vec!["gpus".into()],
             pool: NODE.into(),

@@ -53,6 +53,7 @@ impl MpsDaemons {
             path: dirs.shm.clone(),
             source,
         })?;
+        crate::claims::lifecycle::reached(&dirs.claim, crate::claims::Step::TmpfsMount).await;
         let pod = pods.template.pod(spec, &self.host_root.join(&dirs.claim))?;
         let name = DaemonPodTemplate::pod_name(&dirs.claim);
         // A Pod of an earlier attempt (or an earlier boot) may hold other devices or a dead mount.
@@ -64,6 +65,7 @@ impl MpsDaemons {
             .await
             .map_err(|e| self.api_error(&dirs.claim, &name, "creating", e))?;
         let uid = created.metadata.uid.clone().unwrap_or_default();
+        crate::claims::lifecycle::reached(&dirs.claim, crate::claims::Step::DaemonPodStart).await;
         self.wait_ready(pods, dirs, &name, &uid).await?;
         Ok(MpsDaemonRecord {
             pod: name,

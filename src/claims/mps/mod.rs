@@ -336,6 +336,22 @@ impl MpsDaemons {
         cleaned
     }
 
+    /// The record of the daemon [`start`](Self::start) makes for `spec`, before it makes anything:
+    /// its Pod's name and directory follow from the claim's UID (the Pod's UID is not known yet).
+    /// [`stop`](Self::stop) takes it as it takes a started one.
+    pub fn planned(&self, spec: &MpsDaemonSpec) -> Result<MpsDaemonRecord, MpsError> {
+        let dirs = self.dirs_for_uid(&spec.claim_uid)?;
+        limit_commands(spec)?;
+        Ok(MpsDaemonRecord {
+            pod: DaemonPodTemplate::pod_name(&spec.claim_uid),
+            pod_uid: String::new(),
+            dir: dirs.dir,
+            devices: spec.devices.clone(),
+            active_thread_percentage: spec.active_thread_percentage,
+            multi_user: spec.multi_user,
+        })
+    }
+
     /// What a container of the claim needs to reach the daemon: the pipe and log directories and
     /// the shared-memory tmpfs, at the host's paths.
     pub fn container_edits(&self, record: &MpsDaemonRecord) -> Result<ContainerEdits, MpsError> {

@@ -1,0 +1,408 @@
+//! A claim's life as one state machine, as the kubelet and a crash see it. A prepare is held right
+//! after each thing it makes (MIG device created, GPU mode changed, tmpfs mounted, daemon Pod created,
+//! domain joined, CDI spec written); the kubelet's call is cancelled there (its deadline), or the
+//! plugin is killed with SIGKILL and started again; then the kubelet unprepares the claim, and nothing
+//! may be left: no MIG device, daemon Pod, mount, MPS directory, GPU sharing mode, CDI spec, checkpoint
+//! entry or ComputeDomain status entry. A call answers within its budget while the work goes on, and
+//! the kubelet's retry gets the outcome.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use gpu_dra::claims::checkpoint::CheckpointFile;
+use gpu_dra::claims::lifecycle::holds;
+use gpu_dra::claims::{checkpoint_path, Step};
+use gpu_dra::devices::MigMode;
+use gpu_dra::support::apiserver::ServerVersion;
+use gpu_dra::support::harness::{Harness, DRIVER, MIG_CLASS};
+use gpu_dra::support::kubelet::{ClaimRef, KubeletDouble};
+use serde_json::{json, Value};
+
+const WAIT: Duration = Duration::from_secs(30);
+/// What the kubelet double waits before it cancels its call: the work goes on after it.
+const IMPATIENT: Duration = Duration::from_millis(300);
+
+/// `spec.devices` for one whole GPU shared through MPS: the prepare changes the GPU's compute mode,
+/// mounts the claim's tmpfs, starts its daemon Pod and writes its spec.
+fn mps_gpu() -> Value {
+    json!({
+        "requests": [{"name": "gpu", "exactly": {"deviceClassName": DRIVER}}],
+        "config": [{"requests": ["gpu"], "opaque": {"driver": DRIVER, "parameters": {
+            "apiVersion": "gpu.dra.dev/v1alpha1", "kind": "GpuConfig",
+            "sharing": {"strategy": "MPS", "mpsConfig": {"defaultActiveThreadPercentage": 50}}
+        }}}]
+    })
+}
+
+/// `spec.devices` for one MIG device made for the claim (dynamic MIG).
+fn dynamic_mig() -> Value {
+    json!({"requests": [{"name": "mig", "exactly": {
+        "deviceClassName": MIG_CLASS,
+        "selectors": [{"cel": {"expression": format!("device.attributes[\"{DRIVER}\"].profile == \"1g.10gb\"")}}]
+    }}]})
+}
+
+/// A two-H100 node in dynamic MIG mode on a 1.35 API server (partitionable devices).
+async fn node() -> Harness {
+    let mut node = Harness::with_version("dgx-h100", ServerVersion::V1_35).await;
+    node.config.mig_mode = MigMode::Dynamic;
+    node
+}
+
+/// The claim `name` allocated with `devices`, once the node publishes what it needs.
+async fn claim_for(node: &Harness, name: &str, devices: Value) -> ClaimRef {
+    node.wait_for_whole_pool().await;
+    node.allocated_claim_with(name, devices)
+        .await
+        .unwrap_or_else(|e| panic!("claim {name}: {e}"))
+}
+
+/// Everything the plugin may have made on the node, named; empty when nothing is left.
+fn leftovers(node: &Harness) -> Vec<String> {
+    let mut left = Vec::new();
+    for (minor, start, uuid) in node.mig_devices() {
+        left.push(format!("MIG device {uuid} on gpu-{minor} at slice {start}"));
+    }
+    for (uuid, mode) in node.fake_backend().sharing_modes() {
+        left.push(format!("GPU {uuid} in sharing mode {mode}"));
+    }
+    for pod in node.api.list("pods") {
+        let labels = &pod["metadata"]["labels"];
+        if labels["app.kubernetes.io/name"] == "gpu-dra" {
+            left.push(format!("Pod {}", pod["metadata"]["name"]));
+        }
+    }
+    let root = node.dir.path();
+    let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
+    for point in mounts.lines().filter_map(|line| line.split(' ').nth(1)) {
+        if Path::new(point).starts_with(root) {
+            left.push(format!("mount {point}"));
+        }
+    }
+    for dir in ["mps", "imex"] {
+        let path = node.config.plugin_dir().join(dir);
+        for entry in std::fs::read_dir(&path).into_iter().flatten().flatten() {
+            left.push(format!("directory {}", entry.path().display()));
+        }
+    }
+    for spec in node.cdi_files() {
+        left.push(format!("CDI spec {spec}"));
+    }
+    let checkpoint = CheckpointFile::new(checkpoint_path(&node.config.plugin_dir(), DRIVER)).load();
+    if let Ok(Some(data)) = checkpoint {
+        left.extend(
+            data.claims
+                .keys()
+                .map(|uid| format!("checkpoint entry {uid}")),
+        );
+        left.extend(
+            data.mig_devices_made
+                .iter()
+                .map(|made| format!("checkpoint MIG record {made:?}")),
+        );
+        left.extend(
+            data.gpu_modes
+                .keys()
+                .map(|uuid| format!("checkpoint mode record {uuid}")),
+        );
+    }
+    left
+}
+
+/// Waits until nothing is left (daemon Pods go once the kubelet ended them).
+async fn nothing_left(node: &Harness, after: &str) {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let left = leftovers(node);
+        if left.is_empty() {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{after}, still on the node: {left:#?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn unprepared(kubelet: &KubeletDouble, claim: &ClaimRef) {
+    let answers = kubelet
+        .unprepare(std::slice::from_ref(claim))
+        .await
+        .expect("kubelet call");
+    if let Some(Err(error)) = answers.get(&claim.uid) {
+        panic!("unprepare failed: {error}");
+    }
+}
+
+/// Holds the claim's prepare at `step`, lets the kubelet give up on the call there, then unprepares
+/// the claim while the prepare is still held, lets it go on, and checks that nothing is left.
+async fn cancelled_at(step: Step, devices: Value) {
+    let node = node().await;
+    let _plugin = node.start_plugin().await;
+    let kubelet = node.kubelet().await;
+    let claim = claim_for(&node, "held", devices).await;
+    let held = holds::hold(&claim.uid, step);
+
+    let impatient = kubelet.clone().with_call_timeout(IMPATIENT);
+    assert!(
+        impatient
+            .prepare(std::slice::from_ref(&claim))
+            .await
+            .is_err(),
+        "the kubelet gave up on the call"
+    );
+    tokio::time::timeout(WAIT, held.reached())
+        .await
+        .unwrap_or_else(|_| panic!("the prepare never reached {}", step.as_str()));
+    assert!(
+        !leftovers(&node).is_empty(),
+        "at {} something exists on the node",
+        step.as_str()
+    );
+
+    // The kubelet's unprepare comes while the prepare is still held; it waits for it, then undoes it.
+    let unprepare = tokio::spawn({
+        let (kubelet, claim) = (kubelet.clone(), claim.clone());
+        async move { unprepared(&kubelet, &claim).await }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    held.release();
+    unprepare.await.unwrap();
+    nothing_left(
+        &node,
+        &format!(
+            "a prepare cancelled at {} and then unprepared",
+            step.as_str()
+        ),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prepare_cancelled_after_the_mig_create_leaves_nothing_after_unprepare() {
+    cancelled_at(Step::MigCreate, dynamic_mig()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prepare_cancelled_after_the_mode_change_leaves_nothing_after_unprepare() {
+    cancelled_at(Step::ModeChange, mps_gpu()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prepare_cancelled_after_the_tmpfs_mount_leaves_nothing_after_unprepare() {
+    cancelled_at(Step::TmpfsMount, mps_gpu()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prepare_cancelled_after_the_daemon_pod_start_leaves_nothing_after_unprepare() {
+    cancelled_at(Step::DaemonPodStart, mps_gpu()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prepare_cancelled_after_the_spec_write_leaves_nothing_after_unprepare() {
+    cancelled_at(Step::SpecWrite, mps_gpu()).await;
+    cancelled_at(Step::SpecWrite, dynamic_mig()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_prepare_finishes_in_the_background_and_the_retry_gets_it() {
+    let node = node().await;
+    let plugin = node.start_plugin().await;
+    let kubelet = node.kubelet().await;
+    let claim = claim_for(&node, "retried", mps_gpu()).await;
+    let held = holds::hold(&claim.uid, Step::DaemonPodStart);
+    let impatient = kubelet.clone().with_call_timeout(IMPATIENT);
+    assert!(impatient
+        .prepare(std::slice::from_ref(&claim))
+        .await
+        .is_err());
+    tokio::time::timeout(WAIT, held.reached()).await.unwrap();
+    held.release();
+
+    // The retry waits for the work the first call started and answers with its devices: one daemon.
+    let answer = kubelet.prepare(std::slice::from_ref(&claim)).await.unwrap();
+    let devices = answer[&claim.uid].clone().expect("the retry succeeds");
+    assert_eq!(devices.len(), 1);
+    let daemons: Vec<Value> = node
+        .api
+        .list("pods")
+        .into_iter()
+        .filter(|p| p["metadata"]["labels"]["app.kubernetes.io/component"] == "mps-control-daemon")
+        .collect();
+    assert_eq!(daemons.len(), 1, "one daemon Pod: {daemons:#?}");
+    assert_eq!(
+        plugin.preparer.phase_of(&claim.uid),
+        Some(gpu_dra::claims::Phase::Completed)
+    );
+    unprepared(&kubelet, &claim).await;
+    nothing_left(&node, "the retried claim unprepared").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_answers_within_its_budget_while_the_work_goes_on() {
+    let mut node = node().await;
+    node.config.call_budget = Duration::from_secs(1);
+    let _plugin = node.start_plugin().await;
+    let kubelet = node.kubelet().await;
+    let claim = claim_for(&node, "slow", mps_gpu()).await;
+    let held = holds::hold(&claim.uid, Step::DaemonPodStart);
+
+    let began = Instant::now();
+    let answer = kubelet.prepare(std::slice::from_ref(&claim)).await.unwrap();
+    let took = began.elapsed();
+    let error = answer[&claim.uid].clone().unwrap_err();
+    assert!(took < Duration::from_secs(5), "answered after {took:?}");
+    assert!(
+        error.contains("prepare has not finished within 1s")
+            && error.contains("phase mpsDaemon")
+            && error.contains("goes on in the background"),
+        "{error}"
+    );
+
+    // A retry while the work is still held cannot take the claim's lock: it says so within its budget.
+    let again = kubelet.prepare(std::slice::from_ref(&claim)).await.unwrap();
+    assert!(
+        again[&claim.uid]
+            .clone()
+            .unwrap_err()
+            .contains("goes on in the background"),
+        "{again:?}"
+    );
+    held.release();
+    let deadline = Instant::now() + WAIT;
+    let devices = loop {
+        let answer = kubelet.prepare(std::slice::from_ref(&claim)).await.unwrap();
+        match answer[&claim.uid].clone() {
+            Ok(devices) => break devices,
+            Err(error) if Instant::now() < deadline => {
+                eprintln!("retry: {error}");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(error) => panic!("{error}"),
+        }
+    };
+    assert_eq!(devices.len(), 1);
+    unprepared(&kubelet, &claim).await;
+    nothing_left(&node, "the slow claim unprepared").await;
+}
+
+/// `gpu-dra plugin` as a process of its own for this node (dynamic MIG, MPS daemons in Pods), paused
+/// for ever at `pause` (writing `marker` when it gets there) when given.
+fn plugin_process(node: &Harness, pause: Option<(Step, &Path)>) -> PluginProcess {
+    let kubeconfig = node.dir.path().join("kubeconfig");
+    node.api.write_kubeconfig(&kubeconfig).expect("kubeconfig");
+    let gpu_dra::plugin::BackendChoice::Fake {
+        profile,
+        state_file,
+    } = &node.config.backend
+    else {
+        panic!("a fake backend")
+    };
+    let mut command = node.plugin_command(
+        Path::new(env!("CARGO_BIN_EXE_gpu-dra")),
+        Path::new(profile),
+        &kubeconfig,
+    );
+    command
+        .args([
+            "--mig-mode",
+            "dynamic",
+            "--mps-daemon-image",
+            "gpu-dra:test",
+        ])
+        .arg("--fake-state")
+        .arg(state_file.as_ref().expect("a state file"))
+        .stdout(std::process::Stdio::null());
+    if let Some((step, marker)) = pause {
+        command
+            .env("GPU_DRA_PAUSE_AT", step.as_str())
+            .env("GPU_DRA_PAUSE_MARKER", marker);
+    }
+    PluginProcess(command.spawn().expect("plugin binary starts"))
+}
+
+/// A plugin process, killed when the test ends however it ends.
+struct PluginProcess(std::process::Child);
+
+impl PluginProcess {
+    fn kill(&mut self) {
+        self.0.kill().expect("SIGKILL");
+        self.0.wait().expect("reaped");
+    }
+}
+
+impl Drop for PluginProcess {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+async fn registered(node: &Harness) -> KubeletDouble {
+    KubeletDouble::register(&node.config.registry_dir, DRIVER, WAIT)
+        .await
+        .expect("plugin registers")
+}
+
+/// Kills the plugin with SIGKILL right after `step` of the claim's prepare, starts it again, has the
+/// kubelet unprepare the claim, and checks that nothing is left.
+async fn killed_at(step: Step, devices: Value) {
+    let node = node().await;
+    let marker: PathBuf = node.dir.path().join("paused");
+    let mut plugin = plugin_process(&node, Some((step, &marker)));
+    let kubelet = registered(&node).await;
+    let claim = claim_for(&node, "killed", devices).await;
+    let call = tokio::spawn({
+        let (kubelet, claim) = (kubelet.clone(), claim.clone());
+        async move { kubelet.prepare(std::slice::from_ref(&claim)).await }
+    });
+    let deadline = Instant::now() + WAIT;
+    while !marker.exists() {
+        assert!(
+            Instant::now() < deadline,
+            "the prepare never reached {}",
+            step.as_str()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    plugin.kill();
+    assert!(
+        !leftovers(&node).is_empty(),
+        "at {} something exists on the node",
+        step.as_str()
+    );
+    let _ = call.await;
+
+    let mut restarted = plugin_process(&node, None);
+    let kubelet = registered(&node).await;
+    unprepared(&kubelet, &claim).await;
+    nothing_left(
+        &node,
+        &format!(
+            "a plugin killed at {} of a prepare, restarted, and the claim unprepared",
+            step.as_str()
+        ),
+    )
+    .await;
+    restarted.kill();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plugin_killed_at_each_step_of_an_mps_prepare_leaves_nothing_after_restart_and_unprepare()
+{
+    for step in [
+        Step::ModeChange,
+        Step::TmpfsMount,
+        Step::DaemonPodStart,
+        Step::SpecWrite,
+    ] {
+        killed_at(step, mps_gpu()).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plugin_killed_after_a_mig_create_leaves_nothing_after_restart_and_unprepare() {
+    killed_at(Step::MigCreate, dynamic_mig()).await;
+    killed_at(Step::SpecWrite, dynamic_mig()).await;
+}

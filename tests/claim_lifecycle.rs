@@ -16,6 +16,7 @@ use gpu_dra::devices::MigMode;
 use gpu_dra::support::apiserver::ServerVersion;
 use gpu_dra::support::harness::{Harness, DRIVER, MIG_CLASS};
 use gpu_dra::support::kubelet::{ClaimRef, KubeletDouble};
+use gpu_dra::support::rack;
 use serde_json::{json, Value};
 
 const WAIT: Duration = Duration::from_secs(30);
@@ -405,4 +406,170 @@ async fn a_plugin_killed_at_each_step_of_an_mps_prepare_leaves_nothing_after_res
 async fn a_plugin_killed_after_a_mig_create_leaves_nothing_after_restart_and_unprepare() {
     killed_at(Step::MigCreate, dynamic_mig()).await;
     killed_at(Step::SpecWrite, dynamic_mig()).await;
+}
+
+/// A one-tray rack in NVLink clique 0 with the controller, a domain of one node and its worker
+/// scheduled: the worker's channel claim is allocated on the tray, not prepared yet.
+struct DomainJob {
+    api: gpu_dra::support::apiserver::ApiServer,
+    rack: rack::Rack,
+    controller: rack::RunningController,
+    claim: ClaimRef,
+}
+
+const TEAM: &str = "team";
+const TRAY: &str = "t0";
+
+impl DomainJob {
+    async fn start() -> DomainJob {
+        let api = gpu_dra::support::apiserver::ApiServer::start()
+            .await
+            .expect("API server double");
+        gpu_dra::support::harness::install_device_classes(&api);
+        let rack =
+            rack::Rack::start(&api, &[(TRAY, rack::Fabric::Clique(0))], "gpu-dra:test").await;
+        let client = api.client();
+        let controller = rack::RunningController::start(&client, Duration::from_millis(300));
+        rack::create_gpus_template(&client, TEAM, "four-gpus", 4).await;
+        rack::create_domain(&client, TEAM, "job", 1).await;
+        let templates: kube::Api<k8s_openapi::api::resource::v1::ResourceClaimTemplate> =
+            kube::Api::namespaced(client.clone(), TEAM);
+        rack::wait_for("the channel template", WAIT, async || {
+            templates.get_opt("job-channel").await.ok().flatten()
+        })
+        .await;
+        rack::create_worker(&client, TEAM, "worker", "four-gpus", "job-channel").await;
+        let node = rack
+            .schedule(&client, TEAM, "worker")
+            .await
+            .unwrap_or_else(|why| panic!("the worker fits no node: {why}"));
+        assert_eq!(node, TRAY);
+        let claims: kube::Api<k8s_openapi::api::resource::v1::ResourceClaim> =
+            kube::Api::namespaced(client.clone(), TEAM);
+        let channel = claims
+            .list(&Default::default())
+            .await
+            .unwrap()
+            .items
+            .into_iter()
+            .find(|claim| {
+                gpu_dra::claims::allocation_results(claim)
+                    .iter()
+                    .any(|r| r.device == "imex-channel-0")
+            })
+            .expect("the worker's channel claim");
+        let claim = ClaimRef::new(
+            TEAM,
+            channel.metadata.name.as_deref().unwrap_or_default(),
+            channel.metadata.uid.clone().unwrap_or_default(),
+        );
+        DomainJob {
+            api,
+            rack,
+            controller,
+            claim,
+        }
+    }
+
+    fn tray(&self) -> &rack::RackNode {
+        self.rack.node(TRAY)
+    }
+
+    /// What the tray's plugin may have made for the channel claim, named; empty when nothing is left.
+    async fn leftovers(&self) -> Vec<String> {
+        let mut left = Vec::new();
+        let domain = rack::domain(&self.api.client(), TEAM, "job").await;
+        for entry in &domain.status.nodes {
+            left.push(format!("status entry of {} ({})", entry.name, entry.status));
+        }
+        for pod in self.api.list("pods") {
+            if pod["metadata"]["labels"]["app.kubernetes.io/component"] == "imex-daemon" {
+                left.push(format!("IMEX daemon Pod {}", pod["metadata"]["name"]));
+            }
+        }
+        let config = &self.tray().config;
+        let spec =
+            gpu_dra::cdi::CdiRegistry::new(&config.cdi_root, DRIVER).spec_path(&self.claim.uid);
+        if spec.exists() {
+            left.push(format!("CDI spec {}", spec.display()));
+        }
+        let checkpoint = CheckpointFile::new(checkpoint_path(&config.plugin_dir(), DRIVER)).load();
+        if let Ok(Some(data)) = checkpoint {
+            if data.claims.contains_key(&self.claim.uid) {
+                left.push(format!("checkpoint entry {}", self.claim.uid));
+            }
+        }
+        left
+    }
+
+    async fn nothing_left(&self, after: &str) {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let left = self.leftovers().await;
+            if left.is_empty() {
+                return;
+            }
+            assert!(Instant::now() < deadline, "{after}, still there: {left:#?}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    async fn stop(self) {
+        self.controller.stop().await;
+        self.rack.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_prepare_cancelled_after_the_domain_join_leaves_nothing_after_unprepare() {
+    let job = DomainJob::start().await;
+    let claim = job.claim.clone();
+    let held = holds::hold(&claim.uid, Step::DomainJoin);
+    let kubelet = job.tray().kubelet.clone();
+    let impatient = kubelet.clone().with_call_timeout(IMPATIENT);
+    assert!(impatient
+        .prepare(std::slice::from_ref(&claim))
+        .await
+        .is_err());
+    tokio::time::timeout(WAIT, held.reached())
+        .await
+        .expect("the prepare reaches the domain join");
+    assert!(
+        !job.leftovers().await.is_empty(),
+        "joined: the tray's entry and daemon exist"
+    );
+    let unprepare = tokio::spawn({
+        let claim = claim.clone();
+        async move { unprepared(&kubelet, &claim).await }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    held.release();
+    unprepare.await.unwrap();
+    job.nothing_left("a prepare cancelled at domain-join and then unprepared")
+        .await;
+    job.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_plugin_stopped_dead_after_the_domain_join_leaves_the_domain_at_restart() {
+    let mut job = DomainJob::start().await;
+    let claim = job.claim.clone();
+    let held = holds::hold(&claim.uid, Step::DomainJoin);
+    let impatient = job.tray().kubelet.clone().with_call_timeout(IMPATIENT);
+    assert!(impatient
+        .prepare(std::slice::from_ref(&claim))
+        .await
+        .is_err());
+    tokio::time::timeout(WAIT, held.reached())
+        .await
+        .expect("the prepare reaches the domain join");
+    // The held prepare never goes on, as in a process killed there: only its record on file speaks
+    // for it. A new plugin starts on the same directories.
+    std::mem::forget(held);
+    job.rack.restart_plugin(TRAY).await;
+    let kubelet = job.tray().kubelet.clone();
+    unprepared(&kubelet, &claim).await;
+    job.nothing_left("a plugin stopped dead at domain-join, restarted, and the claim unprepared")
+        .await;
+    job.stop().await;
 }

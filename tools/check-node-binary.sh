@@ -16,7 +16,7 @@ binary=${1:?usage: tools/check-node-binary.sh [--expect-doubles] BINARY}
 command -v nm >/dev/null || { echo "check-node-binary: nm (binutils) is needed" >&2; exit 2; }
 
 # The modules only `doubles` compiles, by their demangled paths.
-modules='gpu_dra::support::|gpu_dra::demo::|gpu_dra::claims::mps::stand_in::|gpu_dra::domains::imex::stand_in::'
+modules='gpu_dra::support::|gpu_dra::demo::|gpu_dra::claims::lifecycle::holds::|gpu_dra::claims::mps::stand_in::|gpu_dra::domains::imex::stand_in::'
 found=$(nm --demangle --defined-only "$binary" | grep -cE "$modules" || true)
 
 # What a user would see: the subcommands are unknown to the node binary.

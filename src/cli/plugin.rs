@@ -200,6 +200,7 @@ pub fn run_plugin(args: PluginArgs) -> Result<()> {
             nvidia_namespace: args.nvidia_namespace,
         },
         sharing_timeout: crate::claims::SHARING_TIMEOUT,
+        mig_timeout: crate::claims::MIG_TIMEOUT,
         domains: crate::domains::membership::DomainsConfig {
             imex_channels: args.imex_channels,
             node_ip: args.node_ip,

@@ -53,6 +53,8 @@ pub struct PluginConfig {
     pub mps: MpsConfig,
     /// How long one change of a GPU's sharing mode may take before the GPU counts as stuck.
     pub sharing_timeout: Duration,
+    /// How long one MIG create or destroy may take before the GPU counts as stuck.
+    pub mig_timeout: Duration,
     /// IMEX channels and ComputeDomains.
     pub domains: crate::domains::membership::DomainsConfig,
 }
@@ -111,6 +113,7 @@ impl PluginConfig {
             api: ApiTimeouts::default(),
             mps: MpsConfig::default(),
             sharing_timeout: claims::SHARING_TIMEOUT,
+            mig_timeout: claims::MIG_TIMEOUT,
             domains: Default::default(),
         }
     }

@@ -64,6 +64,11 @@ struct DeviceLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct GpuLabels {
+    gpu: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct FaultLabels {
     kind: String,
 }
@@ -103,6 +108,7 @@ pub struct Metrics {
     state_files_set_aside: Family<SetAsideLabels, Counter>,
     feature_gate_disabled: Family<FeatureGateLabels, Gauge>,
     unreadable_gpus: Gauge,
+    gpu_operation_stuck: Family<GpuLabels, Gauge>,
 }
 
 impl Metrics {
@@ -140,6 +146,13 @@ impl Metrics {
             "unreadable_gpus",
             "GPUs the backend sees but cannot read (lost, in a MIG mode change, any per-GPU error); left out of the ResourceSlices",
             unreadable_gpus.clone(),
+        );
+        let gpu_operation_stuck = Family::<GpuLabels, Gauge>::default();
+        registry.register(
+            "gpu_operation_stuck",
+            "1 while an operation on the GPU (a sharing-mode change, a MIG create or destroy) has not returned \
+             within its bound, so the GPU takes no other; 0 once it returned",
+            gpu_operation_stuck.clone(),
         );
         registry.register(
             "device_class_problems",
@@ -224,6 +237,7 @@ impl Metrics {
             state_files_set_aside,
             feature_gate_disabled,
             unreadable_gpus,
+            gpu_operation_stuck,
         })
     }
 
@@ -257,6 +271,15 @@ impl Metrics {
         self.feature_gate_disabled
             .get_or_create(&FeatureGateLabels { feature_gate })
             .set(i64::from(disabled));
+    }
+
+    /// Whether an operation on GPU `gpu` (`gpu-<minor>`) has not returned within its bound.
+    pub fn set_gpu_operation_stuck(&self, gpu: &str, stuck: bool) {
+        self.gpu_operation_stuck
+            .get_or_create(&GpuLabels {
+                gpu: gpu.to_string(),
+            })
+            .set(i64::from(stuck));
     }
 
     pub fn set_unreadable_gpus(&self, count: usize) {

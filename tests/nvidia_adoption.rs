@@ -2,8 +2,9 @@
 //! plugin, started as `gpu.nvidia.com`, takes those claims over from NVIDIA's checkpoint: a repeated
 //! prepare answers what NVIDIA's plugin answered, other claims cannot take their devices, and when
 //! the pods go, unprepare undoes what NVIDIA's plugin set up (its MPS daemon's Deployment and
-//! directory, its dynamic MIG device, its GPU's time-slicing, its claim spec) without ever writing
-//! NVIDIA's checkpoint, and without taking the claim over again at the next start.
+//! directory, its GPU's time-slicing, its claim spec) without ever writing NVIDIA's checkpoint, and
+//! without taking the claim over again at the next start. Its MIG devices stay, in dynamic MIG mode
+//! too: NVIDIA's checkpoint does not say whether its plugin made them or an admin did.
 
 use std::path::Path;
 
@@ -13,7 +14,7 @@ use serde_json::json;
 
 use gpu_dra::devices::MigMode;
 use gpu_dra::gpu::{GpuBackend, GpuSharingMode, MigPlacement, MigRequest, TimeSliceInterval};
-use gpu_dra::support::harness::Harness;
+use gpu_dra::support::harness::{admin_split_h100_profile, Harness};
 use gpu_dra::support::kubelet::{ClaimRef, PreparedDevice};
 
 const NVIDIA_NS: &str = "nvidia-dra-driver-gpu";
@@ -202,8 +203,8 @@ async fn claims_nvidias_plugin_prepared_are_taken_over_and_unprepared_as_nvidia_
         "{modes:?}"
     );
     assert!(
-        !node.mig_devices().iter().any(|d| d.2 == mig.uuid),
-        "NVIDIA's dynamic MIG device is destroyed"
+        node.mig_devices().iter().any(|d| d.2 == mig.uuid),
+        "NVIDIA's MIG device stays: its checkpoint does not say that NVIDIA's plugin made it"
     );
     assert!(
         deployments
@@ -226,10 +227,16 @@ async fn claims_nvidias_plugin_prepared_are_taken_over_and_unprepared_as_nvidia_
     let answer = kubelet.prepare(std::slice::from_ref(&ours)).await.unwrap();
     assert!(answer[&ours.uid].is_ok(), "{:?}", answer[&ours.uid]);
 
-    // Nothing is taken over again, although NVIDIA's file still lists the claims.
+    // Nothing is taken over again, although NVIDIA's file still lists the claims; the MIG device is
+    // reported as one this plugin did not make, and left alone.
     plugin.shutdown().await;
     let plugin = node.start_plugin().await;
     assert!(plugin.recovery.nvidia.adopted.is_empty());
+    assert_eq!(
+        plugin.recovery.mig_devices_left_alone,
+        vec![mig.uuid.clone()]
+    );
+    assert!(plugin.recovery.mig_devices_destroyed.is_empty());
     // Which of them NVIDIA's file still lists, for the Event that says to move it aside.
     assert_eq!(
         plugin.recovery.nvidia.unprepared_since.len(),
@@ -286,5 +293,108 @@ async fn claims_of_an_earlier_boot_or_without_their_spec_are_not_taken_over() {
     let nvidia = plugin.recovery.nvidia.clone();
     assert!(nvidia.adopted.is_empty(), "{nvidia:?}");
     assert!(nvidia.not_adopted[0].contains("is gone"), "{nvidia:?}");
+    plugin.shutdown().await;
+}
+
+/// A node that ran NVIDIA's driver with static MIG (an admin's layout, as mig-parted makes it) moves to
+/// gpu-dra with `--mig-mode dynamic` while pods still use the admin's MIG devices. NVIDIA's checkpoint
+/// records them as it records MIG devices its own DynamicMIG made, so the claims taken over own them
+/// only while they are prepared: when the pods go, every MIG device of the layout survives, and the
+/// next start reports them as MIG devices this plugin did not make.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admins_static_mig_layout_survives_the_claims_taken_over_in_dynamic_mig_mode() {
+    let mut node = Harness::nvidia_compat("dgx-h100").await;
+    node.use_profile("static-layout", &admin_split_h100_profile());
+    node.config.mig_mode = MigMode::Dynamic;
+    let inventory = node.fake_backend().inventory().unwrap();
+    let gpu1 = &inventory.gpus[1];
+    let layout = gpu1.mig.as_ref().unwrap().instances.clone();
+    assert_eq!(layout.len(), 3, "{layout:?}");
+    let mut uuids: Vec<String> = layout.iter().map(|i| i.uuid.clone()).collect();
+    uuids.sort();
+
+    // One claim of NVIDIA's plugin per MIG device of the layout, as v25.12 writes them.
+    let uids = [
+        "0a6f2a6e-1b8e-4c1e-9d4e-1f2a3b4c5d11",
+        "0a6f2a6e-1b8e-4c1e-9d4e-1f2a3b4c5d12",
+        "0a6f2a6e-1b8e-4c1e-9d4e-1f2a3b4c5d13",
+    ];
+    let mut claims = serde_json::Map::new();
+    for (uid, instance) in uids.iter().zip(&layout) {
+        let device = format!(
+            "gpu-1-mig-{}-{}-{}",
+            instance.profile_id, instance.placement.start, instance.placement.size
+        );
+        let group = json!({"devices": [{"gpu": null, "mig": {
+            "concrete": {"parentMinor": 1, "giId": instance.gpu_instance_id,
+                         "ciId": instance.compute_instance_id, "migUUID": instance.uuid,
+                         "parentUUID": gpu1.uuid},
+            "device": {"Requests": ["mig"], "PoolName": "node-a", "DeviceName": device,
+                       "CDIDeviceIDs": [format!("k8s.gpu.nvidia.com/claim={uid}-{device}")]}}}],
+            "configState": {}});
+        claims.insert(
+            uid.to_string(),
+            claim(
+                "PrepareCompleted",
+                &format!("mig-{}", instance.placement.start),
+                group,
+            ),
+        );
+    }
+    let checkpoint = json!({"checksum": 1, "v2": {"checksum": 2,
+        "nodeBootID": gpu_dra::boot::current_boot_id(), "preparedClaims": claims}});
+    let plugin_dir = node.config.plugin_dir();
+    std::fs::create_dir_all(&plugin_dir).unwrap();
+    std::fs::write(plugin_dir.join("checkpoint.json"), checkpoint.to_string()).unwrap();
+    for uid in uids {
+        write_spec(&node.cdi_dir(), uid);
+    }
+
+    let plugin = node.start_plugin().await;
+    assert_eq!(
+        plugin.recovery.nvidia.adopted.len(),
+        3,
+        "{:?}",
+        plugin.recovery.nvidia
+    );
+    assert!(plugin.recovery.mig_devices_destroyed.is_empty());
+    let kubelet = node.kubelet().await;
+
+    // The pods go; every claim is unprepared, and every MIG device of the layout stays.
+    let refs: Vec<ClaimRef> = uids
+        .iter()
+        .zip(&layout)
+        .map(|(uid, instance)| {
+            ClaimRef::new(
+                "gpu-test",
+                format!("mig-{}", instance.placement.start),
+                *uid,
+            )
+        })
+        .collect();
+    let answers = kubelet.unprepare(&refs).await.unwrap();
+    for (uid, answer) in &answers {
+        assert!(answer.is_ok(), "{uid}: {answer:?}");
+    }
+    let mut left: Vec<String> = node.mig_devices().into_iter().map(|d| d.2).collect();
+    left.sort();
+    assert_eq!(left, uuids, "the admin's layout is intact");
+    for uid in uids {
+        assert!(!node
+            .cdi_dir()
+            .join(format!("k8s.gpu.nvidia.com-claim_{uid}.yaml"))
+            .exists());
+    }
+
+    // The next start's sweep of dynamic MIG reports them, and destroys none.
+    plugin.shutdown().await;
+    let plugin = node.start_plugin().await;
+    assert!(plugin.recovery.mig_devices_destroyed.is_empty());
+    let mut reported = plugin.recovery.mig_devices_left_alone.clone();
+    reported.sort();
+    assert_eq!(reported, uuids);
+    let mut left: Vec<String> = node.mig_devices().into_iter().map(|d| d.2).collect();
+    left.sort();
+    assert_eq!(left, uuids);
     plugin.shutdown().await;
 }

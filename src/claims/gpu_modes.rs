@@ -1,8 +1,10 @@
-//! The sharing mode of each GPU as this plugin last set it, with one lock per GPU: changes to one GPU
-//! run one at a time, different GPUs change in parallel. A change runs on a blocking thread (NVML,
-//! `nvidia-smi`) that a driver stuck in the kernel may never give back, so the caller waits a bounded
-//! time; a change that did not return leaves its GPU marked stuck, and later changes to that GPU fail
-//! at once, saying what is stuck, until it returns. Other GPUs go on meanwhile.
+//! Operations on a GPU that run on a blocking thread (NVML, `nvidia-smi`): changes of its sharing mode,
+//! and the creates and destroys of its MIG devices. One lock per GPU: operations on one GPU run one at
+//! a time, different GPUs in parallel. A driver stuck in the kernel may never give such a thread
+//! back, so the caller waits a bounded time; an operation that did not return leaves its GPU marked
+//! stuck (what it was doing, since when), later operations on that GPU fail at once saying so, and
+//! once it returns its outcome is taken in. Other GPUs go on meanwhile. [`Preparer::stuck_gpus`]
+//! lists the stuck GPUs, and the gauge `gpu_dra_gpu_operation_stuck{gpu}` shows them.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -11,63 +13,154 @@ use std::time::{Duration, Instant};
 use futures::FutureExt;
 use tokio::sync::OwnedMutexGuard;
 use tokio::task::JoinHandle;
+use tracing::{info, warn};
 
+use super::Preparer;
 use crate::gpu::{GpuError, GpuSharingMode};
+use crate::observability::Metrics;
 
 /// How long one change of a GPU's sharing mode may take before it counts as stuck: `nvidia-smi`'s own
 /// timeout (10 s) and NVML's calls, with room to spare, well inside the kubelet's 45 s for a prepare.
 pub const SHARING_TIMEOUT: Duration = Duration::from_secs(15);
 
+/// How long one MIG create or destroy may take before it counts as stuck. NVML's MIG calls (MIG mode
+/// on or off, a GPU instance and its compute instance made or destroyed) return within a few seconds
+/// on a healthy GPU; 15 s leaves room for a busy driver, and a prepare that first waits for the GPU's
+/// lock (as long again, at most) still answers well inside the kubelet's 45 s.
+pub const MIG_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// How often a caller looks whether an operation that another caller gave up waiting for returned.
+const POLL: Duration = Duration::from_millis(10);
+
+/// An operation on a GPU, as messages and [`Preparer::stuck_gpus`] name it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum GpuOp {
+    SetSharing(GpuSharingMode),
+    /// A MIG device of `profile` (`1g.10gb`) at memory slice `start`.
+    CreateMig {
+        profile: String,
+        start: u32,
+    },
+    /// The MIG device with this UUID.
+    DestroyMig {
+        uuid: String,
+    },
+}
+
+impl GpuOp {
+    /// What it does: `creating MIG device 1g.10gb at memory slice 3`.
+    pub(super) fn doing(&self) -> String {
+        match self {
+            GpuOp::SetSharing(mode) => format!("setting {mode}"),
+            GpuOp::CreateMig { profile, start } => {
+                format!("creating MIG device {profile} at memory slice {start}")
+            }
+            GpuOp::DestroyMig { uuid } => format!("destroying MIG device {uuid}"),
+        }
+    }
+
+    /// The operation as a noun, after "an earlier".
+    fn earlier(&self) -> String {
+        match self {
+            GpuOp::SetSharing(mode) => format!("change to {mode}"),
+            GpuOp::CreateMig { profile, start } => {
+                format!("create of MIG device {profile} at memory slice {start}")
+            }
+            GpuOp::DestroyMig { uuid } => format!("destroy of MIG device {uuid}"),
+        }
+    }
+
+    /// What may hold it up besides the driver.
+    fn stuck_cause(&self) -> &'static str {
+        match self {
+            GpuOp::SetSharing(_) => "the GPU driver is stuck, or nvidia-smi cannot exit",
+            _ => "the GPU driver is stuck",
+        }
+    }
+
+    /// The start of the message of a failure: the GPU, the operation.
+    fn failed(&self, gpu: &str) -> String {
+        match self {
+            GpuOp::SetSharing(mode) => format!("setting {gpu} to {mode}"),
+            other => format!("{gpu}: {}", other.doing()),
+        }
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
-pub enum GpuModeError {
+pub(super) enum GpuOpError {
     #[error(
-        "{gpu}: an earlier change to {mode} has not returned for {}s (the GPU driver is stuck, or \
-         nvidia-smi cannot exit); no change to this GPU can be made until it returns",
-        since.as_secs()
+        "{gpu}: an earlier {} has not returned for {}s ({}); no change to this GPU can be made \
+         until it returns",
+        op.earlier(), since.as_secs(), op.stuck_cause()
     )]
     Stuck {
         gpu: String,
-        mode: GpuSharingMode,
+        op: GpuOp,
         since: Duration,
     },
     #[error(
-        "{gpu}: setting {mode} did not return within {}s; the GPU driver may be stuck (check \
+        "{gpu}: {} did not return within {}s; the GPU driver may be stuck (check \
          `nvidia-smi -q -i {uuid}` and the kernel log for XID errors)",
-        timeout.as_secs_f64()
+        op.doing(), timeout.as_secs_f64()
     )]
     TimedOut {
         gpu: String,
         uuid: String,
-        mode: GpuSharingMode,
+        op: GpuOp,
         timeout: Duration,
     },
     #[error(
-        "{gpu}: another change to its sharing mode is still running after {}s",
+        "{gpu}: another operation on the GPU{} is still running after {}s",
+        running.as_ref().map(|op| format!(" ({})", op.doing())).unwrap_or_default(),
         waited.as_secs_f64()
     )]
-    Busy { gpu: String, waited: Duration },
-    #[error("setting {gpu} to {mode}: {source}")]
+    Busy {
+        gpu: String,
+        running: Option<GpuOp>,
+        waited: Duration,
+    },
+    #[error("{}: {source}", op.failed(gpu))]
     Failed {
         gpu: String,
-        mode: GpuSharingMode,
+        op: GpuOp,
         source: GpuError,
     },
-    #[error("{gpu}: the change to {mode} ended abnormally: {reason}")]
+    #[error("{gpu}: {} ended abnormally: {reason}", op.doing())]
     Aborted {
         gpu: String,
-        mode: GpuSharingMode,
+        op: GpuOp,
         reason: String,
     },
 }
 
-/// What a change on the blocking thread returns: whether it changed anything.
-type Change = JoinHandle<Result<bool, GpuError>>;
+impl GpuOpError {
+    /// Whether the operation was started and may still take effect: it did not return in time.
+    pub(super) fn may_still_take_effect(&self) -> bool {
+        matches!(self, GpuOpError::TimedOut { .. })
+    }
 
-/// Per-GPU sharing state, by GPU UUID; created on first use and kept (a node has a handful of GPUs).
-#[derive(Debug)]
-pub(super) struct GpuModes {
-    gpus: Mutex<HashMap<String, Arc<tokio::sync::Mutex<GpuMode>>>>,
-    timeout: Duration,
+    /// Whether the operation never started: the GPU was stuck or busy with another.
+    pub(super) fn not_started(&self) -> bool {
+        matches!(self, GpuOpError::Stuck { .. } | GpuOpError::Busy { .. })
+    }
+}
+
+/// Per-GPU state, by GPU UUID; created on first use and kept (a node has a handful of GPUs).
+pub(super) struct GpuOps {
+    gpus: Mutex<HashMap<String, Arc<GpuEntry>>>,
+    sharing_timeout: Duration,
+    mig_timeout: Duration,
+    metrics: Arc<Metrics>,
+}
+
+#[derive(Default)]
+struct GpuEntry {
+    /// Held by whoever runs an operation on the GPU.
+    lock: Arc<tokio::sync::Mutex<GpuMode>>,
+    /// The operation started last that has not been taken in: running, stuck, or returned since.
+    /// Readable without the lock, so that stuck GPUs can be listed at any time.
+    running: Mutex<Option<Running>>,
 }
 
 #[derive(Debug, Default)]
@@ -75,69 +168,153 @@ pub(super) struct GpuMode {
     /// The mode last set; `None` when not known (not set by this plugin yet, or the last change
     /// failed or has not returned).
     applied: Option<GpuSharingMode>,
-    stuck: Option<StuckChange>,
 }
 
-#[derive(Debug)]
-struct StuckChange {
-    mode: GpuSharingMode,
-    since: Instant,
-    change: Change,
+struct Running {
+    op: GpuOp,
+    /// The GPU's name, `gpu-<minor>`.
+    gpu: String,
+    started: Instant,
+    timeout: Duration,
+    /// Ends when the operation returns: `Err` with why it failed.
+    task: JoinHandle<Result<(), String>>,
+    gauge: Arc<Mutex<Gauge>>,
+}
+
+impl Running {
+    fn stuck(&self) -> bool {
+        !self.task.is_finished() && self.started.elapsed() >= self.timeout
+    }
+}
+
+/// Whether the operation returned, and whether it was reported stuck: set under one lock by the
+/// waiter (stuck) and by the blocking thread (returned), so the gauge never stays at 1 for an
+/// operation that has returned.
+#[derive(Default)]
+struct Gauge {
+    returned: bool,
+    reported: bool,
 }
 
 /// One GPU's state, locked.
 pub(super) struct HeldGpu {
     gpu: String,
     uuid: String,
+    entry: Arc<GpuEntry>,
     state: OwnedMutexGuard<GpuMode>,
-    timeout: Duration,
+    sharing_timeout: Duration,
+    metrics: Arc<Metrics>,
 }
 
-impl GpuModes {
-    /// `timeout` bounds each change, and each wait for a GPU's lock.
-    pub(super) fn new(timeout: Duration) -> Self {
+impl GpuOps {
+    /// `sharing_timeout` bounds each change of a sharing mode, `mig_timeout` each MIG create and
+    /// destroy; each wait for a GPU's lock is bounded by the timeout of the operation that waits.
+    pub(super) fn new(
+        sharing_timeout: Duration,
+        mig_timeout: Duration,
+        metrics: Arc<Metrics>,
+    ) -> Self {
         Self {
             gpus: Mutex::new(HashMap::new()),
-            timeout,
+            sharing_timeout,
+            mig_timeout,
+            metrics,
         }
     }
 
-    /// Takes the lock of GPU `uuid` (`gpu` names it in messages), waiting at most the timeout. Fails
-    /// at once while an earlier change to the GPU has not returned; one that returned since is
-    /// settled first.
-    pub(super) async fn hold(&self, uuid: &str, gpu: &str) -> Result<HeldGpu, GpuModeError> {
-        let lock = super::lock(&self.gpus)
+    fn entry(&self, uuid: &str) -> Arc<GpuEntry> {
+        super::lock(&self.gpus)
             .entry(uuid.to_string())
             .or_default()
-            .clone();
-        let state = tokio::time::timeout(self.timeout, lock.lock_owned())
+            .clone()
+    }
+
+    /// Takes the lock of GPU `uuid` (`gpu` names it in messages) for a change of its sharing mode,
+    /// waiting at most the sharing timeout. Fails at once while an earlier operation on the GPU has
+    /// not returned; one that returned since is taken in first.
+    pub(super) async fn hold(&self, uuid: &str, gpu: &str) -> Result<HeldGpu, GpuOpError> {
+        self.hold_within(uuid, gpu, self.sharing_timeout).await
+    }
+
+    async fn hold_within(
+        &self,
+        uuid: &str,
+        gpu: &str,
+        wait: Duration,
+    ) -> Result<HeldGpu, GpuOpError> {
+        let deadline = Instant::now() + wait;
+        let entry = self.entry(uuid);
+        let busy = |entry: &GpuEntry| GpuOpError::Busy {
+            gpu: gpu.to_string(),
+            running: super::lock(&entry.running).as_ref().map(|r| r.op.clone()),
+            waited: wait,
+        };
+        let state = tokio::time::timeout(wait, entry.lock.clone().lock_owned())
             .await
-            .map_err(|_| GpuModeError::Busy {
-                gpu: gpu.to_string(),
-                waited: self.timeout,
-            })?;
+            .map_err(|_| busy(&entry))?;
         let mut held = HeldGpu {
             gpu: gpu.to_string(),
             uuid: uuid.to_string(),
+            entry,
             state,
-            timeout: self.timeout,
+            sharing_timeout: self.sharing_timeout,
+            metrics: self.metrics.clone(),
         };
-        held.settle()?;
+        held.settle(deadline).await?;
         Ok(held)
     }
-}
 
-impl GpuModes {
+    /// Runs `work`, a MIG create or destroy (`op`) on GPU `uuid` (`gpu` names it in messages), on a
+    /// blocking thread under the GPU's lock: waits for the lock and for `work` at most the MIG
+    /// timeout each. Work that does not return in time keeps running, and the GPU counts as stuck
+    /// until it returns.
+    pub(super) async fn mig<T: Send + 'static>(
+        &self,
+        uuid: &str,
+        gpu: &str,
+        op: GpuOp,
+        work: impl FnOnce() -> Result<T, GpuError> + Send + 'static,
+    ) -> Result<T, GpuOpError> {
+        let mut held = self.hold_within(uuid, gpu, self.mig_timeout).await?;
+        held.run(op, self.mig_timeout, work).await
+    }
+
+    /// How long one MIG create or destroy may take.
+    pub(super) fn mig_timeout(&self) -> Duration {
+        self.mig_timeout
+    }
+
     /// Forgets the mode last set on GPU `uuid` (something else changed it), so the next sync sets
     /// it whatever it is. Waits for the GPU's lock as [`hold`](Self::hold) does.
     pub(super) async fn forget(&self, uuid: &str) {
-        let lock = super::lock(&self.gpus)
-            .entry(uuid.to_string())
-            .or_default()
-            .clone();
-        if let Ok(mut state) = tokio::time::timeout(self.timeout, lock.lock_owned()).await {
+        let entry = self.entry(uuid);
+        if let Ok(mut state) =
+            tokio::time::timeout(self.sharing_timeout, entry.lock.clone().lock_owned()).await
+        {
             state.applied = None;
         }
+    }
+
+    /// The GPUs with an operation that has not returned in time: GPU UUID, and what is stuck.
+    pub(super) fn stuck(&self) -> Vec<(String, String)> {
+        let mut stuck: Vec<(String, String)> = super::lock(&self.gpus)
+            .iter()
+            .filter_map(|(uuid, entry)| {
+                let running = super::lock(&entry.running);
+                let running = running.as_ref().filter(|r| r.stuck())?;
+                Some((
+                    uuid.clone(),
+                    format!(
+                        "{}: {} has not returned for {}s",
+                        running.gpu,
+                        running.op.doing(),
+                        running.started.elapsed().as_secs()
+                    ),
+                ))
+            })
+            .collect();
+        stuck.sort();
+        stuck
     }
 }
 
@@ -148,75 +325,180 @@ impl HeldGpu {
     }
 
     /// Runs `change` (which leaves the GPU in `mode` when it succeeds) on a blocking thread, waiting
-    /// at most the timeout; returns whether it changed anything. A change that does not return in
-    /// time keeps running, and the GPU counts as stuck until it returns.
+    /// at most the sharing timeout; returns whether it changed anything. A change that does not
+    /// return in time keeps running, and the GPU counts as stuck until it returns.
     pub(super) async fn change(
         &mut self,
         mode: GpuSharingMode,
         change: impl FnOnce() -> Result<bool, GpuError> + Send + 'static,
-    ) -> Result<bool, GpuModeError> {
+    ) -> Result<bool, GpuOpError> {
         self.state.applied = None;
-        let mut task = tokio::task::spawn_blocking(change);
-        match tokio::time::timeout(self.timeout, &mut task).await {
-            Ok(finished) => self.finished(mode, finished),
+        let changed = self
+            .run(GpuOp::SetSharing(mode), self.sharing_timeout, change)
+            .await?;
+        self.state.applied = Some(mode);
+        Ok(changed)
+    }
+
+    /// Runs `work` on a blocking thread, waiting at most `timeout` for it. It is recorded as the
+    /// GPU's running operation before the wait, so that if this caller is cancelled (the kubelet's
+    /// deadline) the next caller still knows what runs.
+    async fn run<T: Send + 'static>(
+        &mut self,
+        op: GpuOp,
+        timeout: Duration,
+        work: impl FnOnce() -> Result<T, GpuError> + Send + 'static,
+    ) -> Result<T, GpuOpError> {
+        if let Some(earlier) = super::lock(&self.entry.running).as_ref() {
+            // Only after one that did not return: a caller does nothing more under that hold.
+            return Err(GpuOpError::Stuck {
+                gpu: self.gpu.clone(),
+                op: earlier.op.clone(),
+                since: earlier.started.elapsed(),
+            });
+        }
+        let (sender, receiver) = tokio::sync::oneshot::channel();
+        let gauge = Arc::new(Mutex::new(Gauge::default()));
+        let (metrics, gpu, returned) = (self.metrics.clone(), self.gpu.clone(), gauge.clone());
+        let task = tokio::task::spawn_blocking(move || {
+            let result = work();
+            let summary = result.as_ref().map(|_| ()).map_err(|e| e.to_string());
+            {
+                let mut gauge = super::lock(&returned);
+                gauge.returned = true;
+                if gauge.reported {
+                    metrics.set_gpu_operation_stuck(&gpu, false);
+                }
+            }
+            // The waiter may have given up; the outcome is then taken in from `summary`.
+            let _ = sender.send(result);
+            summary
+        });
+        *super::lock(&self.entry.running) = Some(Running {
+            op: op.clone(),
+            gpu: self.gpu.clone(),
+            started: Instant::now(),
+            timeout,
+            task,
+            gauge: gauge.clone(),
+        });
+        match tokio::time::timeout(timeout, receiver).await {
+            Ok(Ok(result)) => {
+                super::lock(&self.entry.running).take();
+                result.map_err(|source| GpuOpError::Failed {
+                    gpu: self.gpu.clone(),
+                    op,
+                    source,
+                })
+            }
+            Ok(Err(_)) => {
+                // The work panicked: the thread ended without sending its result.
+                let running = super::lock(&self.entry.running).take();
+                let reason = match running {
+                    Some(running) => match running.task.await {
+                        Err(join) => join.to_string(),
+                        Ok(_) => "it returned no result".to_string(),
+                    },
+                    None => "it returned no result".to_string(),
+                };
+                Err(GpuOpError::Aborted {
+                    gpu: self.gpu.clone(),
+                    op,
+                    reason,
+                })
+            }
             Err(_) => {
-                self.state.stuck = Some(StuckChange {
-                    mode,
-                    since: Instant::now()
-                        .checked_sub(self.timeout)
-                        .unwrap_or_else(Instant::now),
-                    change: task,
-                });
-                Err(GpuModeError::TimedOut {
+                {
+                    let mut gauge = super::lock(&gauge);
+                    if !gauge.returned {
+                        gauge.reported = true;
+                        self.metrics.set_gpu_operation_stuck(&self.gpu, true);
+                    }
+                }
+                warn!(gpu = %self.gpu, uuid = %self.uuid, operation = %op.doing(), timeout_s = timeout.as_secs_f64(), "a GPU operation did not return in time; the GPU counts as stuck until it does");
+                Err(GpuOpError::TimedOut {
                     gpu: self.gpu.clone(),
                     uuid: self.uuid.clone(),
-                    mode,
-                    timeout: self.timeout,
+                    op,
+                    timeout,
                 })
             }
         }
     }
 
-    fn finished(
-        &mut self,
-        mode: GpuSharingMode,
-        finished: Result<Result<bool, GpuError>, tokio::task::JoinError>,
-    ) -> Result<bool, GpuModeError> {
-        match finished {
-            Ok(Ok(changed)) => {
-                self.state.applied = Some(mode);
-                Ok(changed)
+    /// Takes in an earlier operation that has returned. One that has not fails at once once it is
+    /// past its timeout; one still within it (its caller was cancelled) is waited for until
+    /// `deadline`.
+    async fn settle(&mut self, deadline: Instant) -> Result<(), GpuOpError> {
+        loop {
+            let returned = {
+                let mut running = super::lock(&self.entry.running);
+                let Some(earlier) = running.as_ref() else {
+                    return Ok(());
+                };
+                if earlier.task.is_finished() {
+                    running.take()
+                } else if earlier.stuck() {
+                    return Err(GpuOpError::Stuck {
+                        gpu: self.gpu.clone(),
+                        op: earlier.op.clone(),
+                        since: earlier.started.elapsed(),
+                    });
+                } else if Instant::now() >= deadline {
+                    return Err(GpuOpError::Busy {
+                        gpu: self.gpu.clone(),
+                        running: Some(earlier.op.clone()),
+                        waited: earlier.started.elapsed(),
+                    });
+                } else {
+                    None
+                }
+            };
+            match returned {
+                Some(earlier) => {
+                    self.take_in(earlier);
+                    return Ok(());
+                }
+                None => tokio::time::sleep(POLL).await,
             }
-            Ok(Err(source)) => Err(GpuModeError::Failed {
-                gpu: self.gpu.clone(),
-                mode,
-                source,
-            }),
-            Err(join) => Err(GpuModeError::Aborted {
-                gpu: self.gpu.clone(),
-                mode,
-                reason: join.to_string(),
-            }),
         }
     }
 
-    /// Fails while an earlier change has not returned; takes in the outcome of one that has.
-    fn settle(&mut self) -> Result<(), GpuModeError> {
-        let Some(stuck) = self.state.stuck.as_mut() else {
-            return Ok(());
+    /// What an operation that returned after its caller stopped waiting left: a sharing mode set
+    /// or not; a MIG device made or destroyed (the checkpoint's record of a MIG device being made
+    /// stays until the device is destroyed, so the kubelet's retry adopts it, or the next start's
+    /// sweep destroys it).
+    fn take_in(&mut self, earlier: Running) {
+        let outcome = match earlier.task.now_or_never() {
+            Some(Ok(summary)) => summary,
+            Some(Err(join)) => Err(join.to_string()),
+            // Finished, checked under the same lock.
+            None => Err("its outcome cannot be read".to_string()),
         };
-        let Some(finished) = (&mut stuck.change).now_or_never() else {
-            return Err(GpuModeError::Stuck {
-                gpu: self.gpu.clone(),
-                mode: stuck.mode,
-                since: stuck.since.elapsed(),
-            });
-        };
-        let mode = stuck.mode;
-        self.state.stuck = None;
-        // Its outcome only tells what the GPU holds now; the caller goes on from there.
-        let _ = self.finished(mode, finished);
-        Ok(())
+        let late = super::lock(&earlier.gauge).reported;
+        if let GpuOp::SetSharing(mode) = &earlier.op {
+            self.state.applied = outcome.is_ok().then_some(*mode);
+        }
+        if late {
+            match &outcome {
+                Ok(()) => {
+                    info!(gpu = %self.gpu, operation = %earlier.op.doing(), "a GPU operation that had not returned in time returned; the GPU takes operations again")
+                }
+                Err(error) => {
+                    warn!(gpu = %self.gpu, operation = %earlier.op.doing(), %error, "a GPU operation that had not returned in time returned with an error; the GPU takes operations again")
+                }
+            }
+        }
+    }
+}
+
+impl Preparer {
+    /// The GPUs an operation is stuck on (a sharing-mode change, a MIG create or destroy that has
+    /// not returned within its bound): GPU UUID, and what is stuck (`gpu-0: creating MIG device
+    /// 1g.10gb at memory slice 3 has not returned for 20s`). Every other operation on such a GPU fails
+    /// at once until it returns.
+    pub fn stuck_gpus(&self) -> Vec<(String, String)> {
+        self.gpu_modes.stuck()
     }
 }
 
@@ -228,11 +510,29 @@ mod tests {
 
     const LONG: GpuSharingMode = GpuSharingMode::TimeSlice(TimeSliceInterval::Long);
 
+    fn ops(timeout: Duration) -> GpuOps {
+        GpuOps::new(timeout, timeout, Metrics::new())
+    }
+
+    /// Waits until GPU `uuid` takes operations again.
+    async fn hold_once_returned(ops: &GpuOps, uuid: &str, gpu: &str) -> HeldGpu {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            match ops.hold(uuid, gpu).await {
+                Ok(held) => return held,
+                Err(GpuOpError::Stuck { .. }) if Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(10)).await
+                }
+                Err(other) => panic!("{other}"),
+            }
+        }
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_change_that_does_not_return_fails_in_time_and_blocks_only_its_gpu() {
-        let modes = GpuModes::new(Duration::from_millis(200));
+        let ops = ops(Duration::from_millis(200));
         let (release, released) = mpsc::channel::<()>();
-        let mut held = modes.hold("GPU-a", "gpu-0").await.unwrap();
+        let mut held = ops.hold("GPU-a", "gpu-0").await.unwrap();
         let started = Instant::now();
         let err = held
             .change(LONG, move || {
@@ -252,38 +552,171 @@ mod tests {
 
         // The next change to that GPU fails at once, naming what is stuck; another GPU changes.
         let started = Instant::now();
-        let err = modes.hold("GPU-a", "gpu-0").await.err().unwrap();
+        let err = ops.hold("GPU-a", "gpu-0").await.err().unwrap();
         assert!(started.elapsed() < Duration::from_millis(100));
-        assert!(matches!(err, GpuModeError::Stuck { .. }), "{err}");
+        assert!(matches!(err, GpuOpError::Stuck { .. }), "{err}");
         assert!(
             err.to_string().starts_with(
                 "gpu-0: an earlier change to compute mode DEFAULT with time-slice interval Long has not returned for"
             ),
             "{err}"
         );
-        let mut other = modes.hold("GPU-b", "gpu-1").await.unwrap();
+        assert_eq!(ops.stuck().len(), 1);
+        assert_eq!(ops.stuck()[0].0, "GPU-a");
+        assert!(
+            ops.stuck()[0].1.starts_with(
+                "gpu-0: setting compute mode DEFAULT with time-slice interval Long has not returned for"
+            ),
+            "{:?}",
+            ops.stuck()
+        );
+        let mut other = ops.hold("GPU-b", "gpu-1").await.unwrap();
         assert!(other.change(LONG, || Ok(true)).await.unwrap());
         assert_eq!(other.applied(), Some(LONG));
 
         // Once it returns, the GPU takes changes again, starting from what that change set.
         release.send(()).unwrap();
-        let deadline = Instant::now() + Duration::from_secs(5);
-        let held = loop {
-            match modes.hold("GPU-a", "gpu-0").await {
-                Ok(held) => break held,
-                Err(GpuModeError::Stuck { .. }) if Instant::now() < deadline => {
-                    tokio::time::sleep(Duration::from_millis(10)).await
-                }
-                Err(other) => panic!("{other}"),
-            }
-        };
+        let held = hold_once_returned(&ops, "GPU-a", "gpu-0").await;
         assert_eq!(held.applied(), Some(LONG));
+        assert!(ops.stuck().is_empty());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_mig_operation_that_does_not_return_blocks_its_gpus_sharing_changes_too() {
+        let metrics = Metrics::new();
+        let ops = GpuOps::new(
+            Duration::from_secs(5),
+            Duration::from_millis(200),
+            metrics.clone(),
+        );
+        let (release, released) = mpsc::channel::<()>();
+        let create = GpuOp::CreateMig {
+            profile: "1g.10gb".into(),
+            start: 3,
+        };
+        let err = ops
+            .mig("GPU-a", "gpu-0", create, move || {
+                let _ = released.recv();
+                Ok("MIG-late")
+            })
+            .await
+            .unwrap_err();
+        assert!(err.may_still_take_effect());
+        assert!(
+            err.to_string().starts_with(
+                "gpu-0: creating MIG device 1g.10gb at memory slice 3 did not return within 0.2s"
+            ),
+            "{err}"
+        );
+        assert!(
+            metrics
+                .encode()
+                .contains("gpu_dra_gpu_operation_stuck{gpu=\"gpu-0\"} 1"),
+            "{}",
+            metrics.encode()
+        );
+
+        // A destroy and a sharing change on that GPU fail at once, naming the create.
+        for err in [
+            ops.mig(
+                "GPU-a",
+                "gpu-0",
+                GpuOp::DestroyMig {
+                    uuid: "MIG-x".into(),
+                },
+                || Ok(()),
+            )
+            .await
+            .unwrap_err(),
+            ops.hold("GPU-a", "gpu-0").await.err().unwrap(),
+        ] {
+            assert!(err.not_started(), "{err}");
+            assert!(
+                err.to_string().starts_with(
+                    "gpu-0: an earlier create of MIG device 1g.10gb at memory slice 3 has not returned for"
+                ),
+                "{err}"
+            );
+        }
+        // Another GPU's MIG operations go on.
+        assert_eq!(
+            ops.mig(
+                "GPU-b",
+                "gpu-1",
+                GpuOp::CreateMig {
+                    profile: "1g.10gb".into(),
+                    start: 0
+                },
+                || Ok(7)
+            )
+            .await
+            .unwrap(),
+            7
+        );
+
+        release.send(()).unwrap();
+        let held = hold_once_returned(&ops, "GPU-a", "gpu-0").await;
+        drop(held);
+        assert!(
+            metrics
+                .encode()
+                .contains("gpu_dra_gpu_operation_stuck{gpu=\"gpu-0\"} 0"),
+            "{}",
+            metrics.encode()
+        );
+        let destroyed = ops
+            .mig(
+                "GPU-a",
+                "gpu-0",
+                GpuOp::DestroyMig {
+                    uuid: "MIG-late".into(),
+                },
+                || Ok(true),
+            )
+            .await;
+        assert!(destroyed.unwrap());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_operation_whose_caller_was_cancelled_is_waited_for_by_the_next_caller() {
+        let ops = Arc::new(ops(Duration::from_secs(5)));
+        let (release, released) = mpsc::channel::<()>();
+        let create = GpuOp::CreateMig {
+            profile: "1g.10gb".into(),
+            start: 0,
+        };
+        let cancelled = tokio::time::timeout(
+            Duration::from_millis(100),
+            ops.mig("GPU-a", "gpu-0", create, move || {
+                let _ = released.recv();
+                Ok(())
+            }),
+        )
+        .await;
+        assert!(cancelled.is_err(), "the caller gave up");
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(200));
+            let _ = release.send(());
+        });
+        // The next caller waits for the running create to return, then goes on.
+        let started = Instant::now();
+        ops.mig(
+            "GPU-a",
+            "gpu-0",
+            GpuOp::DestroyMig {
+                uuid: "MIG-a".into(),
+            },
+            || Ok(()),
+        )
+        .await
+        .unwrap();
+        assert!(started.elapsed() >= Duration::from_millis(100));
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_failed_change_leaves_the_mode_unknown() {
-        let modes = GpuModes::new(Duration::from_secs(5));
-        let mut held = modes.hold("GPU-a", "gpu-0").await.unwrap();
+        let ops = ops(Duration::from_secs(5));
+        let mut held = ops.hold("GPU-a", "gpu-0").await.unwrap();
         held.change(LONG, || Ok(true)).await.unwrap();
         let err = held
             .change(GpuSharingMode::ExclusiveProcess, || {
@@ -303,13 +736,13 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn waiting_for_a_gpus_lock_is_bounded() {
-        let modes = GpuModes::new(Duration::from_millis(100));
-        let _first = modes.hold("GPU-a", "gpu-0").await.unwrap();
-        let err = modes.hold("GPU-a", "gpu-0").await.err().unwrap();
+        let ops = ops(Duration::from_millis(100));
+        let _first = ops.hold("GPU-a", "gpu-0").await.unwrap();
+        let err = ops.hold("GPU-a", "gpu-0").await.err().unwrap();
         assert_eq!(
             err.to_string(),
-            "gpu-0: another change to its sharing mode is still running after 0.1s"
+            "gpu-0: another operation on the GPU is still running after 0.1s"
         );
-        modes.hold("GPU-b", "gpu-1").await.unwrap();
+        ops.hold("GPU-b", "gpu-1").await.unwrap();
     }
 }

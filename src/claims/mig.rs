@@ -13,6 +13,7 @@ use kube::api::{Api, PostParams};
 use tracing::{debug, info, warn};
 
 use super::checkpoint::PreparedMig;
+use super::gpu_modes::{GpuOp, GpuOpError, GpuOps};
 use super::{ClaimRef, PreparedDevice, Preparer};
 use crate::devices::{DeviceName, MigMode};
 use crate::gpu::{
@@ -164,42 +165,49 @@ impl Preparer {
 }
 
 /// Creates the MIG device; with `adopt`, one of the requested profile found at exactly the requested
-/// placement is taken as it is (see [`GpuBackend::create_or_adopt_mig`]).
+/// placement is taken as it is (see [`GpuBackend::create_or_adopt_mig`]). Runs as an operation on
+/// the GPU (`gpu_modes.rs`): bounded in time, and refused at once while an earlier one is stuck.
 pub(super) async fn create(
+    ops: &GpuOps,
     backend: &Arc<dyn GpuBackend>,
     target: &MigTarget,
     adopt: bool,
-) -> Result<PreparedMig, String> {
+) -> Result<PreparedMig, GpuOpError> {
     let request = MigRequest {
         parent_uuid: target.gpu.uuid.clone(),
         profile_id: target.profile.id,
         placement: target.placement,
     };
-    if target.compute_instance.is_some() {
-        return Err("dynamic MIG makes MIG devices with one compute instance only".into());
-    }
+    let op = GpuOp::CreateMig {
+        profile: target.profile.name.clone(),
+        start: target.placement.start,
+    };
     // The create runs on a thread of its own, so a prepare the kubelet cancels (its deadline) leaves
     // it to finish; the kubelet's retry then adopts what it made (it was recorded before the create),
     // and reserve() guarantees that no other claim holds the placement, so what is there is this claim's.
     let worker = backend.clone();
-    let (instance, adopted) = tokio::task::spawn_blocking(move || {
-        if adopt {
-            worker.create_or_adopt_mig(&request)
-        } else {
-            worker
-                .create_mig(&request)
-                .map(|instance| (instance, false))
-        }
-    })
-    .await
-    .map_err(|e| e.to_string())?
-    .map_err(|e| format!("creating MIG device {}: {e}", target.profile.name))?;
+    let (instance, adopted) = ops
+        .mig(&target.gpu.uuid, &gpu_name(&target.gpu), op, move || {
+            if adopt {
+                worker.create_or_adopt_mig(&request)
+            } else {
+                worker
+                    .create_mig(&request)
+                    .map(|instance| (instance, false))
+            }
+        })
+        .await?;
     if adopted {
         info!(uuid = %instance.uuid, profile = %target.profile.name, start = target.placement.start, "MIG device adopted (made by an earlier, interrupted prepare)");
     } else {
         info!(uuid = %instance.uuid, profile = %target.profile.name, start = target.placement.start, "MIG device created");
     }
     Ok(prepared_mig(&target.gpu, &instance, true))
+}
+
+/// The GPU's name in messages: `gpu-<minor>`, as its device is named.
+pub(super) fn gpu_name(gpu: &Gpu) -> String {
+    format!("gpu-{}", gpu.minor)
 }
 
 fn prepared_mig(gpu: &Gpu, instance: &MigInstance, created: bool) -> PreparedMig {
@@ -213,19 +221,20 @@ fn prepared_mig(gpu: &Gpu, instance: &MigInstance, created: bool) -> PreparedMig
     }
 }
 
-/// Destroys the MIG devices these devices created; failures are logged and left to the start-up
-/// sweep. Returns the first error for callers that must report it, and the UUIDs of the devices that
-/// are gone now (destroyed, or gone already).
+/// Destroys the MIG devices these devices created, each as an operation on its GPU (bounded in
+/// time, refused at once while an earlier one on the GPU is stuck); failures are logged and left to
+/// the kubelet's retry or the start-up sweep. Returns the first error for callers that must report
+/// it, and the UUIDs of the devices that are gone now (destroyed, or gone already).
 pub(super) async fn destroy_created(
+    ops: &GpuOps,
     backend: &Arc<dyn GpuBackend>,
     devices: &[PreparedDevice],
 ) -> (Option<String>, Vec<String>) {
     let mut first_error = None;
     let mut gone = Vec::new();
-    for mig in devices
+    for (device, mig) in devices
         .iter()
-        .filter_map(|d| d.mig.as_ref())
-        .filter(|m| m.created)
+        .filter_map(|d| Some((d, d.mig.as_ref().filter(|m| m.created)?)))
     {
         let worker = backend.clone();
         let (parent, gpu_instance, uuid) = (
@@ -233,11 +242,18 @@ pub(super) async fn destroy_created(
             mig.gpu_instance_id,
             mig.uuid.clone(),
         );
-        let result =
-            tokio::task::spawn_blocking(move || worker.destroy_mig(&parent, gpu_instance, &uuid))
-                .await
-                .map_err(|e| e.to_string())
-                .and_then(|r| r.map_err(|e| e.to_string()));
+        let gpu = DeviceName::parse(&device.device)
+            .map(|name| format!("gpu-{}", name.minor()))
+            .unwrap_or_else(|| mig.parent_uuid.clone());
+        let op = GpuOp::DestroyMig {
+            uuid: mig.uuid.clone(),
+        };
+        let result = ops
+            .mig(&mig.parent_uuid, &gpu, op, move || {
+                worker.destroy_mig(&parent, gpu_instance, &uuid)
+            })
+            .await
+            .map_err(|e| e.to_string());
         if result.is_ok() {
             gone.push(mig.uuid.clone());
         }
@@ -250,7 +266,7 @@ pub(super) async fn destroy_created(
             }
             Err(error) => {
                 warn!(uuid = %mig.uuid, %error, "destroying MIG device failed");
-                first_error.get_or_insert(format!("destroying MIG device {}: {error}", mig.uuid));
+                first_error.get_or_insert(error);
             }
         }
     }

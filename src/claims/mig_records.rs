@@ -8,9 +8,10 @@ use std::collections::BTreeSet;
 use tracing::{info, warn};
 
 use super::checkpoint::{CheckpointData, MadeMig, PreparedMig};
+use super::gpu_modes::GpuOp;
 use super::mig::{self, MigTarget};
 use super::{lock, ClaimError, ClaimRecord, ClaimRef, PreparedDevice, Preparer};
-use crate::gpu::{GpuBackend, Inventory, MigDestroyed, MigInstance, MigRequest};
+use crate::gpu::{Inventory, MigDestroyed, MigInstance, MigRequest};
 
 /// What the start-up sweep did.
 #[derive(Debug, Default)]
@@ -26,13 +27,17 @@ pub(super) struct Sweep {
 
 impl Preparer {
     /// Records the MIG device in the checkpoint, then creates it for `claim`. Where a record of the
-    /// same device was there already (an earlier attempt the kubelet cancelled mid-create), a device
-    /// found at that place is adopted; any other device in the way makes the create fail.
+    /// same device was there already (an earlier attempt the kubelet cancelled mid-create, or whose
+    /// create did not return in time), a device found at that place is adopted; any other device in
+    /// the way makes the create fail.
     pub(super) async fn create_recorded(
         &self,
         claim: &ClaimRef,
         target: &MigTarget,
     ) -> Result<PreparedMig, String> {
+        if target.compute_instance.is_some() {
+            return Err("dynamic MIG makes MIG devices with one compute instance only".into());
+        }
         let record = MadeMig {
             claim_uid: claim.uid.clone(),
             parent_uuid: target.gpu.uuid.clone(),
@@ -53,7 +58,7 @@ impl Preparer {
                 "not created, because it cannot be recorded in the checkpoint first: {cause}"
             ));
         }
-        match mig::create(&self.backend, target, recorded_before).await {
+        match mig::create(&self.gpu_modes, &self.backend, target, recorded_before).await {
             Ok(made) => {
                 let mut state = lock(&self.state);
                 if let Some(found) = state
@@ -67,13 +72,22 @@ impl Preparer {
                 state.revision += 1;
                 Ok(made)
             }
-            Err(reason) => {
-                // A create that failed without leaving anything needs no record; one that left a
-                // device (or cannot be checked) keeps it, for the sweep at the next start.
-                if !self.anything_made_at(&record).await {
+            Err(error) => {
+                // The record stays while the device may exist or still come to: a create that has
+                // not returned (the kubelet's retry adopts what it makes, the next start's sweep
+                // destroys it), or one that failed leaving a device (or that cannot be checked). A
+                // create that never started needs no record, unless an earlier attempt's is there.
+                let forget = if error.may_still_take_effect() {
+                    false
+                } else if error.not_started() {
+                    !recorded_before
+                } else {
+                    !self.anything_made_at(&record).await
+                };
+                if forget {
                     self.forget_made(|made| same_place(made, &record));
                 }
-                Err(reason)
+                Err(error.to_string())
             }
         }
     }
@@ -81,7 +95,8 @@ impl Preparer {
     /// Destroys the MIG devices these devices created (see [`mig::destroy_created`]) and forgets the
     /// records of those that are gone. Returns the first error.
     pub(super) async fn destroy_created(&self, devices: &[PreparedDevice]) -> Option<String> {
-        let (first_error, gone) = mig::destroy_created(&self.backend, devices).await;
+        let (first_error, gone) =
+            mig::destroy_created(&self.gpu_modes, &self.backend, devices).await;
         if !gone.is_empty() {
             self.forget_made(|made| made.uuid.as_ref().is_some_and(|uuid| gone.contains(uuid)));
         }
@@ -145,20 +160,35 @@ impl Preparer {
             profile_id: target.profile.id,
             placement: target.placement,
         };
-        let made = if adopt {
-            self.backend
-                .create_or_adopt_mig(&request)
-                .map(|(instance, _)| instance)
-        } else {
-            self.backend.create_mig(&request)
+        let op = GpuOp::CreateMig {
+            profile: target.profile.name.clone(),
+            start: target.placement.start,
         };
+        let backend = self.backend.clone();
+        // Start-up runs on a blocking thread of the runtime; the create is bounded as at prepare.
+        let made = tokio::runtime::Handle::current().block_on(self.gpu_modes.mig(
+            &target.gpu.uuid,
+            &mig::gpu_name(&target.gpu),
+            op,
+            move || {
+                if adopt {
+                    backend
+                        .create_or_adopt_mig(&request)
+                        .map(|(instance, _)| instance)
+                } else {
+                    backend.create_mig(&request)
+                }
+            },
+        ));
         made.map_err(|error| error.to_string())
     }
 
-    /// Whether a MIG device matching the record exists now; `true` when the GPUs cannot be read.
+    /// Whether a MIG device matching the record exists now; `true` when the GPUs cannot be read (in
+    /// time: a driver stuck on the GPU may hold up reading it too).
     async fn anything_made_at(&self, record: &MadeMig) -> bool {
         let backend = self.backend.clone();
-        let Ok(Ok(now)) = tokio::task::spawn_blocking(move || backend.inventory()).await else {
+        let read = tokio::task::spawn_blocking(move || backend.inventory());
+        let Ok(Ok(Ok(now))) = tokio::time::timeout(self.gpu_modes.mig_timeout(), read).await else {
             return true;
         };
         now.gpus
@@ -167,6 +197,62 @@ impl Preparer {
             .filter_map(|gpu| gpu.mig.as_ref())
             .flat_map(|mig| &mig.instances)
             .any(|instance| record.is(&record.parent_uuid, instance))
+    }
+
+    /// The start-up sweep of dynamic MIG: every MIG device no kept claim owns (`owned`: parent UUID
+    /// and GPU instance id) is destroyed if the plugin made it (`made`), and reported and left alone
+    /// if not. Records that match no device any more are dropped: their devices are gone. Each
+    /// destroy is an operation on its GPU, bounded in time: one that does not return leaves its
+    /// record for the next start, and the GPU stuck. Runs on a blocking thread of the runtime.
+    pub(super) fn sweep_mig(
+        &self,
+        inventory: &Inventory,
+        owned: &BTreeSet<(String, u32)>,
+        made: &[MadeMig],
+    ) -> Sweep {
+        let runtime = tokio::runtime::Handle::current();
+        let mut sweep = Sweep::default();
+        for gpu in &inventory.gpus {
+            let Some(mig) = &gpu.mig else { continue };
+            for instance in &mig.instances {
+                if owned.contains(&(gpu.uuid.clone(), instance.gpu_instance_id)) {
+                    continue;
+                }
+                let Some(record) = made.iter().find(|made| made.is(&gpu.uuid, instance)) else {
+                    let shown = shown(&gpu.uuid, instance);
+                    warn!(gpu = %gpu.uuid, mig_device = %shown, profile_id = instance.profile_id, start = instance.placement.start, "dynamic MIG: MIG device left alone, because this plugin did not make it (an admin's, one NVIDIA's plugin made or found, or a leftover of a release that did not record the MIG devices it made); destroy it with nvidia-smi if nothing uses it");
+                    sweep.left_alone.push(shown);
+                    continue;
+                };
+                let (backend, parent, gpu_instance, uuid) = (
+                    self.backend.clone(),
+                    gpu.uuid.clone(),
+                    instance.gpu_instance_id,
+                    instance.uuid.clone(),
+                );
+                let op = GpuOp::DestroyMig {
+                    uuid: instance.uuid.clone(),
+                };
+                let destroyed = runtime.block_on(self.gpu_modes.mig(
+                    &gpu.uuid,
+                    &mig::gpu_name(gpu),
+                    op,
+                    move || backend.destroy_mig(&parent, gpu_instance, &uuid),
+                ));
+                match destroyed {
+                    Ok(MigDestroyed::Destroyed) => {
+                        info!(uuid = %instance.uuid, claim_uid = %record.claim_uid, "MIG device this plugin made for a claim no longer prepared here destroyed");
+                        sweep.destroyed.push(instance.uuid.clone());
+                    }
+                    Ok(_) => {}
+                    Err(error) => {
+                        warn!(uuid = %instance.uuid, %error, "destroying a MIG device this plugin made failed; the next start tries again");
+                        sweep.still_made.push(record.clone());
+                    }
+                }
+            }
+        }
+        sweep
     }
 }
 
@@ -215,44 +301,6 @@ pub(super) fn made_for_claims<'a>(
         }
     }
     made
-}
-
-/// The start-up sweep of dynamic MIG: every MIG device no kept claim owns (`owned`: parent UUID and
-/// GPU instance id) is destroyed if the plugin made it (`made`), and reported and left alone if not.
-/// Records that match no device any more are dropped: their devices are gone.
-pub(super) fn sweep(
-    backend: &dyn GpuBackend,
-    inventory: &Inventory,
-    owned: &BTreeSet<(String, u32)>,
-    made: &[MadeMig],
-) -> Sweep {
-    let mut sweep = Sweep::default();
-    for gpu in &inventory.gpus {
-        let Some(mig) = &gpu.mig else { continue };
-        for instance in &mig.instances {
-            if owned.contains(&(gpu.uuid.clone(), instance.gpu_instance_id)) {
-                continue;
-            }
-            let Some(record) = made.iter().find(|made| made.is(&gpu.uuid, instance)) else {
-                let shown = shown(&gpu.uuid, instance);
-                warn!(gpu = %gpu.uuid, mig_device = %shown, profile_id = instance.profile_id, start = instance.placement.start, "dynamic MIG: MIG device left alone, because this plugin did not make it (an admin's, or a leftover of a release that did not record the MIG devices it made); destroy it with nvidia-smi if nothing uses it");
-                sweep.left_alone.push(shown);
-                continue;
-            };
-            match backend.destroy_mig(&gpu.uuid, instance.gpu_instance_id, &instance.uuid) {
-                Ok(MigDestroyed::Destroyed) => {
-                    info!(uuid = %instance.uuid, claim_uid = %record.claim_uid, "MIG device this plugin made for a claim no longer prepared here destroyed");
-                    sweep.destroyed.push(instance.uuid.clone());
-                }
-                Ok(_) => {}
-                Err(error) => {
-                    warn!(uuid = %instance.uuid, %error, "destroying a MIG device this plugin made failed; the next start tries again");
-                    sweep.still_made.push(record.clone());
-                }
-            }
-        }
-    }
-    sweep
 }
 
 fn shown(parent_uuid: &str, instance: &MigInstance) -> String {

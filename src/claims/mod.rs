@@ -45,7 +45,7 @@ pub use allocation::allocation_results;
 pub use checkpoint::{ClaimRecord, ClaimState, PreparedDevice, PreparedMig};
 pub use edits::{container_edits, DriverEdits};
 pub use error::ClaimError;
-pub use gpu_modes::SHARING_TIMEOUT;
+pub use gpu_modes::{MIG_TIMEOUT, SHARING_TIMEOUT};
 pub use lifecycle::{Phase, Step, CALL_BUDGET};
 pub use nvidia_adoption::{Adoption, DEFAULT_NVIDIA_NAMESPACE};
 
@@ -139,6 +139,8 @@ pub struct ClaimsConfig {
     /// How long one change of a GPU's sharing mode may take before it counts as stuck
     /// ([`SHARING_TIMEOUT`]).
     pub sharing_timeout: Duration,
+    /// How long one MIG create or destroy may take before the GPU counts as stuck ([`MIG_TIMEOUT`]).
+    pub mig_timeout: Duration,
     /// Under NVIDIA's driver name: where NVIDIA's plugin ran its MPS daemons' Deployments.
     pub nvidia_namespace: String,
     /// This node's side of ComputeDomains; `None` refuses claims for IMEX channels.
@@ -166,8 +168,9 @@ pub struct Preparer {
     persisted: tokio::sync::Mutex<u64>,
     claim_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     mps: Arc<mps::MpsDaemons>,
-    /// The sharing mode last set on each GPU, with one lock per GPU held while its mode changes.
-    gpu_modes: gpu_modes::GpuModes,
+    /// Operations on each GPU (sharing-mode changes, MIG creates and destroys), one at a time per
+    /// GPU and bounded in time, with the sharing mode last set.
+    gpu_modes: gpu_modes::GpuOps,
     nvidia_namespace: String,
     domains: Option<Arc<crate::domains::membership::Membership>>,
     /// The API groups of ComputeDomains this driver name serves.
@@ -199,7 +202,7 @@ impl Preparer {
             startup_api_timeout: config.startup_api_timeout,
             claim_read_budget: config.claim_read_budget,
             inventory,
-            metrics,
+            metrics: metrics.clone(),
             state: Mutex::new(State {
                 data: CheckpointData::default(),
                 revision: 0,
@@ -207,7 +210,7 @@ impl Preparer {
             persisted: tokio::sync::Mutex::new(0),
             claim_locks: Mutex::new(HashMap::new()),
             mps: Arc::new(config.mps),
-            gpu_modes: gpu_modes::GpuModes::new(config.sharing_timeout),
+            gpu_modes: gpu_modes::GpuOps::new(config.sharing_timeout, config.mig_timeout, metrics),
             nvidia_namespace: config.nvidia_namespace,
             domain_groups: crate::domains::api::DomainGroup::served_by(&config.driver_name),
             domains: config.domains,

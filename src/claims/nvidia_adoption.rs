@@ -4,10 +4,12 @@
 //! in force on the node (its claim spec is in the CDI root, and the checkpoint names this boot where
 //! it names one) is recorded in ours; a repeated prepare answers what NVIDIA's plugin answered. Its
 //! unprepare undoes what NVIDIA's `Unprepare` would have: its MPS daemons stopped (Deployment
-//! `mps-control-daemon-<id>` in NVIDIA's namespace, then the daemon's tmpfs and directory), its MIG
-//! devices destroyed in dynamic MIG mode, its GPUs back to the sharing mode our claims want (the
-//! default when none), and its claim spec removed. NVIDIA's checkpoint is never written: the claims
-//! done with are remembered in ours instead.
+//! `mps-control-daemon-<id>` in NVIDIA's namespace, then the daemon's tmpfs and directory), its GPUs
+//! back to the sharing mode our claims want (the default when none), and its claim spec removed.
+//! Its MIG devices stay, whatever our MIG mode: NVIDIA's checkpoint records a MIG device the same
+//! way whether its plugin made it (DynamicMIG) or found it (an admin's static layout), so none of
+//! them is known to be ours to destroy (see [`adopted`]). NVIDIA's checkpoint is never written: the
+//! claims done with are remembered in ours instead.
 
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -21,9 +23,8 @@ use super::checkpoint::{AdoptedClaim, CheckpointData};
 use super::mps::shm;
 use super::nvidia_checkpoint::{self, NvidiaClaim};
 use super::state::lock;
-use super::{mig, ClaimError, ClaimRef, PreparedDevice, PreparedMig, Preparer};
+use super::{ClaimError, ClaimRef, PreparedDevice, PreparedMig, Preparer};
 use crate::api::NVIDIA_DRIVER_NAME;
-use crate::devices::MigMode;
 
 /// NVIDIA's chart installs into this namespace, where its plugin makes the MPS daemons' Deployments.
 pub const DEFAULT_NVIDIA_NAMESPACE: &str = "nvidia-dra-driver-gpu";
@@ -102,7 +103,6 @@ impl Preparer {
         }
 
         let this_boot = super::checkpoint::current_boot_id();
-        let dynamic = *self.mig_mode.borrow() == MigMode::Dynamic;
         // What NVIDIA's file still lists that this plugin has unprepared (taking over below adds
         // nothing to that set), for the Event that says to move the file aside.
         adoption.unprepared_since = checkpoint
@@ -142,7 +142,7 @@ impl Preparer {
             }
             info!(claim = %who, "claim prepared by NVIDIA's plugin taken over");
             adoption.adopted.push(who);
-            stored.nvidia_claims.insert(uid, adopted(claim, dynamic));
+            stored.nvidia_claims.insert(uid, adopted(claim));
         }
         adoption
     }
@@ -156,26 +156,17 @@ impl Preparer {
             .map(|claim| claim.devices.clone())
     }
 
-    /// Undoes what NVIDIA's plugin set up for the claim, in the order its own unprepare does: MIG
-    /// devices, MPS daemons, sharing modes, then the claim spec. A step that fails leaves the claim
-    /// recorded, and the kubelet's retry starts over (each step is idempotent).
+    /// Undoes what NVIDIA's plugin set up for the claim, in the order its own unprepare does: MPS
+    /// daemons, sharing modes, then the claim spec. Its MIG devices are left as they are, even where
+    /// an older release recorded them as made for the claim (see [`adopted`]). A step that fails
+    /// leaves the claim recorded, and the kubelet's retry starts over (each step is idempotent).
     pub(super) async fn unprepare_adopted(
         &self,
         claim: &ClaimRef,
         adopted: AdoptedClaim,
     ) -> Result<(), ClaimError> {
-        let (first_error, _) = mig::destroy_created(&self.backend, &adopted.devices).await;
-        if let Some(reason) = first_error {
-            return Err(ClaimError::Mig {
-                claim: claim.to_string(),
-                device: adopted
-                    .devices
-                    .iter()
-                    .find(|d| d.mig.is_some())
-                    .map(|d| d.device.clone())
-                    .unwrap_or_default(),
-                reason,
-            });
+        for mig in adopted.devices.iter().filter_map(|d| d.mig.as_ref()) {
+            info!(uuid = %mig.uuid, parent = %mig.parent_uuid, "MIG device of a claim prepared by NVIDIA's plugin left as it is: nothing says NVIDIA's plugin made it rather than an admin");
         }
         for id in &adopted.mps_daemons {
             self.stop_nvidia_mps(id)
@@ -310,9 +301,15 @@ impl Preparer {
     }
 }
 
-/// The record of a claim NVIDIA's plugin prepared. Its MIG devices count as made for the claim in
-/// dynamic MIG mode, as NVIDIA's plugin made one per claim there (static ones stay).
-fn adopted(claim: NvidiaClaim, dynamic_mig: bool) -> AdoptedClaim {
+/// The record of a claim NVIDIA's plugin prepared. Its MIG devices never count as made for the claim
+/// (`created: false`), in any MIG mode: NVIDIA's checkpoint (v1, v2, up to its main branch) writes a
+/// MIG device as `mig: {concrete|info, device}` whether its plugin created it under its DynamicMIG
+/// feature gate or found it in an admin's static layout (its own unprepare decides by whether the
+/// gate is on now, which its checkpoint does not record). Destroying them would tear down an admin's
+/// layout as the claims end when a node moves from NVIDIA with static MIG to `--mig-mode dynamic`; a
+/// device NVIDIA's plugin did make is left instead, and the start-up sweep reports it as a MIG device
+/// this plugin did not make.
+fn adopted(claim: NvidiaClaim) -> AdoptedClaim {
     let (namespace, name) = claim
         .name
         .split_once('/')
@@ -340,7 +337,7 @@ fn adopted(claim: NvidiaClaim, dynamic_mig: bool) -> AdoptedClaim {
                         gpu_instance_id: m.gpu_instance_id?,
                         compute_instance_id: m.compute_instance_id.unwrap_or_default(),
                         device_files: Vec::new(),
-                        created: dynamic_mig,
+                        created: false,
                     })
                 }),
                 sharing: Default::default(),

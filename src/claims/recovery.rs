@@ -312,8 +312,7 @@ impl Preparer {
                     claim: "(startup)".to_string(),
                     reason: format!("reading the GPUs: {e}"),
                 })?;
-                let sweep =
-                    mig_records::sweep(self.backend.as_ref(), &current, &owned, &made_before);
+                let sweep = self.sweep_mig(&current, &owned, &made_before);
                 recovery.mig_devices_destroyed = sweep.destroyed;
                 recovery.mig_devices_left_alone = sweep.left_alone;
                 made.extend(sweep.still_made);

@@ -201,6 +201,7 @@ pub fn run_plugin(args: PluginArgs) -> Result<()> {
         },
         sharing_timeout: crate::claims::SHARING_TIMEOUT,
         call_budget: crate::claims::CALL_BUDGET,
+        mig_timeout: crate::claims::MIG_TIMEOUT,
         domains: crate::domains::membership::DomainsConfig {
             imex_channels: args.imex_channels,
             node_ip: args.node_ip,

@@ -246,13 +246,18 @@ impl GpuBackend for FakeBackend {
 
     fn create_mig(&self, request: &MigRequest) -> Result<MigInstance, GpuError> {
         self.mig_locks.with(&request.parent_uuid, || {
-            self.create_locked(request, false).map(|(made, _)| made)
+            let made = self.create_locked(request, false).map(|(made, _)| made);
+            self.hang_while_mig_hangs(&request.parent_uuid, "creating a MIG device")?;
+            made
         })
     }
 
     fn create_or_adopt_mig(&self, request: &MigRequest) -> Result<(MigInstance, bool), GpuError> {
-        self.mig_locks
-            .with(&request.parent_uuid, || self.create_locked(request, true))
+        self.mig_locks.with(&request.parent_uuid, || {
+            let made = self.create_locked(request, true);
+            self.hang_while_mig_hangs(&request.parent_uuid, "creating a MIG device")?;
+            made
+        })
     }
 
     fn destroy_mig(
@@ -262,7 +267,9 @@ impl GpuBackend for FakeBackend {
         expected_uuid: &str,
     ) -> Result<MigDestroyed, GpuError> {
         self.mig_locks.with(parent_uuid, || {
-            self.destroy_locked(parent_uuid, gpu_instance_id, expected_uuid)
+            let destroyed = self.destroy_locked(parent_uuid, gpu_instance_id, expected_uuid);
+            self.hang_while_mig_hangs(parent_uuid, "destroying a MIG device")?;
+            destroyed
         })
     }
 

@@ -2,9 +2,10 @@
 //! compute slices, media engines) as the hardware checks them, and run in steps as NVML runs them:
 //! MIG mode on, then the GPU instance and its compute instance; destroy, then MIG mode off when the
 //! GPU is empty. The profile can slow the steps down (`migOperationDelayMs`), hold a MIG device in
-//! use (`migInUse`) and make switching MIG mode off fail (`migDisableFails`).
+//! use (`migInUse`), make switching MIG mode off fail (`migDisableFails`) and make an operation hang
+//! after it took effect until the knob is removed (`migHangs`).
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::fake::{lock, FakeBackend};
 use super::fake_gpus::{device_files, gpu_instance_id};
@@ -14,7 +15,40 @@ use super::mig::{
 use super::profiles::{FakeGpuSpec, FakeProfile};
 use super::{Gpu, GpuError};
 
+/// How often a hanging MIG operation looks whether `migHangs` was removed.
+const HANG_POLL: Duration = Duration::from_millis(20);
+
+/// A hang ends with an error after this long, so that a test that forgets the knob still ends.
+const MAX_HANG: Duration = Duration::from_secs(120);
+
 impl FakeBackend {
+    /// Returns once the profile no longer says `migHangs` for the GPU (at once where it never did,
+    /// or after [`MAX_HANG`]); the caller holds the GPU's MIG lock, as a stuck NVML call holds it.
+    pub(super) fn hang_while_mig_hangs(&self, gpu_uuid: &str, doing: &str) -> Result<(), GpuError> {
+        let hangs = |unreadable: bool| match self.profile() {
+            Ok(profile) => spec_of(self, &profile, gpu_uuid).is_some_and(|s| s.mig_hangs),
+            Err(_) => unreadable,
+        };
+        if !hangs(false) {
+            return Ok(());
+        }
+        let hung = Instant::now();
+        // A profile that cannot be read for a moment (being written) leaves the hang as it is.
+        while hangs(true) {
+            if hung.elapsed() >= MAX_HANG {
+                return Err(GpuError::Mig {
+                    gpu: gpu_uuid.to_string(),
+                    reason: format!(
+                        "{doing} did not return for {}s (migHangs)",
+                        MAX_HANG.as_secs()
+                    ),
+                });
+            }
+            std::thread::sleep(HANG_POLL);
+        }
+        Ok(())
+    }
+
     /// The pause between an operation's steps: half the profile's delay, so a whole operation takes
     /// about the delay.
     fn step_pause(profile: &FakeProfile) -> Duration {

@@ -340,6 +340,61 @@ mod safety_tests {
                 .enabled
         );
     }
+
+    /// `migHangs` makes a create and a destroy take effect and then not return until it is removed;
+    /// other MIG operations on that GPU wait behind it, and the GPU can be read meanwhile.
+    #[test]
+    fn the_mig_hangs_knob_holds_creates_and_destroys_until_it_is_removed() {
+        let (_dir, path, backend) = node(|p| p.gpus[0].mig_hangs = true);
+        let backend = std::sync::Arc::new(backend);
+        let set_hangs = |hangs: bool| {
+            let mut profile: FakeProfile =
+                serde_yaml::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+            profile.gpus[0].mig_hangs = hangs;
+            std::fs::write(&path, serde_yaml::to_string(&profile).unwrap()).unwrap();
+        };
+        let hung = {
+            let (backend, wanted) = (backend.clone(), request(&backend, "1g.10gb", 0));
+            std::thread::spawn(move || backend.create_mig(&wanted))
+        };
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while instances(&backend).is_empty() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the create took no effect"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        assert!(!hung.is_finished(), "the create hangs");
+        let waiting = {
+            let (backend, wanted) = (backend.clone(), request(&backend, "1g.10gb", 1));
+            std::thread::spawn(move || backend.create_mig(&wanted).map(|_| ()))
+        };
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        assert!(!waiting.is_finished(), "the next create waits for the GPU");
+
+        set_hangs(false);
+        let made = hung.join().unwrap().unwrap();
+        waiting.join().unwrap().unwrap();
+        assert_eq!(instances(&backend).len(), 2);
+
+        set_hangs(true);
+        let gpu = request(&backend, "1g.10gb", 0).parent_uuid;
+        let destroying = {
+            let (backend, made) = (backend.clone(), made.clone());
+            std::thread::spawn(move || {
+                backend
+                    .destroy_mig(&gpu, made.gpu_instance_id, &made.uuid)
+                    .map_err(|e| e.to_string())
+            })
+        };
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        assert!(!destroying.is_finished(), "the destroy hangs");
+        assert_eq!(instances(&backend).len(), 1, "it took effect");
+        set_hangs(false);
+        assert_eq!(destroying.join().unwrap(), Ok(MigDestroyed::Destroyed));
+    }
 }
 
 mod device_file_tests {

@@ -99,6 +99,11 @@ pub struct FakeGpuSpec {
     /// once this is removed from the file. Reading the mode still works.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub sharing_hangs: bool,
+    /// A MIG create or destroy on the GPU takes effect (or fails) but does not return while this is
+    /// set, as an NVML call stuck in the driver: the call returns once this is removed from the file.
+    /// Other MIG operations on the GPU wait behind it, as they wait for the GPU's MIG lock.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub mig_hangs: bool,
 }
 
 /// One injected fault: an XID error, a double-bit ECC error, pending retirement, a failed row remap,
@@ -261,6 +266,7 @@ fn uniform(
             mig_enable_fails: None,
             sharing_fails: None,
             sharing_hangs: false,
+            mig_hangs: false,
         })
         .collect();
     FakeProfile {

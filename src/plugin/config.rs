@@ -56,6 +56,8 @@ pub struct PluginConfig {
     /// How long a kubelet call waits for its claims' work before it answers
     /// ([`CALL_BUDGET`](crate::claims::CALL_BUDGET)); the work goes on after that.
     pub call_budget: Duration,
+    /// How long one MIG create or destroy may take before the GPU counts as stuck.
+    pub mig_timeout: Duration,
     /// IMEX channels and ComputeDomains.
     pub domains: crate::domains::membership::DomainsConfig,
 }
@@ -115,6 +117,7 @@ impl PluginConfig {
             mps: MpsConfig::default(),
             sharing_timeout: claims::SHARING_TIMEOUT,
             call_budget: claims::CALL_BUDGET,
+            mig_timeout: claims::MIG_TIMEOUT,
             domains: Default::default(),
         }
     }

@@ -225,6 +225,7 @@ pub async fn start(
             claim_read_budget: config.api.claim_read,
             mps: claims_setup::mps_daemons(&config, &plugin_dir, &client, daemon_image),
             sharing_timeout: config.sharing_timeout,
+            mig_timeout: config.mig_timeout,
             nvidia_namespace: config.mps.nvidia_namespace.clone(),
             domains: domains.clone(),
             call_budget: config.call_budget,

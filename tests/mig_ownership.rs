@@ -1,9 +1,10 @@
 //! Dynamic MIG destroys only the MIG devices the plugin made: each is recorded in the checkpoint
 //! before it is created, so the start-up sweep destroys a device the plugin made for a claim that is
-//! gone (a prepare the kubelet gave up on, a crash) and leaves an admin's alone (made in static MIG
-//! mode, before a switch to dynamic). A missing checkpoint with CDI specs of this driver on disk is
-//! rebuilt from them and the API server, as a corrupt one is, instead of wiping running pods' specs
-//! and MIG devices.
+//! gone (a crash right after a create: `claim_lifecycle.rs`) and leaves an admin's alone (made in
+//! static MIG mode, before a switch to dynamic). A prepare the kubelet gave up on finishes on its own,
+//! and its device is the claim's until it is unprepared. A missing checkpoint with CDI specs of this
+//! driver on disk is rebuilt from them and the API server, as a corrupt one is, instead of wiping
+//! running pods' specs and MIG devices.
 
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
@@ -84,7 +85,8 @@ async fn an_admins_mig_devices_survive_a_dynamic_mig_start_and_are_reported() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_mig_device_made_for_a_prepare_the_kubelet_gave_up_on_goes_at_the_next_start() {
+async fn a_prepare_the_kubelet_gave_up_on_finishes_and_its_mig_device_goes_with_its_unprepare_after_a_restart(
+) {
     let mut node = Harness::with_version("dgx-h100", ServerVersion::V1_35).await;
     admin_split_profile(&mut node, 1500);
     let admins = node.mig_devices();
@@ -102,40 +104,41 @@ async fn a_mig_device_made_for_a_prepare_the_kubelet_gave_up_on_goes_at_the_next
         .prepare(std::slice::from_ref(&claim))
         .await
         .is_err());
-    // The create goes on without the kubelet and makes a device no completed claim records: what a
-    // crash right after a create leaves too.
+    // The prepare goes on without the kubelet: the device is made and the claim completed.
     let deadline = Instant::now() + WAIT;
-    while node.mig_devices().len() == admins.len() {
-        assert!(Instant::now() < deadline, "the create never finished");
+    while plugin.preparer.phase_of(&claim.uid) != Some(gpu_dra::claims::Phase::Completed) {
+        assert!(Instant::now() < deadline, "the prepare never finished");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let made: Vec<String> = node
+    let made: Vec<(u32, u32, String)> = node
         .mig_devices()
         .into_iter()
         .filter(|d| !admins.contains(d))
-        .map(|d| d.2)
         .collect();
+    assert_eq!(made.len(), 1, "{made:?}");
     plugin.shutdown().await;
 
+    // A restart keeps it (it is the claim's), and sweeps none of the admin's.
     let plugin = node.start_plugin().await;
-    assert_eq!(plugin.recovery.mig_devices_destroyed, made);
-    assert_eq!(plugin.recovery.rolled_back, vec![claim.uid.clone()]);
-    assert_eq!(node.mig_devices(), admins, "the admin's MIG devices stay");
-    let stored = checkpoint(&node).load().unwrap().unwrap();
-    assert!(stored.mig_devices_made.is_empty(), "{stored:?}");
-    // The kubelet's retry makes the device anew; its unprepare destroys it.
+    assert_eq!(plugin.recovery.kept, vec![claim.uid.clone()]);
+    assert!(plugin.recovery.mig_devices_destroyed.is_empty());
+    let mut all = admins.clone();
+    all.extend(made);
+    all.sort();
+    let mut now = node.mig_devices();
+    now.sort();
+    assert_eq!(now, all);
+    // The kubelet's unprepare (the pod went) destroys it, and only it.
     let kubelet = node.kubelet().await;
-    kubelet.prepare(std::slice::from_ref(&claim)).await.unwrap()[&claim.uid]
-        .clone()
-        .unwrap();
-    assert_eq!(node.mig_devices().len(), admins.len() + 1);
     kubelet
         .unprepare(std::slice::from_ref(&claim))
         .await
         .unwrap()[&claim.uid]
         .clone()
         .unwrap();
-    assert_eq!(node.mig_devices(), admins);
+    assert_eq!(node.mig_devices(), admins, "the admin's MIG devices stay");
+    let stored = checkpoint(&node).load().unwrap().unwrap();
+    assert!(stored.mig_devices_made.is_empty(), "{stored:?}");
     plugin.shutdown().await;
 }
 

@@ -7,6 +7,13 @@
 #                    and each unprepares after it
 #   burst            20 pods at once, the plugin's container killed while they prepare: all end Running
 #                    with their device; deleting them leaves nothing behind
+#   burst-mps        4 MPS and 4 MIG pods at once, the plugin's container killed (SIGKILL) while they
+#                    prepare: all end Running with their device, one daemon Pod and one tmpfs per MPS
+#                    claim; deleting them leaves no Pod, mount, directory, spec, MIG device or entry
+#   mig-stuck        a MIG create that never returns on one GPU (the fake profile's migHangs): its claim
+#                    fails within the bound (before the kubelet's 45 s), naming the GPU and the create;
+#                    a MIG claim on another GPU is prepared meanwhile; once the create returns the stuck
+#                    claim is prepared on the kubelet's retry; nothing is left after
 #   kubelet-restart  the plugin is registered again without a restart of its own; pods keep their
 #                    devices; a new pod gets one
 #   probes           a registration socket removed under the plugin: /healthz fails, the kubelet's
@@ -15,6 +22,9 @@
 #   reboot           kubelet, containerd and the plugin stopped, /var/run/cdi emptied, the MPS tmpfs gone,
 #                    a new boot id (the BOOT_ID_FILE of e2e/real-node), all started again: the pods the
 #                    kubelet restarts get their devices (their MIG device made again), nothing stale left
+#   reboot-mps       the same reboot with eight MPS claims held: the plugin recovers them (eight daemon
+#                    Pods started again) and its container is never restarted for being slow (no probe
+#                    kills it); every pod gets its device again
 #   uninstall        kubectl delete -k: the kubelet wipes the slices 30 s later, running pods keep their
 #                    devices and CDI specs; a reinstall unprepares them when they go; then a full uninstall
 #
@@ -49,12 +59,15 @@ specs() { (cd $CDI && ls k8s.gpu.dra.dev-gpu_*.json 2>/dev/null | sed 's/^k8s.gp
 spec_sums() { (cd $CDI && md5sum k8s.gpu.dra.dev-gpu_*.json 2>/dev/null | sort); }
 checkpointed() { jq -r '.data.claims // {} | keys[]' $CHECKPOINT 2>/dev/null | sort; }
 fake_migs() { jq -r '[.created // {} | .[][] | .uuid] | .[]' $FAKE_STATE 2>/dev/null | sort; }
+# The MPS claims' tmpfs mounts and directories under the plugin's directory.
+mps_mounts() { awk '$5 ~ "^/var/lib/kubelet/plugins/gpu.dra.dev/mps/" {print $5}' /proc/self/mountinfo | sort -u; }
+mps_dirs() { ls -A $PLUGIN_DIR/mps 2>/dev/null | sort; }
 mps_pods() { kubectl get pods -n gpu-dra -o name 2>/dev/null | grep 'gpu-dra-mps-' | sort; }
 mps_pod_uids() { kubectl get pods -n gpu-dra -o jsonpath='{range .items[*]}{.metadata.name}/{.metadata.uid}{"\n"}{end}' | grep '^gpu-dra-mps-' | sort; }
 slice_versions() { kubectl get resourceslices --field-selector "spec.driver=gpu.dra.dev,spec.nodeName=$NODE" -o jsonpath='{range .items[*]}{.metadata.name}={.metadata.resourceVersion}{"\n"}{end}' | sort; }
 slice_count() { slice_versions | grep -c .; }
-nothing_for_the_driver() { [ -z "$(specs)" ] && [ -z "$(checkpointed)" ] && [ -z "$(fake_migs)" ] && [ -z "$(mps_pods)" ]; }
-leftovers() { echo "specs: $(specs | wc -l), checkpointed: $(checkpointed | wc -l), fake MIG devices: $(fake_migs | wc -l), MPS daemon Pods: $(mps_pods | wc -l)"; }
+nothing_for_the_driver() { [ -z "$(specs)" ] && [ -z "$(checkpointed)" ] && [ -z "$(fake_migs)" ] && [ -z "$(mps_pods)" ] && [ -z "$(mps_mounts)" ] && [ -z "$(mps_dirs)" ]; }
+leftovers() { echo "specs: $(specs | wc -l), checkpointed: $(checkpointed | wc -l), fake MIG devices: $(fake_migs | wc -l), MPS daemon Pods: $(mps_pods | wc -l), MPS mounts: $(mps_mounts | wc -l), MPS directories: $(mps_dirs | wc -l)"; }
 # The plugin.
 plugin_pod() { kubectl get pod -n gpu-dra -l $SEL -o jsonpath='{.items[0].metadata.name}' 2>/dev/null; }
 plugin_identity() { kubectl get pod -n gpu-dra -l $SEL -o jsonpath='{.items[0].metadata.uid}/{.items[0].status.containerStatuses[0].restartCount}' 2>/dev/null; }
@@ -143,6 +156,25 @@ spec:
       requests:
         - name: gpu
           exactly: {deviceClassName: gpu.dra.dev}
+---
+apiVersion: resource.k8s.io/v1
+kind: ResourceClaimTemplate
+metadata:
+  name: one-mps
+  namespace: $N
+spec:
+  spec:
+    devices:
+      requests:
+        - name: gpu
+          exactly: {deviceClassName: gpu.dra.dev}
+      config:
+        - opaque:
+            driver: gpu.dra.dev
+            parameters:
+              apiVersion: gpu.dra.dev/v1alpha1
+              kind: GpuConfig
+              sharing: {strategy: MPS, mpsConfig: {defaultActiveThreadPercentage: 50}}
 ---
 EOF
 }
@@ -236,6 +268,131 @@ step_burst() {
   check "20 MIG devices made, one per claim, none leaked ($(fake_migs | wc -l))" test "$(fake_migs | wc -l)" = 20
   check "20 claims prepared and checkpointed" bash -c "[ $(specs | wc -l) = 20 ] && [ $(checkpointed | wc -l) = 20 ]"
   delete_all_and_check_clean "burst"
+}
+
+step_burst_mps() {
+  h "crash mid-burst of MPS and MIG claims: 4 MPS and 4 MIG pods at once, the plugin's container killed while they prepare"
+  fresh_namespace
+  local before; before=$(plugin_restarts)
+  local i
+  for i in 1 2 3 4; do
+    busybox_pod "mps-$i" "resourceClaimTemplateName: one-mps"
+    busybox_pod "mig-$i" "resourceClaimTemplateName: one-mig"
+  done | kubectl apply -f - >/dev/null
+  # Killed once the first MPS daemon Pod exists: its claim is between its tmpfs, its Pod and its spec.
+  local deadline=$((SECONDS + 60))
+  while [ $SECONDS -lt $deadline ] && [ -z "$(mps_pods)" ]; do sleep 0.1; done
+  local prepared; prepared=$(specs | wc -l)
+  local pid; pid=$(plugin_pid1)
+  kill -9 "$pid"
+  echo "killed the plugin's container (PID 1 on the host: $pid) with $prepared of 8 claims prepared, $(mps_pods | wc -l) MPS daemon Pods, $(mps_mounts | wc -l) MPS mounts"
+  check "the kill landed mid-burst ($prepared of 8 prepared)" test "$prepared" -lt 8
+  waitfor 60 bash -c "[ \"\$(kubectl get pod -n gpu-dra -l $SEL -o jsonpath='{.items[0].status.containerStatuses[0].restartCount}')\" -gt $before ]"
+  check "the kubelet restarted the plugin's container" test "$(plugin_restarts)" -gt "$before"
+  kubectl wait -n $N --for=condition=Ready pod --all --timeout=300s >/dev/null 2>&1
+  local with_device=0 p
+  for p in mps-1 mps-2 mps-3 mps-4 mig-1 mig-2 mig-3 mig-4; do
+    if waitfor 10 has_device "$p"; then with_device=$((with_device + 1)); else
+      echo "$p has no device: $(kubectl describe pod -n $N "$p" | tail -3 | tr '\n' ' ')"
+    fi
+  done
+  check "all 8 pods Running with their device ($with_device)" test "$with_device" = 8
+  echo "$(leftovers)"
+  local mps_claims; mps_claims=$(for p in mps-1 mps-2 mps-3 mps-4; do pod_claim_uid $p; done | sort)
+  check "one MPS daemon Pod per MPS claim, and no other" test "$(mps_pods)" = "$(for u in $mps_claims; do echo "pod/gpu-dra-mps-$u"; done | sort)"
+  check "one tmpfs and one directory per MPS claim, and no other" bash -c \
+    "[ '$(mps_mounts | xargs -rn1 dirname | xargs -rn1 basename | sort | tr '\n' ' ')' = '$(echo $mps_claims | tr ' ' '\n' | sort | tr '\n' ' ')' ] && [ '$(mps_dirs | tr '\n' ' ')' = '$(echo $mps_claims | tr ' ' '\n' | sort | tr '\n' ' ')' ]"
+  check "4 MIG devices, one per MIG claim, none leaked ($(fake_migs | wc -l))" test "$(fake_migs | wc -l)" = 4
+  check "8 claims prepared and checkpointed" bash -c "[ $(specs | wc -l) = 8 ] && [ $(checkpointed | wc -l) = 8 ]"
+  delete_all_and_check_clean "burst of MPS and MIG claims"
+}
+
+# The fake profile's GPU 0 with or without `migHangs` (the ConfigMap of deploy/overlays/fake); returns
+# once the kubelet refreshed the file mounted in the plugin's Pod.
+set_mig_hangs() { # true|false
+  local profile mounted
+  profile=$(kubectl get configmap -n gpu-dra gpu-dra-fake-profile -o jsonpath='{.data.profile\.yaml}' |
+    python3 -c 'import sys, yaml; p = yaml.safe_load(sys.stdin); p["gpus"][0]["migHangs"] = sys.argv[1] == "true"; print(yaml.safe_dump(p, sort_keys=False))' "$1")
+  kubectl create configmap -n gpu-dra gpu-dra-fake-profile --from-literal=profile.yaml="$profile" --dry-run=client -o yaml |
+    kubectl label --local -f - app.kubernetes.io/name=gpu-dra -o yaml | kubectl apply -f - >/dev/null
+  mounted=/var/lib/kubelet/pods/$(kubectl get pod -n gpu-dra -l $SEL -o jsonpath='{.items[0].metadata.uid}')/volumes/kubernetes.io~configmap/fake-profile/profile.yaml
+  waitfor 120 grep -q "migHangs: $1" "$mounted"
+}
+gpu_uuid() { # minor
+  kubectl get resourceslices --field-selector "spec.driver=gpu.dra.dev,spec.nodeName=$NODE" -o json |
+    jq -r --arg d "gpu-$1" '[.items[].spec.devices // [] | .[] | select(.name == $d) | .attributes.uuid.string] | first'
+}
+mig_on() { # claim name, parent GPU UUID
+  claim "$1" mig.gpu.dra.dev "          selectors: [{cel: {expression: \"device.attributes['gpu.dra.dev'].profile == '1g.10gb' && device.attributes['gpu.dra.dev'].parentUUID == '$2'\"}}]"
+}
+stuck_gauge() { curl -s $HTTP/metrics | awk '$1 == "gpu_dra_gpu_operation_stuck{gpu=\"gpu-0\"}" {print $2}'; }
+
+step_mig_stuck() {
+  h "a MIG create that never returns on gpu-0"
+  fresh_namespace
+  local gpu0 gpu1; gpu0=$(gpu_uuid 0); gpu1=$(gpu_uuid 1)
+  set_mig_hangs true || { bad "the kubelet never refreshed the fake profile"; return; }
+  echo "gpu-0 ($gpu0) hangs on MIG operations now"
+  local started=$SECONDS said="" took
+  { mig_on stuck "$gpu0"; busybox_pod stuck "resourceClaimName: stuck"; } | kubectl apply -f - >/dev/null
+  local deadline=$((SECONDS + 60))
+  while [ $SECONDS -lt $deadline ]; do
+    said=$(kubectl get events -n $N --field-selector involvedObject.name=stuck -o jsonpath='{range .items[*]}{.message}{"\n"}{end}' | grep 'did not return within' | head -1)
+    [ -n "$said" ] && break
+    sleep 1
+  done
+  took=$((SECONDS - started))
+  echo "kubelet, $took s after the pod: $said"
+  check "the stuck claim failed in time ($took s after the pod, under the kubelet's 45 s), naming the GPU and the create" \
+    bash -c "[ $took -lt 45 ] && grep -q 'gpu-0: creating MIG device 1g.10gb' <<<'$said'"
+  check "gpu_dra_gpu_operation_stuck{gpu=\"gpu-0\"} is 1" test "$(stuck_gauge)" = 1
+  { mig_on other "$gpu1"; busybox_pod other "resourceClaimName: other"; } | kubectl apply -f - >/dev/null
+  kubectl wait -n $N --for=condition=Ready pod/other --timeout=60s >/dev/null 2>&1
+  check "a MIG claim on gpu-1 is prepared meanwhile" bash -c "[ '$(phase other)' = Running ] && kubectl logs -n $N other | grep -q ^GPU_DRA_DEVICE_"
+  check "the stuck pod is not Running" test "$(phase stuck)" != Running
+  set_mig_hangs false
+  kubectl wait -n $N --for=condition=Ready pod/stuck --timeout=180s >/dev/null 2>&1
+  check "once the create returned, the kubelet's retry prepared the stuck claim" bash -c "[ '$(phase stuck)' = Running ] && kubectl logs -n $N stuck | grep -q ^GPU_DRA_DEVICE_"
+  check "gpu_dra_gpu_operation_stuck{gpu=\"gpu-0\"} is 0" test "$(stuck_gauge)" = 0
+  check "two MIG devices, none leaked ($(fake_migs | wc -l))" test "$(fake_migs | wc -l)" = 2
+  delete_all_and_check_clean "stuck MIG create"
+}
+
+step_reboot_mps() {
+  h "node reboot with eight MPS claims held"
+  fresh_namespace
+  local i
+  for i in 1 2 3 4 5 6 7 8; do busybox_pod "mps-$i" "resourceClaimTemplateName: one-mps"; done | kubectl apply -f - >/dev/null
+  kubectl wait -n $N --for=condition=Ready pod --all --timeout=180s >/dev/null 2>&1
+  check "eight MPS pods Running with their device" test "$(kubectl get pods -n $N --field-selector=status.phase=Running -o name | wc -l)" = 8
+  local before_daemons; before_daemons=$(mps_pod_uids)
+  echo "before: $(leftovers)"
+  "$REALK8S/node/down-node.sh" "$STATE"
+  rm -f $CDI/*
+  for m in $(awk '$5 ~ "^/var/lib/kubelet/plugins/gpu.dra.dev/" {print $5}' /proc/self/mountinfo); do umount "$m"; done
+  cat /proc/sys/kernel/random/uuid > $BOOT_ID
+  local rebooted_at; rebooted_at=$(date -u +%Y-%m-%dT%H:%M:%SZ)
+  echo "stopped; /var/run/cdi emptied, the MPS tmpfs unmounted; new boot id; starting the node again"
+  "$REALK8S/node/up-node.sh" "$KUBECONFIG" "$STATE" > "$STATE/logs/up-node-reboot-mps.log" 2>&1 || tail -5 "$STATE/logs/up-node-reboot-mps.log"
+  # The plugin's container after the reboot: its first start in this boot.
+  waitfor 180 bash -c "kubectl get pod -n gpu-dra -l $SEL -o jsonpath='{.items[0].status.containerStatuses[0].state.running.startedAt}' | grep -q ."
+  local first; first=$(plugin_restarts)
+  local began=$SECONDS
+  plugin_ready 300
+  echo "plugin Ready $((SECONDS - began)) s after its container started (restart count $first)"
+  kubectl wait -n $N --for=condition=Ready pod --all --timeout=300s >/dev/null 2>&1
+  sleep 45 # past the liveness probe's window, with the daemons recovered
+  kubectl get pods -n $N -o wide
+  check "the plugin's container was not restarted during its recovery (restart count $first -> $(plugin_restarts))" test "$(plugin_restarts)" = "$first"
+  check "no probe of the plugin failed after the reboot" bash -c \
+    "! kubectl get events -n gpu-dra --field-selector reason=Unhealthy -o jsonpath='{range .items[*]}{.lastTimestamp} {.message}{\"\\n\"}{end}' | awk -v t=$rebooted_at '\$1 >= t' | grep -q ."
+  local with_device=0
+  for i in 1 2 3 4 5 6 7 8; do waitfor 10 has_device "mps-$i" && with_device=$((with_device + 1)); done
+  check "all eight pods Running with their device again ($with_device)" test "$with_device" = 8
+  check "eight MPS daemon Pods, each started again in this boot" bash -c \
+    "[ $(mps_pods | wc -l) = 8 ] && [ -z \"\$(comm -12 <(echo '$before_daemons') <(mps_pod_uids))\" ]"
+  check "eight tmpfs mounted again" test "$(mps_mounts | wc -l)" = 8
+  delete_all_and_check_clean "reboot with MPS claims"
 }
 
 step_kubelet_restart() {
@@ -405,11 +562,11 @@ BIN_DIR=${KUBE_BIN_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/gpu-dra-realk8s/bin}
 kubectl get daemonset -n gpu-dra gpu-dra-plugin >/dev/null 2>&1 || { echo "day-two.sh: gpu-dra is not installed (e2e/real-node-install.sh)" >&2; exit 1; }
 
 steps=("$@")
-[ ${#steps[@]} -gt 0 ] || steps=(upgrade burst kubelet-restart probes reboot uninstall)
+[ ${#steps[@]} -gt 0 ] || steps=(upgrade burst burst-mps mig-stuck kubelet-restart probes reboot reboot-mps uninstall)
 for s in "${steps[@]}"; do
   case $s in
-    upgrade | burst | kubelet-restart | probes | reboot | uninstall) "step_${s//-/_}" ;;
-    *) echo "day-two.sh: no step $s (upgrade burst kubelet-restart probes reboot uninstall)" >&2; exit 64 ;;
+    upgrade | burst | burst-mps | mig-stuck | kubelet-restart | probes | reboot | reboot-mps | uninstall) "step_${s//-/_}" ;;
+    *) echo "day-two.sh: no step $s (upgrade burst burst-mps mig-stuck kubelet-restart probes reboot reboot-mps uninstall)" >&2; exit 64 ;;
   esac
 done
 kubectl delete namespace $N --ignore-not-found --wait=false >/dev/null 2>&1

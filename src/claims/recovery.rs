@@ -292,6 +292,13 @@ impl Preparer {
         }
         data.gpu_modes = self.converge_gpu_modes(&data, stored.gpu_modes, degraded, &inventory);
         let mut made = mig_records::made_for_claims(data.claims.iter(), &inventory);
+        // Re-creates of this start whose claim was rolled back (one that did not return in time) keep
+        // their record: a create that returns late leaves a device the next start's sweep destroys.
+        let unfinished = mig_records::not_among(
+            mig_records::not_among(journal.mig_devices_made.clone(), &made_before),
+            &made,
+        );
+        made.extend(unfinished);
         if *self.mig_mode.borrow() == MigMode::Dynamic {
             if degraded || !data.left_in_place.is_empty() {
                 warn!(

@@ -45,6 +45,10 @@ pub use edits::{container_edits, DriverEdits};
 pub use error::ClaimError;
 pub use gpu_modes::SHARING_TIMEOUT;
 pub use nvidia_adoption::{Adoption, DEFAULT_NVIDIA_NAMESPACE};
+pub use recovery::{
+    recovery_bound, MPS_RESTORE_BOUND, MPS_RESTORE_PARALLELISM, MPS_SWEEP_BOUND,
+    NVIDIA_MPS_STOP_BOUND, RECOVERY_LOCAL_WORK,
+};
 
 use crate::cdi::CdiRegistry;
 use crate::devices::MigMode;

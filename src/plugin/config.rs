@@ -55,6 +55,9 @@ pub struct PluginConfig {
     pub sharing_timeout: Duration,
     /// IMEX channels and ComputeDomains.
     pub domains: crate::domains::membership::DomainsConfig,
+    /// How long each part of the start may take before `/healthz` fails naming it; `None`: from
+    /// the timeouts above ([`PartBounds::for_timeouts`](super::PartBounds::for_timeouts)).
+    pub start_bounds: Option<super::PartBounds>,
 }
 
 /// Where and how the Pods of MPS control daemons run.
@@ -112,6 +115,7 @@ impl PluginConfig {
             mps: MpsConfig::default(),
             sharing_timeout: claims::SHARING_TIMEOUT,
             domains: Default::default(),
+            start_bounds: None,
         }
     }
 

@@ -195,7 +195,7 @@ pub async fn start(
         preparer: claims.preparer,
         metrics: shared.metrics,
         readiness: shared.readiness,
-        policy: policy.node.0,
+        policy: policy.node,
         parts: plugin,
     })
 }

@@ -125,10 +125,13 @@ pub(super) async fn backend(_part: Part, shared: &Shared) -> Result<Gpus, Plugin
 /// The admin's policy for this node: as read at start, then as the GpuNodePolicy watcher follows it.
 pub(super) struct Policy {
     pub at_start: PolicyAtStart,
-    /// The policy in force; the monitor and the node labeler follow it.
-    pub node: (watch::Sender<NodePolicy>, watch::Receiver<NodePolicy>),
+    /// The policy in force (the watcher sends it); the monitor and the node labeler follow it.
+    pub node: watch::Sender<NodePolicy>,
+    /// Holds what the watcher sent while no part followed it yet, as a change.
+    pub node_rx: watch::Receiver<NodePolicy>,
     /// The MIG mode in force (the policy's, else `--mig-mode`); the monitor sets it, prepares read it.
-    pub mig_mode: (watch::Sender<MigMode>, watch::Receiver<MigMode>),
+    pub mig_mode: watch::Sender<MigMode>,
+    pub mig_mode_rx: watch::Receiver<MigMode>,
     pub mig_mode_at_start: MigMode,
     pub mps_shares_at_start: bool,
 }
@@ -145,7 +148,8 @@ pub(super) async fn policy(part: Part, shared: &Shared) -> Result<Policy, Plugin
         .unwrap_or_default();
     let mig_mode = node_policy.mig_mode.unwrap_or(config.mig_mode);
     let mps_shares_at_start = node_policy.mps_memory_shares.is_some();
-    let node = watch::channel(node_policy);
+    let (mig_mode_tx, mig_mode_rx) = watch::channel(mig_mode);
+    let (node, node_rx) = watch::channel(node_policy);
     // Starts from what was read above, so the watcher's first answer is compared with it.
     let (selected_tx, selected_rx) = watch::channel(start_policy);
     part.spawn(crate::api::PolicyWatcher::run_with(
@@ -155,11 +159,13 @@ pub(super) async fn policy(part: Part, shared: &Shared) -> Result<Policy, Plugin
         part.stop_signal(),
         config.api.watcher_config(),
     ));
-    part.spawn(monitor::follow_policies(selected_rx, node.0.clone()));
+    part.spawn(monitor::follow_policies(selected_rx, node.clone()));
     Ok(Policy {
         at_start,
         node,
-        mig_mode: watch::channel(mig_mode),
+        node_rx,
+        mig_mode: mig_mode_tx,
+        mig_mode_rx,
         mig_mode_at_start: mig_mode,
         mps_shares_at_start,
     })
@@ -197,7 +203,7 @@ pub(super) async fn recovery(
             pool: config.node_name.clone(),
             cdi: CdiRegistry::new(&config.cdi_root, &config.driver_name),
             checkpoint_path: claims::checkpoint_path(&plugin_dir, &config.driver_name),
-            mig_mode: policy.mig_mode.1.clone(),
+            mig_mode: policy.mig_mode_rx.clone(),
             driver_edits: gpus.driver_edits.clone(),
             startup_api_timeout: config.startup_api_timeout,
             claim_read_budget: config.api.claim_read,
@@ -276,7 +282,7 @@ pub(super) async fn health_monitor(
     });
     part.spawn(gpu_reports::run(
         gpus.inventory.subscribe(),
-        policy.mig_mode.1.clone(),
+        policy.mig_mode_rx.clone(),
         shared.node_events.clone(),
         shared.metrics.clone(),
         part.stop_signal(),
@@ -294,11 +300,11 @@ pub(super) async fn health_monitor(
     let fault_state = fault_store.load(&inventory, &shared.metrics);
     let monitor_channels = MonitorChannels {
         inventory: gpus.inventory.subscribe(),
-        policy: policy.node.1.clone(),
+        policy: policy.node_rx.clone(),
         events: events_rx,
         devices: devices_tx,
         health: health_tx,
-        mig_mode: policy.mig_mode.0.clone(),
+        mig_mode: policy.mig_mode.clone(),
         kept_fields: publisher.kept_fields(),
         channel_taints: claims.channel_taints.clone(),
     };
@@ -416,7 +422,7 @@ pub(super) async fn publisher(
     );
     part.spawn(labeler.run(
         gpus.inventory.subscribe(),
-        policy.node.0.subscribe(),
+        policy.node.subscribe(),
         part.stop_signal(),
     ));
     part.spawn(selftest::run(

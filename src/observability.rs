@@ -1,16 +1,14 @@
-//! What operators watch: Prometheus metrics, the `/healthz`, `/readyz` and `/metrics` endpoints, and
-//! logging set-up (text or JSON).
+//! What operators watch: Prometheus metrics, the `/healthz`, `/readyz` and `/metrics` endpoints
+//! (`probes.rs`), and logging set-up (text or JSON).
 
-use std::net::SocketAddr;
+mod probes;
+
+pub use probes::{serve_http, Liveness, Readiness};
+
 use std::sync::atomic::AtomicU64;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use axum::extract::State;
-use axum::http::StatusCode;
-use axum::routing::get;
-use axum::Router;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -358,163 +356,6 @@ fn outcome(ok: bool) -> OutcomeLabels {
     OutcomeLabels {
         outcome: if ok { "ok" } else { "error" },
     }
-}
-
-/// What `/readyz` waits for: the DRA socket serving, the kubelet's registration, the first publish.
-#[derive(Default)]
-pub struct Readiness {
-    serving: AtomicBool,
-    registered: AtomicBool,
-    slices_published: AtomicBool,
-    registration_error: Mutex<Option<String>>,
-}
-
-impl Readiness {
-    pub fn set_serving(&self) {
-        self.serving.store(true, Ordering::SeqCst);
-    }
-
-    pub fn set_registration(&self, registered: bool, error: Option<String>) {
-        self.registered.store(registered, Ordering::SeqCst);
-        if let Ok(mut slot) = self.registration_error.lock() {
-            *slot = error;
-        }
-    }
-
-    pub fn set_slices_published(&self) {
-        self.slices_published.store(true, Ordering::SeqCst);
-    }
-
-    pub fn is_registered(&self) -> bool {
-        self.registered.load(Ordering::SeqCst)
-    }
-
-    /// `Ok` when ready, else the list of what is missing, in words.
-    pub fn check(&self) -> Result<(), Vec<String>> {
-        let mut missing = Vec::new();
-        if !self.serving.load(Ordering::SeqCst) {
-            missing.push("DRA gRPC server not serving yet".to_string());
-        }
-        if !self.registered.load(Ordering::SeqCst) {
-            let why = self
-                .registration_error
-                .lock()
-                .ok()
-                .and_then(|e| e.clone())
-                .map(|e| format!(": {e}"))
-                .unwrap_or_default();
-            missing.push(format!("not registered with the kubelet{why}"));
-        }
-        if !self.slices_published.load(Ordering::SeqCst) {
-            missing.push("ResourceSlices not published yet".to_string());
-        }
-        if missing.is_empty() {
-            Ok(())
-        } else {
-            Err(missing)
-        }
-    }
-}
-
-/// What `/healthz` checks: the tasks the plugin cannot work without (the DRA and registration gRPC
-/// servers, the publisher, the health monitor). One that stops outside shutdown (it ended, panicked or
-/// was cancelled) is recorded here and `/healthz` fails from then on, so that the kubelet restarts the
-/// pod instead of keeping a plugin that looks alive but no longer serves or publishes.
-#[derive(Default)]
-pub struct Liveness {
-    stopped: Mutex<Vec<String>>,
-}
-
-impl Liveness {
-    /// Records that `task` stopped, and why (`ended`, `panicked: ...`, `was cancelled`).
-    pub fn task_stopped(&self, task: &str, why: &str) {
-        if let Ok(mut stopped) = self.stopped.lock() {
-            stopped.push(format!("{task} stopped ({why})"));
-        }
-    }
-
-    /// `Ok` while every vital task runs, else what stopped, in words.
-    pub fn check(&self) -> Result<(), Vec<String>> {
-        let stopped = self
-            .stopped
-            .lock()
-            .map(|s| s.clone())
-            .unwrap_or_else(|poisoned| poisoned.into_inner().clone());
-        if stopped.is_empty() {
-            Ok(())
-        } else {
-            Err(stopped)
-        }
-    }
-}
-
-#[derive(Clone)]
-struct HttpState {
-    metrics: Arc<Metrics>,
-    readiness: Arc<Readiness>,
-    liveness: Arc<Liveness>,
-}
-
-/// Serves `/healthz` (liveness), `/readyz` and `/metrics` on `addr` until `shutdown` fires; returns the bound address.
-pub async fn serve_http(
-    addr: SocketAddr,
-    metrics: Arc<Metrics>,
-    readiness: Arc<Readiness>,
-    liveness: Arc<Liveness>,
-    mut shutdown: tokio::sync::watch::Receiver<bool>,
-) -> std::io::Result<SocketAddr> {
-    let router = Router::new()
-        .route("/healthz", get(healthz))
-        .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics_text))
-        .with_state(HttpState {
-            metrics,
-            readiness,
-            liveness,
-        });
-    let listener = tokio::net::TcpListener::bind(addr).await?;
-    let bound = listener.local_addr()?;
-    tokio::spawn(async move {
-        let server = axum::serve(listener, router).with_graceful_shutdown(async move {
-            let _ = shutdown.wait_for(|stop| *stop).await;
-        });
-        if let Err(error) = server.await {
-            tracing::error!(%error, "HTTP server failed");
-        }
-    });
-    Ok(bound)
-}
-
-async fn healthz(State(state): State<HttpState>) -> (StatusCode, String) {
-    match state.liveness.check() {
-        Ok(()) => (StatusCode::OK, "ok\n".to_string()),
-        Err(stopped) => (
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!("unhealthy: {}\n", stopped.join("; ")),
-        ),
-    }
-}
-
-async fn readyz(State(state): State<HttpState>) -> (StatusCode, String) {
-    match state.readiness.check() {
-        Ok(()) => (StatusCode::OK, "ready\n".to_string()),
-        Err(missing) => (
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!("not ready: {}\n", missing.join("; ")),
-        ),
-    }
-}
-
-async fn metrics_text(
-    State(state): State<HttpState>,
-) -> ([(axum::http::HeaderName, &'static str); 1], String) {
-    (
-        [(
-            axum::http::header::CONTENT_TYPE,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        )],
-        state.metrics.encode(),
-    )
 }
 
 /// Log format of `--log-format`.

@@ -48,6 +48,10 @@ pub use error::ClaimError;
 pub use gpu_modes::{MIG_TIMEOUT, SHARING_TIMEOUT};
 pub use lifecycle::{Phase, Step, CALL_BUDGET};
 pub use nvidia_adoption::{Adoption, DEFAULT_NVIDIA_NAMESPACE};
+pub use recovery::{
+    recovery_bound, MPS_RESTORE_BOUND, MPS_RESTORE_PARALLELISM, MPS_SWEEP_BOUND,
+    NVIDIA_MPS_STOP_BOUND, RECOVERY_LOCAL_WORK,
+};
 
 use crate::cdi::CdiRegistry;
 use crate::devices::MigMode;

@@ -88,18 +88,26 @@ impl Preparer {
             .filter(|uid| !self.nvidia_spec_path(uid).exists())
             .cloned()
             .collect();
+        let mut daemons = Vec::new();
         for uid in gone {
             let Some(claim) = stored.nvidia_claims.remove(&uid) else {
                 continue;
             };
-            // What a reboot does not end: the Deployments of NVIDIA's MPS daemons.
-            for id in &claim.mps_daemons {
-                if let Err(error) = self.stop_nvidia_mps(id).await {
-                    warn!(claim_uid = %uid, %error, "stopping NVIDIA's MPS daemon of a claim whose spec is gone");
-                }
-            }
+            daemons.extend(claim.mps_daemons.into_iter().map(|id| (uid.clone(), id)));
             info!(claim_uid = %uid, "claim taken over from NVIDIA's plugin dropped: its CDI spec is gone (a reboot); the kubelet prepares it again if a pod still needs it");
             stored.nvidia_claims_done.insert(uid);
+        }
+        // What a reboot does not end: the Deployments of NVIDIA's MPS daemons, stopped side by side.
+        let stops = daemons.iter().map(|(_, id)| self.stop_nvidia_mps(id));
+        let bound = super::NVIDIA_MPS_STOP_BOUND;
+        let outcomes = super::recovery::bounded(stops, super::MPS_RESTORE_PARALLELISM, bound).await;
+        for ((uid, id), outcome) in daemons.iter().zip(outcomes) {
+            let error = match outcome {
+                Some(Ok(())) => continue,
+                Some(Err(error)) => error,
+                None => format!("not stopped within {}s", bound.as_secs()),
+            };
+            warn!(claim_uid = %uid, daemon = %id, %error, "stopping NVIDIA's MPS daemon of a claim whose spec is gone");
         }
 
         let this_boot = super::checkpoint::current_boot_id();

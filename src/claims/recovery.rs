@@ -7,8 +7,11 @@
 //! so never touched; MIG devices are destroyed only where the plugin recorded making them.
 
 use std::collections::BTreeSet;
+use std::future::Future;
 use std::sync::Arc;
+use std::time::Duration;
 
+use futures::StreamExt;
 use tracing::{info, warn};
 
 use super::checkpoint::{self, CheckpointData, CheckpointError};
@@ -20,6 +23,69 @@ use super::{
 };
 use crate::devices::MigMode;
 use crate::gpu::Inventory;
+
+/// How many MPS daemons recovery restores (ours) or stops (NVIDIA's Deployments, under its driver
+/// name) at once. Each waits seconds on the API server and the kubelet (a Pod deleted, created,
+/// scheduled and Ready) and hardly uses this node, so side by side a node with many MPS claims
+/// recovers in about the time of one; eight keeps the burst the API server sees (a create, then a GET
+/// every 200 ms, per daemon) small beside what a kubelet sends when it starts a node's pods.
+pub const MPS_RESTORE_PARALLELISM: usize = 8;
+
+/// How long recovery waits for the MPS daemons of all kept claims together. One restart takes at most
+/// 55 s (its old Pod gone: 25 s, the new one Ready: 30 s) and usually a few: this allows two rounds of
+/// the slowest, or dozens of daemons that start as they should. A daemon not back by then is reported
+/// and forgotten, and its claim stays prepared, as when its restart fails.
+pub const MPS_RESTORE_BOUND: Duration = Duration::from_secs(120);
+
+/// How long recovery spends stopping the MPS daemons of claims no longer prepared (`sweep_mps`, one
+/// after another, each up to 25 s for its Pod to go); what is left then is stopped at the next start.
+pub const MPS_SWEEP_BOUND: Duration = Duration::from_secs(60);
+
+/// How long recovery spends stopping NVIDIA's MPS Deployments of claims taken over from its plugin
+/// whose CDI spec a reboot removed (each waits up to 20 s for its Deployment to go), side by side.
+pub const NVIDIA_MPS_STOP_BOUND: Duration = Duration::from_secs(30);
+
+/// Recovery's work on the node itself, which no timeout bounds: MIG devices made again after a reboot
+/// (about a second each), CDI specs and the checkpoint written, NVML read. Seconds in practice.
+pub const RECOVERY_LOCAL_WORK: Duration = Duration::from_secs(60);
+
+/// The longest a recovery at start takes, from the bounds of its steps, run one after another:
+/// the records of an earlier boot checked with the API server (all at once, within the start-up API
+/// timeout), a set-aside checkpoint rebuilt from one LIST of claims (the same), NVIDIA's MPS
+/// Deployments stopped, the MPS daemons of kept claims restored, those of claims no longer prepared
+/// stopped, every GPU's sharing mode set (side by side: one GPU's lock, then its change, each within
+/// the sharing timeout), and the local work.
+pub const fn recovery_bound(startup_api_timeout: Duration, sharing_timeout: Duration) -> Duration {
+    startup_api_timeout
+        .saturating_add(startup_api_timeout)
+        .saturating_add(NVIDIA_MPS_STOP_BOUND)
+        .saturating_add(MPS_RESTORE_BOUND)
+        .saturating_add(MPS_SWEEP_BOUND)
+        .saturating_add(sharing_timeout.saturating_mul(2))
+        .saturating_add(RECOVERY_LOCAL_WORK)
+}
+
+/// Runs `tasks`, at most `parallelism` at a time, until all have ended or `bound` has passed. Returns
+/// each task's outcome in the order given; `None` for one that had not ended in time (it is dropped
+/// where it was: callers treat that as a failure of that task alone).
+pub(super) async fn bounded<T, F: Future<Output = T>>(
+    tasks: impl IntoIterator<Item = F>,
+    parallelism: usize,
+    bound: Duration,
+) -> Vec<Option<T>> {
+    let numbered: Vec<_> = tasks
+        .into_iter()
+        .enumerate()
+        .map(|(index, task)| async move { (index, task.await) })
+        .collect();
+    let mut outcomes: Vec<Option<T>> = numbered.iter().map(|_| None).collect();
+    let deadline = tokio::time::Instant::now() + bound;
+    let mut running = futures::stream::iter(numbered).buffer_unordered(parallelism.max(1));
+    while let Ok(Some((index, outcome))) = tokio::time::timeout_at(deadline, running.next()).await {
+        outcomes[index] = Some(outcome);
+    }
+    outcomes
+}
 
 impl Preparer {
     /// Loads the checkpoint (or sets it aside and rebuilds it), checks claims in states this build
@@ -196,6 +262,8 @@ impl Preparer {
             nvidia_claims_done: stored.nvidia_claims_done.clone(),
             ..Default::default()
         };
+        // Completed claims whose MIG devices are back, with whether their spec must be written again.
+        let mut kept: Vec<(String, ClaimRecord, bool)> = Vec::new();
         for (uid, mut record) in stored.claims {
             if record.state == ClaimState::Completed && record.phase == Phase::Reserved {
                 // Written by a release before phases.
@@ -232,7 +300,17 @@ impl Preparer {
                 recovery.rolled_back.push(uid);
                 continue;
             }
-            self.restore_mps(&uid, &mut record, &inventory, &mut recovery);
+            kept.push((uid, record, rewrite));
+        }
+        // The MPS daemons of all kept claims side by side, within a bound: one after another, a
+        // node with many MPS claims would take minutes to start after a reboot.
+        self.restore_mps(
+            kept.iter_mut()
+                .map(|(uid, record, _)| (uid.as_str(), record)),
+            &inventory,
+            &mut recovery,
+        );
+        for (uid, record, rewrite) in kept {
             // /var/run/cdi is tmpfs: after a reboot the spec is gone and is written again;
             // one that a power cut left unreadable is replaced the same way.
             if rewrite || !matches!(self.cdi.read_claim_spec(&uid), Ok(Some(_))) {
@@ -415,4 +493,34 @@ impl Preparer {
 /// could not be read names none, and counts as this boot's).
 fn written_in_an_earlier_boot(stored: &CheckpointData, this_boot: &str) -> bool {
     !stored.boot_id.is_empty() && stored.boot_id != this_boot
+}
+
+#[cfg(test)]
+mod tests {
+    use super::bounded;
+    use std::time::{Duration, Instant};
+
+    #[tokio::test]
+    async fn bounded_runs_side_by_side_and_gives_up_at_the_bound() {
+        let started = Instant::now();
+        let naps = (0..16).map(|i| async move {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            i
+        });
+        let outcomes = bounded(naps, 8, Duration::from_secs(10)).await;
+        assert_eq!(outcomes, (0..16).map(Some).collect::<Vec<_>>());
+        // Two rounds of eight, not sixteen naps one after another.
+        let took = started.elapsed();
+        assert!(took < Duration::from_millis(1000), "{took:?}");
+
+        let started = Instant::now();
+        let some_hang = (0..4u64).map(|i| async move {
+            let nap = if i % 2 == 0 { 10 } else { 3_600_000 };
+            tokio::time::sleep(Duration::from_millis(nap)).await;
+            i
+        });
+        let outcomes = bounded(some_hang, 8, Duration::from_millis(300)).await;
+        assert_eq!(outcomes, [Some(0), None, Some(2), None]);
+        assert!(started.elapsed() < Duration::from_secs(5));
+    }
 }

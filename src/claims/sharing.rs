@@ -258,55 +258,87 @@ impl Preparer {
 }
 
 impl Preparer {
-    /// At start, for a kept claim with an MPS daemon: takes the daemon's Pod over if it still runs for
-    /// the claim's devices as they are now, starts it again in the same directories otherwise (it
+    /// At start, for the kept claims with an MPS daemon: takes each daemon's Pod over if it still runs
+    /// for the claim's devices as they are now, starts it again in the same directories otherwise (it
     /// died, or a MIG device was made again after a reboot and has a new UUID), so that the claim's
-    /// new containers work again. A daemon that cannot be started again is reported and forgotten;
-    /// the claim stays prepared. Runs on a blocking thread of the runtime (recovery's).
-    pub(super) fn restore_mps(
+    /// new containers work again. The daemons are restored side by side, [`MPS_RESTORE_PARALLELISM`]
+    /// at a time, all within [`MPS_RESTORE_BOUND`]. A daemon that cannot be started again, or is not
+    /// back in time, is reported and forgotten; its claim stays prepared. Runs on a blocking thread of
+    /// the runtime (recovery's).
+    ///
+    /// [`MPS_RESTORE_PARALLELISM`]: super::MPS_RESTORE_PARALLELISM
+    /// [`MPS_RESTORE_BOUND`]: super::MPS_RESTORE_BOUND
+    pub(super) fn restore_mps<'a>(
         &self,
-        uid: &str,
-        record: &mut ClaimRecord,
+        kept: impl IntoIterator<Item = (&'a str, &'a mut ClaimRecord)>,
         inventory: &Inventory,
         recovery: &mut Recovery,
     ) {
-        let Some(daemon) = record.mps.clone() else {
-            return;
-        };
-        let spec = match mps_spec(uid, &record.devices, inventory) {
-            Ok(Some(spec)) => spec,
-            Ok(None) => {
-                warn!(claim = %super::describe(uid, record), "MPS daemon recorded for a claim without MPS devices; forgotten");
-                record.mps = None;
-                return;
-            }
-            Err(reason) => {
-                warn!(claim = %super::describe(uid, record), %reason, "the claim's MPS daemon cannot be started again");
-                record.mps = None;
-                return;
-            }
-        };
-        let handle = tokio::runtime::Handle::current();
-        match handle.block_on(self.mps.take_over(&daemon, &spec)) {
-            Ok(TakeOver::TakenOver) => {
-                info!(claim = %super::describe(uid, record), pod = %daemon.pod, "MPS control daemon taken over");
-                recovery.mps_daemons_taken_over.push(uid.to_string());
-            }
-            Ok(TakeOver::Restarted(started)) => {
-                warn!(claim = %super::describe(uid, record), pod = %started.pod, "MPS control daemon was gone, not Ready or named other devices; started again");
-                record.mps = Some(started);
-                recovery.mps_daemons_restarted.push(uid.to_string());
-            }
-            Err(error) => {
-                warn!(claim = %super::describe(uid, record), %error, "MPS control daemon had stopped and cannot be started again; the claim's containers cannot use MPS");
-                record.mps = None;
+        let mut daemons = Vec::new();
+        for (uid, record) in kept {
+            let Some(daemon) = record.mps.clone() else {
+                continue;
+            };
+            match mps_spec(uid, &record.devices, inventory) {
+                Ok(Some(spec)) => daemons.push((uid, record, daemon, spec)),
+                Ok(None) => {
+                    warn!(claim = %super::describe(uid, record), "MPS daemon recorded for a claim without MPS devices; forgotten");
+                    record.mps = None;
+                }
+                Err(reason) => {
+                    warn!(claim = %super::describe(uid, record), %reason, "the claim's MPS daemon cannot be started again");
+                    record.mps = None;
+                }
             }
         }
+        if daemons.is_empty() {
+            return;
+        }
+        let started = std::time::Instant::now();
+        let bound = super::MPS_RESTORE_BOUND;
+        let take_overs = daemons
+            .iter()
+            .map(|(_, _, daemon, spec)| self.mps.take_over(daemon, spec));
+        let outcomes = tokio::runtime::Handle::current().block_on(super::recovery::bounded(
+            take_overs,
+            super::MPS_RESTORE_PARALLELISM,
+            bound,
+        ));
+        for ((uid, record, daemon, _), outcome) in daemons.into_iter().zip(outcomes) {
+            match outcome {
+                Some(Ok(TakeOver::TakenOver)) => {
+                    info!(claim = %super::describe(uid, record), pod = %daemon.pod, "MPS control daemon taken over");
+                    recovery.mps_daemons_taken_over.push(uid.to_string());
+                }
+                Some(Ok(TakeOver::Restarted(restarted))) => {
+                    warn!(claim = %super::describe(uid, record), pod = %restarted.pod, "MPS control daemon was gone, not Ready or named other devices; started again");
+                    record.mps = Some(restarted);
+                    recovery.mps_daemons_restarted.push(uid.to_string());
+                }
+                Some(Err(error)) => {
+                    warn!(claim = %super::describe(uid, record), %error, "MPS control daemon had stopped and cannot be started again; the claim's containers cannot use MPS");
+                    record.mps = None;
+                }
+                None => {
+                    warn!(claim = %super::describe(uid, record), pod = %daemon.pod, bound_s = bound.as_secs(), "MPS control daemon not taken over or started again within recovery's bound for all MPS daemons; the claim stays prepared, and its containers cannot use MPS");
+                    record.mps = None;
+                }
+            }
+        }
+        info!(
+            daemons = recovery.mps_daemons_taken_over.len() + recovery.mps_daemons_restarted.len(),
+            took_ms = started.elapsed().as_millis() as u64,
+            "MPS control daemons of kept claims restored"
+        );
     }
 
-    /// Stops the MPS daemons of claims that are no longer prepared and removes their directories.
-    /// Every kept claim's directory stays, also one without a daemon record (rebuilt after the
-    /// checkpoint was set aside), as do those of claims whose CDI spec is left in place.
+    /// Stops the MPS daemons of claims that are no longer prepared and removes their directories,
+    /// within [`MPS_SWEEP_BOUND`]: what is left then is stopped at the next start (each daemon's Pod
+    /// goes before its directory, so one cut off is left whole). Every kept claim's directory stays,
+    /// also one without a daemon record (rebuilt after the checkpoint was set aside), as do those of
+    /// claims whose CDI spec is left in place.
+    ///
+    /// [`MPS_SWEEP_BOUND`]: super::MPS_SWEEP_BOUND
     pub(super) fn sweep_mps(&self, data: &CheckpointData) -> Vec<String> {
         let keep: BTreeSet<String> = data
             .claims
@@ -317,7 +349,15 @@ impl Preparer {
         // Daemon Pods without a directory are looked for in the background: a list that waits on an
         // unreachable API server must not hold up the start.
         let handle = tokio::runtime::Handle::current();
-        let cleaned = handle.block_on(self.mps.sweep_dirs(&keep));
+        let bound = super::MPS_SWEEP_BOUND;
+        let cleaned = match handle.block_on(tokio::time::timeout(bound, self.mps.sweep_dirs(&keep)))
+        {
+            Ok(cleaned) => cleaned,
+            Err(_) => {
+                warn!(bound_s = bound.as_secs(), "stopping the MPS daemons of claims no longer prepared did not finish within its bound; the others are stopped at the next start");
+                Vec::new()
+            }
+        };
         let mps = self.mps.clone();
         handle.spawn(async move { mps.sweep_pods(&keep).await });
         for uid in &cleaned {
@@ -330,8 +370,9 @@ impl Preparer {
     /// where it may hold another: the compute mode reads otherwise, the checkpoint recorded another
     /// mode (set, or about to be set, when the plugin stopped), or `unknown` says the records were
     /// lost. A time-slice interval cannot be read back, so one that a kept claim needs is set again.
-    /// Returns the records to keep. Each GPU's change is bounded in time; failures are logged, and
-    /// the next prepare or unprepare on the GPU retries. Runs on a blocking thread of the runtime.
+    /// Returns the records to keep. The GPUs change side by side, each within the sharing timeout (a
+    /// hung GPU holds up no other, and the whole takes one GPU's time); failures are logged, and the
+    /// next prepare or unprepare on the GPU retries. Runs on a blocking thread of the runtime.
     pub(super) fn converge_gpu_modes(
         &self,
         data: &CheckpointData,
@@ -339,31 +380,50 @@ impl Preparer {
         unknown: bool,
         inventory: &Inventory,
     ) -> BTreeMap<String, RecordedGpuMode> {
-        let runtime = tokio::runtime::Handle::current();
-        let mut kept = BTreeMap::new();
-        for gpu in &inventory.gpus {
-            let name = format!("gpu-{}", gpu.minor);
-            let wanted = desired_mode(&data.claims, gpu.minor, None);
-            let earlier = recorded.get(&gpu.uuid).cloned();
-            let record_other = earlier
-                .as_ref()
-                .is_some_and(|r| *r != RecordedGpuMode::Known(wanted));
-            let (backend, uuid) = (self.backend.clone(), gpu.uuid.clone());
-            let converge = move || {
-                let current = backend.sharing(&uuid)?;
-                let set = match wanted {
-                    GpuSharingMode::TimeSlice(_) => true,
-                    _ => unknown || record_other || current != wanted,
+        let wanted: Vec<(String, GpuSharingMode, Option<RecordedGpuMode>)> = inventory
+            .gpus
+            .iter()
+            .map(|gpu| {
+                let wanted = desired_mode(&data.claims, gpu.minor, None);
+                (
+                    format!("gpu-{}", gpu.minor),
+                    wanted,
+                    recorded.get(&gpu.uuid).cloned(),
+                )
+            })
+            .collect();
+        let changes = inventory
+            .gpus
+            .iter()
+            .zip(&wanted)
+            .map(|(gpu, (name, wanted, earlier))| {
+                let wanted = *wanted;
+                let record_other = earlier
+                    .as_ref()
+                    .is_some_and(|r| *r != RecordedGpuMode::Known(wanted));
+                let (backend, uuid) = (self.backend.clone(), gpu.uuid.clone());
+                let converge = move || {
+                    let current = backend.sharing(&uuid)?;
+                    let set = match wanted {
+                        GpuSharingMode::TimeSlice(_) => true,
+                        _ => unknown || record_other || current != wanted,
+                    };
+                    if set {
+                        backend.set_sharing(&uuid, &wanted)?;
+                    }
+                    Ok(set)
                 };
-                if set {
-                    backend.set_sharing(&uuid, &wanted)?;
+                async move {
+                    let mut held = self.gpu_modes.hold(&gpu.uuid, name).await?;
+                    held.change(wanted, converge).await
                 }
-                Ok(set)
-            };
-            let outcome = runtime.block_on(async {
-                let mut held = self.gpu_modes.hold(&gpu.uuid, &name).await?;
-                held.change(wanted, converge).await
             });
+        let outcomes =
+            tokio::runtime::Handle::current().block_on(futures::future::join_all(changes));
+        let mut kept = BTreeMap::new();
+        for ((gpu, (name, wanted, earlier)), outcome) in
+            inventory.gpus.iter().zip(wanted).zip(outcomes)
+        {
             match outcome {
                 Ok(set) => {
                     if set {

@@ -209,6 +209,7 @@ pub fn run_plugin(args: PluginArgs) -> Result<()> {
             host_socket: args.imex_host_socket,
             host_ctl: args.imex_host_ctl,
         },
+        start_bounds: None,
     };
     use crate::plugin::preflight::{self, DriverRootSetting, Environment, Preflight};
     let preflight = Preflight::new(

@@ -75,11 +75,25 @@ pub(super) fn mps_daemons(
     ))
 }
 
-/// The image of the daemons' Pods (MPS and IMEX): `--mps-daemon-image`, else the plugin's own.
+/// How long the start waits for the plugin's own Pod, for the daemons' image: longer than the
+/// start-up API timeout, because without the image MPS and IMEX claims fail until the plugin restarts.
+pub const OWN_IMAGE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// The image of the daemons' Pods (MPS and IMEX): `--mps-daemon-image`, else the plugin's own, read
+/// within [`OWN_IMAGE_TIMEOUT`] (without it, MPS and IMEX claims fail at prepare, saying why).
 pub(super) async fn daemon_image(config: &PluginConfig, client: &kube::Client) -> Option<String> {
     match (&config.mps.image, &config.mps.own_pod) {
         (Some(image), _) => Some(image.clone()),
-        (None, Some(pod)) => own_image(client, &config.mps.namespace, pod).await,
+        (None, Some(pod)) => {
+            let read = own_image(client, &config.mps.namespace, pod);
+            match tokio::time::timeout(OWN_IMAGE_TIMEOUT, read).await {
+                Ok(image) => image,
+                Err(_) => {
+                    warn!(pod, namespace = %config.mps.namespace, timeout_s = OWN_IMAGE_TIMEOUT.as_secs(), "reading the plugin's own Pod for its image timed out");
+                    None
+                }
+            }
+        }
         (None, None) => None,
     }
 }

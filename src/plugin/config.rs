@@ -60,6 +60,9 @@ pub struct PluginConfig {
     pub mig_timeout: Duration,
     /// IMEX channels and ComputeDomains.
     pub domains: crate::domains::membership::DomainsConfig,
+    /// How long each part of the start may take before `/healthz` fails naming it; `None`: from
+    /// the timeouts above ([`PartBounds::for_timeouts`](super::PartBounds::for_timeouts)).
+    pub start_bounds: Option<super::PartBounds>,
 }
 
 /// Where and how the Pods of MPS control daemons run.
@@ -119,6 +122,7 @@ impl PluginConfig {
             call_budget: claims::CALL_BUDGET,
             mig_timeout: claims::MIG_TIMEOUT,
             domains: Default::default(),
+            start_bounds: None,
         }
     }
 

@@ -4,7 +4,7 @@
 
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use futures::FutureExt;
 use tokio::sync::watch;
@@ -13,25 +13,27 @@ use tracing::error;
 
 use crate::observability::Liveness;
 
-/// Spawns vital tasks and remembers them by name.
+/// Spawns vital tasks and remembers them by name; clones share the names.
+#[derive(Clone)]
 pub(super) struct Vital {
     liveness: Arc<Liveness>,
-    shutdown: watch::Receiver<bool>,
-    tasks: Vec<(&'static str, AbortHandle)>,
+    /// True once the plugin is being stopped: a task that ends then is not a fault.
+    stopping: watch::Receiver<bool>,
+    tasks: Arc<Mutex<Vec<(&'static str, AbortHandle)>>>,
 }
 
 impl Vital {
-    pub(super) fn new(liveness: Arc<Liveness>, shutdown: watch::Receiver<bool>) -> Self {
+    pub(super) fn new(liveness: Arc<Liveness>, stopping: watch::Receiver<bool>) -> Self {
         Vital {
             liveness,
-            shutdown,
-            tasks: Vec::new(),
+            stopping,
+            tasks: Arc::default(),
         }
     }
 
     /// Spawns `task` as `name`; its end outside shutdown makes the plugin unhealthy.
     pub(super) fn spawn(
-        &mut self,
+        &self,
         name: &'static str,
         task: impl Future<Output = ()> + Send + 'static,
     ) -> JoinHandle<()> {
@@ -43,7 +45,7 @@ impl Vital {
 
     /// Like `spawn`, for a task that says why it ended (shown by `/healthz`).
     pub(super) fn spawn_explained(
-        &mut self,
+        &self,
         name: &'static str,
         task: impl Future<Output = String> + Send + 'static,
     ) -> JoinHandle<()> {
@@ -51,7 +53,7 @@ impl Vital {
             task: name,
             why: None,
             liveness: self.liveness.clone(),
-            shutdown: self.shutdown.clone(),
+            stopping: self.stopping.clone(),
         };
         let handle = tokio::spawn(async move {
             // A panic is caught here rather than by tokio, so that its message reaches /healthz.
@@ -61,17 +63,25 @@ impl Vital {
                 Err(panic) => format!("panicked: {}", panic_message(panic.as_ref())),
             });
         });
-        self.tasks.push((name, handle.abort_handle()));
+        self.tasks
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .push((name, handle.abort_handle()));
         handle
     }
 
     /// Cancels the task spawned as `name`, as if it had died; false when there is none.
     pub(super) fn abort(&self, name: &str) -> bool {
-        let found: Vec<_> = self.tasks.iter().filter(|(n, _)| *n == name).collect();
-        for (_, handle) in &found {
+        let tasks = self
+            .tasks
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut found = false;
+        for (_, handle) in tasks.iter().filter(|(n, _)| *n == name) {
             handle.abort();
+            found = true;
         }
-        !found.is_empty()
+        found
     }
 }
 
@@ -80,7 +90,7 @@ struct StopGuard {
     task: &'static str,
     why: Option<String>,
     liveness: Arc<Liveness>,
-    shutdown: watch::Receiver<bool>,
+    stopping: watch::Receiver<bool>,
 }
 
 impl StopGuard {
@@ -91,7 +101,7 @@ impl StopGuard {
 
 impl Drop for StopGuard {
     fn drop(&mut self) {
-        if *self.shutdown.borrow() {
+        if *self.stopping.borrow() {
             return;
         }
         let why = self.why.as_deref().unwrap_or("was cancelled");

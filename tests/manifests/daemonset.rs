@@ -1,6 +1,7 @@
 //! The plugin's DaemonSet in the base and the overlays: it mounts the kubelet and CDI directories at
-//! their host paths and knows its node, its driver root volume is the driver root it is told of, and
-//! the fake overlay runs the fake backend without one.
+//! their host paths and knows its node, its driver root volume is the driver root it is told of, the
+//! fake overlay runs the fake backend without one, and its startup probe waits out the plugin's
+//! worst-case start.
 
 use std::collections::BTreeMap;
 
@@ -178,4 +179,87 @@ fn fake_overlay_runs_the_fake_backend_without_the_driver_root() {
         selector.get("gpu-dra.dev/fake").map(String::as_str),
         Some("true")
     );
+}
+
+/// The kubelet waits for the plugin's first answer on /healthz at most the startup probe's
+/// `periodSeconds x failureThreshold`; that must cover the plugin's worst-case start (the sum of its
+/// parts' bounds, recovery's among them) with the timeouts the DaemonSet gives it, or a node that
+/// recovers many claims could be restarted while the plugin is still busy with them. After the first
+/// answer, the liveness probe watches /healthz, which fails naming a part past its bound.
+fn assert_startup_probe_covers_the_start(ds: &DaemonSet, origin: &str) {
+    use std::time::Duration;
+    let container = ds
+        .spec
+        .template
+        .spec
+        .as_ref()
+        .and_then(|pod| pod.containers.iter().find(|c| c.name == "plugin"))
+        .unwrap_or_else(|| panic!("{origin}: no container `plugin`"));
+    let probe = container
+        .startup_probe
+        .as_ref()
+        .unwrap_or_else(|| panic!("{origin}: the plugin has no startupProbe"));
+    let path = probe.http_get.as_ref().and_then(|get| get.path.as_deref());
+    assert_eq!(path, Some("/healthz"), "{origin}");
+    let seconds =
+        |value: Option<i32>, default: i32| u64::try_from(value.unwrap_or(default)).unwrap();
+    let budget = Duration::from_secs(
+        seconds(probe.period_seconds, 10) * seconds(probe.failure_threshold, 3),
+    );
+    let startup_api_timeout = container
+        .env
+        .iter()
+        .flatten()
+        .find(|e| e.name == "STARTUP_API_TIMEOUT_SECONDS")
+        .and_then(|e| e.value.as_deref()?.parse().ok())
+        .map_or(
+            gpu_dra::plugin::startup::DEFAULT_STARTUP_API_TIMEOUT,
+            Duration::from_secs,
+        );
+    let bounds = gpu_dra::plugin::PartBounds::for_timeouts(
+        startup_api_timeout,
+        gpu_dra::claims::SHARING_TIMEOUT,
+    );
+    let recovery =
+        gpu_dra::claims::recovery_bound(startup_api_timeout, gpu_dra::claims::SHARING_TIMEOUT);
+    assert!(
+        budget >= bounds.total() && budget >= recovery,
+        "{origin}: the startup probe allows {budget:?}, the plugin's start may take {:?} (recovery {recovery:?}); \
+         raise failureThreshold (and the arithmetic in its comment)",
+        bounds.total()
+    );
+    if startup_api_timeout == gpu_dra::plugin::startup::DEFAULT_STARTUP_API_TIMEOUT {
+        assert_eq!(bounds.total(), gpu_dra::plugin::STARTUP_BOUND, "{origin}");
+    }
+    // The liveness probe stays as it was for the running plugin: three failures, 30 s apart.
+    let liveness = container
+        .liveness_probe
+        .as_ref()
+        .unwrap_or_else(|| panic!("{origin}: the plugin has no livenessProbe"));
+    assert_eq!(
+        liveness
+            .http_get
+            .as_ref()
+            .and_then(|get| get.path.as_deref()),
+        Some("/healthz"),
+        "{origin}"
+    );
+    assert_eq!(
+        (liveness.period_seconds, liveness.failure_threshold),
+        (Some(30), Some(3)),
+        "{origin}"
+    );
+}
+
+#[test]
+fn the_startup_probe_covers_the_plugins_worst_case_start() {
+    let (objects, _) = manifests();
+    let base: DaemonSet = one(&objects, "DaemonSet", "gpu-dra-plugin").typed();
+    assert_startup_probe_covers_the_start(&base, "deploy/base");
+    for overlay in ["nvml", "fake"] {
+        if let Some(docs) = kustomize(overlay) {
+            let ds: DaemonSet = one(&docs, "DaemonSet", "gpu-dra-plugin").typed();
+            assert_startup_probe_covers_the_start(&ds, &format!("deploy/overlays/{overlay}"));
+        }
+    }
 }

@@ -1,11 +1,13 @@
 //! The plugin end to end against the doubles: registration, publishing, prepare/unprepare over gRPC,
 //! CDI specs, sockets, metrics, and API-server faults. Here the whole path once, and the helpers that
 //! read a prepare answer; `serving` covers the sockets, services and endpoints, `publishing` the
-//! ResourceSlices, `claims` prepare and unprepare.
+//! ResourceSlices, `claims` prepare and unprepare, `startup` the order of the start as the kubelet's
+//! probes and sockets see it.
 
 mod claims;
 mod publishing;
 mod serving;
+mod startup;
 
 use std::os::unix::fs::MetadataExt;
 

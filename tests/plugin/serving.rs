@@ -174,7 +174,7 @@ async fn health_readiness_and_metrics_are_served() {
     plugin.shutdown().await;
 }
 
-async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
+pub(super) async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
     stream

@@ -11,6 +11,9 @@
 //! not a directory keeps the Pod in `ContainerCreating`, as the kubelet's type check does. The
 //! container's command must be `gpu-dra` (the plugin's image), run from the binary given.
 //!
+//! A start delay (`set_start_delay`) keeps new Pods in ContainerCreating for a while, as an image pull
+//! or a slow runtime does, each Pod on its own clock.
+//!
 //! Not modelled: images (every image has the gpu-dra binary), mount propagation, resources and
 //! cgroups, privileges, probes other than exec readiness, init containers, more than one container.
 
@@ -18,6 +21,8 @@ use std::collections::HashMap;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Pod;
@@ -35,6 +40,8 @@ const MAX_BACKOFF: Duration = Duration::from_secs(2);
 /// Runs this node's Pods until dropped (which ends their processes, as a node that goes away).
 pub struct PodRunner {
     task: JoinHandle<()>,
+    /// How long a new Pod stays in ContainerCreating before its container starts, in milliseconds.
+    start_delay_ms: Arc<AtomicU64>,
 }
 
 impl Drop for PodRunner {
@@ -165,8 +172,18 @@ impl PodRunner {
         Self::start_with(store, node, binary)
     }
 
+    /// How long each new Pod's container takes to start from now on (an image pull, a slow
+    /// runtime): the Pod waits in ContainerCreating meanwhile. Pods start side by side, as the
+    /// kubelet's pod workers do.
+    pub fn set_start_delay(&self, delay: Duration) {
+        let millis = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
+        self.start_delay_ms.store(millis, Ordering::Relaxed);
+    }
+
     fn start_with(store: PodStore, node: &str, binary: PathBuf) -> PodRunner {
         let node = node.to_string();
+        let start_delay_ms = Arc::new(AtomicU64::new(0));
+        let delay = start_delay_ms.clone();
         let task = tokio::spawn(async move {
             let mut running: HashMap<String, Running> = HashMap::new();
             loop {
@@ -180,8 +197,9 @@ impl PodRunner {
                 let binary = binary.clone();
                 let store = store.clone();
                 let mut state = std::mem::take(&mut running);
+                let start_delay = Duration::from_millis(delay.load(Ordering::Relaxed));
                 running = tokio::task::spawn_blocking(move || {
-                    sync(&store, &binary, pods, &mut state);
+                    sync(&store, &binary, pods, &mut state, start_delay);
                     state
                 })
                 .await
@@ -189,7 +207,10 @@ impl PodRunner {
                 tokio::time::sleep(SYNC).await;
             }
         });
-        PodRunner { task }
+        PodRunner {
+            task,
+            start_delay_ms,
+        }
     }
 
     /// The path of the `gpu-dra` binary beside the running test binary (cargo builds it for
@@ -207,7 +228,13 @@ impl PodRunner {
     }
 }
 
-fn sync(store: &PodStore, binary: &Path, pods: Vec<Pod>, running: &mut HashMap<String, Running>) {
+fn sync(
+    store: &PodStore,
+    binary: &Path,
+    pods: Vec<Pod>,
+    running: &mut HashMap<String, Running>,
+    start_delay: Duration,
+) {
     let seen: Vec<String> = pods.iter().filter_map(|p| p.metadata.uid.clone()).collect();
     // A Pod removed from the API (deleted with grace 0) ends at once.
     running.retain(|uid, _| seen.contains(uid));
@@ -220,7 +247,7 @@ fn sync(store: &PodStore, binary: &Path, pods: Vec<Pod>, running: &mut HashMap<S
             name: pod.metadata.name.clone().unwrap_or_default(),
             child: None,
             restarts: 0,
-            restart_at: Some(Instant::now()),
+            restart_at: Some(Instant::now() + start_delay),
             backoff: FIRST_BACKOFF,
             last_exit: None,
             ready: false,

@@ -298,7 +298,8 @@ step_burst_mps() {
   done
   check "all 8 pods Running with their device ($with_device)" test "$with_device" = 8
   echo "$(leftovers)"
-  local mps_claims; mps_claims=$(for p in mps-1 mps-2 mps-3 mps-4; do pod_claim_uid $p; done | sort)
+  local mps_claims; mps_claims=$(for p in mps-1 mps-2 mps-3 mps-4; do pod_claim_uid $p; echo; done | sort)
+  echo "MPS claims: $(echo $mps_claims); daemon Pods: $(mps_pods | tr '\n' ' '); mounts: $(mps_mounts | tr '\n' ' ')"
   check "one MPS daemon Pod per MPS claim, and no other" test "$(mps_pods)" = "$(for u in $mps_claims; do echo "pod/gpu-dra-mps-$u"; done | sort)"
   check "one tmpfs and one directory per MPS claim, and no other" bash -c \
     "[ '$(mps_mounts | xargs -rn1 dirname | xargs -rn1 basename | sort | tr '\n' ' ')' = '$(echo $mps_claims | tr ' ' '\n' | sort | tr '\n' ' ')' ] && [ '$(mps_dirs | tr '\n' ' ')' = '$(echo $mps_claims | tr ' ' '\n' | sort | tr '\n' ' ')' ]"

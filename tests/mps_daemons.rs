@@ -14,7 +14,7 @@ use gpu_dra::claims::mps::shm::{is_mount_point, is_tmpfs, tmpfs_size};
 use gpu_dra::claims::mps::stand_in::SHM_SEGMENT;
 use gpu_dra::claims::mps::{
     DaemonPodTemplate, DaemonPods, DaemonProgram, MpsDaemonRecord, MpsDaemonSpec, MpsDaemons,
-    MpsDevice, MpsError, TakeOver, SHM_MARKER,
+    MpsDevice, MpsError, MpsPrograms, TakeOver, SHM_MARKER,
 };
 use gpu_dra::support::apiserver::ApiServer;
 use gpu_dra::support::pod_runner::PodRunner;
@@ -335,9 +335,9 @@ async fn a_daemon_pod_that_never_gets_ready_fails_the_start_with_the_kubelets_re
                 driver: "gpu.dra.dev".into(),
                 image: "gpu-dra:test".into(),
                 host_driver_root: "/nonexistent-driver-root".into(),
-                program: DaemonProgram::Chroot {
-                    binary: "/usr/bin/nvidia-cuda-mps-control".into(),
-                },
+                program: DaemonProgram::Chroot(MpsPrograms {
+                    control: "/usr/bin/nvidia-cuda-mps-control".into(),
+                }),
             },
         ));
     let error = daemons.start(&spec(UID_A)).await.unwrap_err();

@@ -1,40 +1,31 @@
-//! The daemons' Pods through the API server: created for a claim and waited on until Ready (with the
-//! kubelet's reason when they are not), deleted and waited on until gone, and this node's Pods listed
-//! for claims that are no longer prepared. Every call on `Api<Pod>` stays in this file, beside the
-//! field that types it: tests/manifests/rbac.rs tells a call's kind by the binding in its own file.
+//! The daemons' Pods through the API server (`claims::daemon_pod::api`): created for a claim and
+//! waited on until Ready (with the kubelet's reason when they are not), deleted and waited on until
+//! gone, and this node's Pods listed for claims that are no longer prepared.
 
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use tracing::{info, warn};
 
 use super::dirs::ClaimDirs;
 use super::{
     is_plain_name, pod, shm, DaemonPodTemplate, MpsDaemonRecord, MpsDaemonSpec, MpsDaemons,
-    MpsError, GONE_TIMEOUT, POLL, READY_TIMEOUT, SHM_MARKER,
+    MpsError, READY_TIMEOUT, SHM_MARKER,
 };
+use crate::claims::daemon_pod::api::{Gone, GONE_TIMEOUT, POLL};
+use crate::claims::daemon_pod::{is_ready, not_ready_reason, DaemonPodApi};
 
 /// Runs the daemons' Pods: the API and what every Pod of this plugin shares.
-#[derive(Clone)]
+#[derive(Debug, Clone)]
 pub struct DaemonPods {
-    pub(super) api: Api<Pod>,
+    pub(super) api: DaemonPodApi,
     pub(super) template: DaemonPodTemplate,
-}
-
-impl std::fmt::Debug for DaemonPods {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DaemonPods")
-            .field("template", &self.template)
-            .finish()
-    }
 }
 
 impl DaemonPods {
     pub fn new(client: kube::Client, template: DaemonPodTemplate) -> Self {
         Self {
-            api: Api::namespaced(client, &template.namespace),
+            api: DaemonPodApi::new(client, &template.namespace),
             template,
         }
     }
@@ -60,7 +51,7 @@ impl MpsDaemons {
             .await?;
         let created = pods
             .api
-            .create(&PostParams::default(), &pod)
+            .create(&pod)
             .await
             .map_err(|e| self.api_error(&dirs.claim, &name, "creating", e))?;
         let uid = created.metadata.uid.clone().unwrap_or_default();
@@ -85,7 +76,7 @@ impl MpsDaemons {
     ) -> Result<(), MpsError> {
         let deadline = Instant::now() + READY_TIMEOUT;
         loop {
-            let detail = match pods.api.get_opt(name).await {
+            let detail = match pods.api.get(name).await {
                 Ok(Some(pod)) if pod.metadata.uid.as_deref() != Some(uid) => {
                     "replaced by another Pod of the same name".to_string()
                 }
@@ -105,12 +96,12 @@ impl MpsDaemons {
             if Instant::now() >= deadline {
                 return Err(MpsError::NotReady {
                     claim: dirs.claim.clone(),
-                    namespace: pods.template.namespace.clone(),
+                    namespace: pods.api.namespace().to_string(),
                     pod: name.to_string(),
                     waited: READY_TIMEOUT,
                     detail: format!(
                         "{detail}; `kubectl logs -n {} {name}` says why",
-                        pods.template.namespace
+                        pods.api.namespace()
                     ),
                 });
             }
@@ -123,7 +114,7 @@ impl MpsDaemons {
         let Some(pods) = &self.pods else {
             return false;
         };
-        matches!(pods.api.get_opt(&record.pod).await,
+        matches!(pods.api.get(&record.pod).await,
             Ok(Some(pod)) if pod.metadata.uid.as_deref() == Some(record.pod_uid.as_str()) && is_ready(&pod))
     }
 
@@ -135,16 +126,11 @@ impl MpsDaemons {
             return Vec::new();
         };
         let template = &pods.template;
-        let params = ListParams::default()
-            .labels(&format!(
-                "{}={},{}={}",
-                pod::COMPONENT_LABEL,
-                pod::COMPONENT,
-                pod::DRIVER_LABEL,
-                template.driver
-            ))
-            .fields(&format!("spec.nodeName={}", template.node));
-        let list = match pods.api.list(&params).await {
+        let list = match pods
+            .api
+            .on_node(pod::COMPONENT, &template.driver, &template.node)
+            .await
+        {
             Ok(list) => list,
             Err(e) => {
                 warn!(error = %e, "listing this node's MPS daemon Pods failed; none deleted");
@@ -152,7 +138,7 @@ impl MpsDaemons {
             }
         };
         let mut cleaned = Vec::new();
-        for pod in list.items {
+        for pod in list {
             let Some(uid) = pod
                 .metadata
                 .labels
@@ -187,28 +173,23 @@ impl MpsDaemons {
         wait: Option<Duration>,
     ) -> Result<(), MpsError> {
         let name = DaemonPodTemplate::pod_name(claim);
-        match pods.api.delete(&name, &DeleteParams::default()).await {
-            Ok(_) => {}
-            Err(kube::Error::Api(status)) if status.code == 404 => return Ok(()),
-            Err(e) => return Err(self.api_error(claim, &name, "deleting", e)),
-        }
-        let Some(waited) = wait else {
-            return Ok(());
-        };
-        let deadline = Instant::now() + waited;
-        loop {
-            match pods.api.get_opt(&name).await {
-                Ok(None) => return Ok(()),
-                Ok(Some(_)) | Err(_) if Instant::now() < deadline => tokio::time::sleep(POLL).await,
-                Ok(Some(_)) | Err(_) => {
-                    return Err(MpsError::StillRunning {
-                        claim: claim.to_string(),
-                        namespace: pods.template.namespace.clone(),
-                        pod: name,
-                        waited,
-                    })
-                }
-            }
+        let begun = Instant::now();
+        let deleted = pods
+            .api
+            .delete(&name)
+            .await
+            .map_err(|e| self.api_error(claim, &name, "deleting", e))?;
+        match wait {
+            Some(waited) if deleted => match pods.api.wait_gone(&name, begun + waited).await {
+                Gone::Yes => Ok(()),
+                Gone::StillThere => Err(MpsError::StillRunning {
+                    claim: claim.to_string(),
+                    namespace: pods.api.namespace().to_string(),
+                    pod: name,
+                    waited,
+                }),
+            },
+            _ => Ok(()),
         }
     }
 
@@ -218,51 +199,11 @@ impl MpsDaemons {
             namespace: self
                 .pods
                 .as_ref()
-                .map(|p| p.template.namespace.clone())
+                .map(|p| p.api.namespace().to_string())
                 .unwrap_or_default(),
             pod: pod.to_string(),
             action,
             source: Box::new(e),
         }
     }
-}
-
-/// Whether the Pod is Ready and not being deleted (the daemons of MPS and IMEX alike).
-pub(crate) fn is_ready(pod: &Pod) -> bool {
-    pod.metadata.deletion_timestamp.is_none()
-        && pod
-            .status
-            .as_ref()
-            .and_then(|s| s.conditions.as_ref())
-            .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
-}
-
-/// Why a Pod is not Ready, in the kubelet's words where it gave some.
-fn not_ready_reason(pod: &Pod) -> String {
-    let status = pod.status.as_ref();
-    let container = status
-        .and_then(|s| s.container_statuses.as_ref())
-        .and_then(|c| c.first());
-    let state = container.and_then(|c| c.state.as_ref());
-    if let Some(waiting) = state.and_then(|s| s.waiting.as_ref()) {
-        return format!(
-            "container waiting: {} {}",
-            waiting.reason.as_deref().unwrap_or_default(),
-            waiting.message.as_deref().unwrap_or_default()
-        )
-        .trim()
-        .to_string();
-    }
-    if let Some(terminated) = container
-        .and_then(|c| c.last_state.as_ref())
-        .and_then(|s| s.terminated.as_ref())
-    {
-        return format!(
-            "container exited with {} ({})",
-            terminated.exit_code,
-            terminated.reason.as_deref().unwrap_or("no reason")
-        );
-    }
-    let phase = status.and_then(|s| s.phase.as_deref()).unwrap_or("Pending");
-    format!("phase {phase}, not Ready yet")
 }

@@ -18,8 +18,9 @@ use thiserror::Error;
 use tracing::{info, warn};
 
 use crate::cdi::{ContainerEdits, Mount};
+use crate::claims::daemon_pod::api::GONE_TIMEOUT;
 pub use daemon_pods::DaemonPods;
-pub use pod::{DaemonPodTemplate, DaemonProgram};
+pub use pod::{DaemonPodTemplate, DaemonProgram, MpsPrograms};
 
 pub(crate) mod daemon_pods;
 mod dirs;
@@ -43,9 +44,6 @@ pub const SHM_MARKER: &str = ".gpu-dra-mps-daemon";
 /// How long a prepare waits for the daemon's Pod to become Ready: the kubelet's own deadline for the
 /// whole call is 45 s, and a prepare that fails here is retried by the kubelet.
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
-/// How long an unprepare waits for the daemon's Pod to be gone (its grace period is 15 s).
-const GONE_TIMEOUT: Duration = Duration::from_secs(25);
-const POLL: Duration = Duration::from_millis(200);
 /// `sun_path` holds 108 bytes with the NUL; the real daemon's longest socket is `control_privileged`.
 const LONGEST_SOCKET: &str = "control_privileged";
 const MAX_SOCKET_PATH: usize = 107;

@@ -379,7 +379,7 @@ fn the_supervisor_refuses_a_dev_shm_that_is_no_tmpfs() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_multi_user_daemon_is_started_with_dash_m() {
+async fn a_multi_user_daemon_is_started_with_nvidias_documented_multiuser_server_option() {
     if !is_root() {
         return;
     }
@@ -389,7 +389,8 @@ async fn a_multi_user_daemon_is_started_with_dash_m() {
     multi.multi_user = true;
     let record = daemons.start(&multi).await.expect("daemon starts");
     assert!(record.multi_user);
-    // The stand-in, like nvidia-cuda-mps-control, took -M: it says so in its log and its state.
+    // The stand-in, which takes only the options NVIDIA documents, took -multiuser-server: it says
+    // so in its log and its state.
     let log = control_log(&record);
     assert!(log.contains("Multi-user mode"), "{log}");
     let segment =

@@ -375,7 +375,7 @@ pub struct MpsSettings {
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub per_device_pinned_memory_limit_bytes: BTreeMap<String, u64>,
     /// NVIDIA's `multiUser`: the claim's control daemon serves clients of different user ids at once
-    /// (it is started with `-M`, as NVIDIA's plugin starts it) instead of one user's at a time.
+    /// (started with NVIDIA's documented `-multiuser-server`) instead of one user's at a time.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub multi_user: bool,
 }

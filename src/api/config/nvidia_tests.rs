@@ -204,7 +204,8 @@ fn multi_user_false_is_accepted() {
 
 #[test]
 fn multi_user_true_asks_for_a_multi_user_daemon() {
-    // NVIDIA's main branch starts the daemon with -M; so does gpu-dra (mps::supervisor).
+    // NVIDIA's main branch starts the daemon with -M; gpu-dra passes the option NVIDIA documents,
+    // -multiuser-server (mps::supervisor::MULTI_USER_OPTION).
     let config = gpu(
         r#"{"strategy": "MPS", "mpsConfig": {"multiUser": true, "defaultActiveThreadPercentage": 40}}"#,
     );

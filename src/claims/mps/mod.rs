@@ -68,7 +68,7 @@ pub struct MpsDaemonSpec {
     pub claim_uid: String,
     pub devices: Vec<MpsDevice>,
     pub active_thread_percentage: Option<u8>,
-    /// Serve clients of different user ids at once (`-M`; NVIDIA's `multiUser`).
+    /// Serve clients of different user ids at once (`-multiuser-server`; NVIDIA's `multiUser`).
     pub multi_user: bool,
 }
 

@@ -23,6 +23,13 @@ const READY_TIMEOUT: Duration = Duration::from_secs(30);
 const COMMAND_TIMEOUT: Duration = Duration::from_secs(5);
 const QUIT_WAIT: Duration = Duration::from_secs(10);
 const POLL: Duration = Duration::from_millis(50);
+/// The control daemon's option for multi-user mode: one MPS server, root's, serves the clients of
+/// every user id. NVIDIA documents it as `-multiuser-server` ("Multi-Process Service",
+/// Architecture, Provisioning Sequence, Server: "To allow multiple Linux users share one MPS server,
+/// start the control daemon under superuser with the -multiuser-server option",
+/// https://docs.nvidia.com/deploy/mps/architecture.html#server). NVIDIA's DRA driver passes `-M`,
+/// which no NVIDIA document names; gpu-dra passes the documented option.
+pub const MULTI_USER_OPTION: &str = "-multiuser-server";
 /// The environment variable that tells the stand-in where its `/dev/shm` is (the real daemon always
 /// uses `/dev/shm`; the stand-in may run where nothing is mounted there, in the test doubles).
 pub const STAND_IN_SHM_ENV: &str = "GPU_DRA_FAKE_MPS_SHM";
@@ -109,7 +116,7 @@ pub async fn supervise(args: SupervisorArgs) -> Result<i32, SupervisorError> {
     ready.clear();
     let mut daemon = args
         .command(if args.multi_user {
-            &["-f", "-M"]
+            &["-f", MULTI_USER_OPTION]
         } else {
             &["-f"]
         })

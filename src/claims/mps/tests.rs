@@ -221,3 +221,26 @@ async fn without_daemon_pods_a_start_says_what_is_missing() {
     assert!(error.contains("--mps-daemon-image"), "{error}");
     assert!(!root.path().join("mps").exists(), "nothing is made");
 }
+
+#[test]
+fn the_stand_in_takes_the_options_nvidia_documents_and_refuses_others() {
+    use super::stand_in::Mode;
+    let args = |list: &[&str]| list.iter().map(|a| a.to_string()).collect::<Vec<_>>();
+    assert_eq!(
+        Mode::from_args(&args(&["-f", "-multiuser-server"])),
+        Ok(Mode::Foreground { multi_user: true })
+    );
+    assert_eq!(
+        Mode::from_args(&args(&["-d"])),
+        Ok(Mode::Background { multi_user: false })
+    );
+    assert_eq!(Mode::from_args(&args(&[])), Ok(Mode::Client));
+    for refused in [
+        &["-f", "-M"][..],
+        &["-f", "--multiuser-server"],
+        &["-d", "-f"],
+        &["-multiuser-server"],
+    ] {
+        assert!(Mode::from_args(&args(refused)).is_err(), "{refused:?}");
+    }
+}

@@ -403,3 +403,50 @@ async fn a_multi_user_daemon_is_started_with_nvidias_documented_multiuser_server
     );
     daemons.stop(&record).await.expect("stop");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leftover_pod_that_never_goes_fails_the_start_within_its_budget_and_says_so() {
+    if !is_root() {
+        return;
+    }
+    let node = Node::new().await;
+    // A Pod of an earlier attempt, bound to a node whose kubelet is gone and held by a finalizer:
+    // deleted, it stays.
+    let leftover: Pod = serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": DaemonPodTemplate::pod_name(UID_A), "namespace": "gpu-dra",
+                     "finalizers": ["gpu-dra.dev/test-never-goes"]},
+        "spec": {"nodeName": "gone-node", "containers": [{"name": "c", "image": "gpu-dra:test"}]},
+    }))
+    .unwrap();
+    node.pods()
+        .create(&kube::api::PostParams::default(), &leftover)
+        .await
+        .unwrap();
+    let budget = Duration::from_secs(3);
+    let begun = Instant::now();
+    let error = node
+        .daemons()
+        .start_within(&spec(UID_A), budget)
+        .await
+        .unwrap_err();
+    let took = begun.elapsed();
+    assert!(
+        took < budget + Duration::from_secs(2),
+        "took {took:?} of a {budget:?} budget"
+    );
+    let text = error.to_string();
+    assert!(matches!(error, MpsError::StartTimedOut { .. }), "{text}");
+    assert!(
+        text.contains("ran out waiting for the Pod of an earlier attempt to go"),
+        "{text}"
+    );
+    assert!(text.contains("3s"), "{text}");
+    // Nothing of the start is left: the claim's directory is gone.
+    assert!(!node.dir.path().join("mps").join(UID_A).exists());
+    assert_eq!(
+        gpu_dra::claims::mps::START_BUDGET,
+        Duration::from_secs(30),
+        "within the kubelet's 45 s for a whole NodePrepareResources"
+    );
+}

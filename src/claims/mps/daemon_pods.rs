@@ -1,8 +1,9 @@
 //! The daemons' Pods through the API server (`claims::daemon_pod::api`): created for a claim and
-//! waited on until Ready (with the kubelet's reason when they are not), deleted and waited on until
-//! gone, and this node's Pods listed for claims that are no longer prepared.
+//! waited on until Ready (with the kubelet's reason when they are not), all within one start budget;
+//! deleted and waited on until gone; this node's Pods listed for claims that are no longer prepared.
 
 use std::collections::BTreeSet;
+use std::future::Future;
 use std::time::{Duration, Instant};
 
 use tracing::{info, warn};
@@ -10,9 +11,9 @@ use tracing::{info, warn};
 use super::dirs::ClaimDirs;
 use super::{
     is_plain_name, pod, shm, DaemonPodTemplate, MpsDaemonRecord, MpsDaemonSpec, MpsDaemons,
-    MpsError, READY_TIMEOUT, SHM_MARKER,
+    MpsError, SHM_MARKER,
 };
-use crate::claims::daemon_pod::api::{Gone, GONE_TIMEOUT, POLL};
+use crate::claims::daemon_pod::api::{Gone, POLL};
 use crate::claims::daemon_pod::{is_ready, not_ready_reason, DaemonPodApi};
 
 /// Runs the daemons' Pods: the API and what every Pod of this plugin shares.
@@ -31,13 +32,54 @@ impl DaemonPods {
     }
 }
 
+/// `future`, unless `deadline` comes first.
+async fn before<T>(deadline: Instant, future: impl Future<Output = T>) -> Option<T> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    tokio::time::timeout(left, future).await.ok()
+}
+
+/// Where a start is: its deadline and budget, for the errors that say it ran out.
+struct Start<'a> {
+    pods: &'a DaemonPods,
+    dirs: &'a ClaimDirs,
+    name: String,
+    begun: Instant,
+    budget: Duration,
+}
+
+impl Start<'_> {
+    fn deadline(&self) -> Instant {
+        self.begun + self.budget
+    }
+
+    fn ran_out(&self, waiting_for: &str) -> MpsError {
+        MpsError::StartTimedOut {
+            claim: self.dirs.claim.clone(),
+            namespace: self.pods.api.namespace().to_string(),
+            pod: self.name.clone(),
+            budget: self.budget,
+            waiting_for: waiting_for.to_string(),
+        }
+    }
+}
+
 impl MpsDaemons {
+    /// Makes the claim's tmpfs and Pod and waits until the daemon is Ready; a Pod of an earlier
+    /// attempt goes first. All of it within `budget`.
     pub(super) async fn launch(
         &self,
         pods: &DaemonPods,
         dirs: &ClaimDirs,
         spec: &MpsDaemonSpec,
+        budget: Duration,
     ) -> Result<MpsDaemonRecord, MpsError> {
+        let start = Start {
+            pods,
+            dirs,
+            name: DaemonPodTemplate::pod_name(&dirs.claim),
+            begun: Instant::now(),
+            budget,
+        };
         self.prepare_dirs(dirs)?;
         shm::mount_tmpfs(&dirs.shm, self.shm_size).map_err(|source| MpsError::Shm {
             claim: dirs.claim.clone(),
@@ -45,19 +87,24 @@ impl MpsDaemons {
             source,
         })?;
         let pod = pods.template.pod(spec, &self.host_root.join(&dirs.claim))?;
-        let name = DaemonPodTemplate::pod_name(&dirs.claim);
         // A Pod of an earlier attempt (or an earlier boot) may hold other devices or a dead mount.
-        self.delete_pod(pods, &dirs.claim, Some(GONE_TIMEOUT))
-            .await?;
-        let created = pods
-            .api
-            .create(&pod)
+        let deleted = before(start.deadline(), pods.api.delete(&start.name))
             .await
-            .map_err(|e| self.api_error(&dirs.claim, &name, "creating", e))?;
+            .ok_or_else(|| start.ran_out("the API server to delete the Pod of an earlier attempt"))?
+            .map_err(|e| self.api_error(&dirs.claim, &start.name, "deleting", e))?;
+        if deleted && pods.api.wait_gone(&start.name, start.deadline()).await == Gone::StillThere {
+            return Err(start.ran_out(
+                "the Pod of an earlier attempt to go (it was deleted, and is still there)",
+            ));
+        }
+        let created = before(start.deadline(), pods.api.create(&pod))
+            .await
+            .ok_or_else(|| start.ran_out("the API server to create the Pod"))?
+            .map_err(|e| self.api_error(&dirs.claim, &start.name, "creating", e))?;
         let uid = created.metadata.uid.clone().unwrap_or_default();
-        self.wait_ready(pods, dirs, &name, &uid).await?;
+        self.wait_ready(&start, &uid).await?;
         Ok(MpsDaemonRecord {
-            pod: name,
+            pod: start.name,
             pod_uid: uid,
             dir: dirs.dir.clone(),
             devices: spec.devices.clone(),
@@ -66,21 +113,19 @@ impl MpsDaemons {
         })
     }
 
-    /// Waits until the Pod (this UID) is Ready and its daemon wrote the marker into the claim's tmpfs.
-    async fn wait_ready(
-        &self,
-        pods: &DaemonPods,
-        dirs: &ClaimDirs,
-        name: &str,
-        uid: &str,
-    ) -> Result<(), MpsError> {
-        let deadline = Instant::now() + READY_TIMEOUT;
+    /// Waits until the Pod (this UID) is Ready and its daemon wrote the marker into the claim's
+    /// tmpfs, or the start's deadline.
+    async fn wait_ready(&self, start: &Start<'_>, uid: &str) -> Result<(), MpsError> {
+        let (pods, dirs, name) = (start.pods, start.dirs, &start.name);
+        // What the last answer said: a read cut short by the deadline says nothing new.
+        let mut detail = "the API server did not answer".to_string();
         loop {
-            let detail = match pods.api.get(name).await {
-                Ok(Some(pod)) if pod.metadata.uid.as_deref() != Some(uid) => {
+            detail = match before(start.deadline(), pods.api.get(name)).await {
+                None => detail,
+                Some(Ok(Some(pod))) if pod.metadata.uid.as_deref() != Some(uid) => {
                     "replaced by another Pod of the same name".to_string()
                 }
-                Ok(Some(pod)) if is_ready(&pod) => {
+                Some(Ok(Some(pod))) if is_ready(&pod) => {
                     if dirs.shm.join(SHM_MARKER).is_file() {
                         return Ok(());
                     }
@@ -89,23 +134,26 @@ impl MpsDaemons {
                         dirs.shm.display()
                     )
                 }
-                Ok(Some(pod)) => not_ready_reason(&pod),
-                Ok(None) => "the Pod is gone".to_string(),
-                Err(e) => format!("reading the Pod: {e}"),
+                Some(Ok(Some(pod))) => not_ready_reason(&pod),
+                Some(Ok(None)) => "the Pod is gone".to_string(),
+                Some(Err(e)) => format!("reading the Pod: {e}"),
             };
-            if Instant::now() >= deadline {
+            if Instant::now() >= start.deadline() {
                 return Err(MpsError::NotReady {
                     claim: dirs.claim.clone(),
                     namespace: pods.api.namespace().to_string(),
-                    pod: name.to_string(),
-                    waited: READY_TIMEOUT,
+                    pod: name.clone(),
+                    waited: start.budget,
                     detail: format!(
                         "{detail}; `kubectl logs -n {} {name}` says why",
                         pods.api.namespace()
                     ),
                 });
             }
-            tokio::time::sleep(POLL).await;
+            tokio::time::sleep(
+                POLL.min(start.deadline().saturating_duration_since(Instant::now())),
+            )
+            .await;
         }
     }
 

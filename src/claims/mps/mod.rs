@@ -41,9 +41,12 @@ pub const CONTAINER_LOG_DIR: &str = "/tmp/nvidia-mps-log";
 /// claim's tmpfs, which proves that daemon and clients share one `/dev/shm`.
 pub const SHM_MARKER: &str = ".gpu-dra-mps-daemon";
 
-/// How long a prepare waits for the daemon's Pod to become Ready: the kubelet's own deadline for the
-/// whole call is 45 s, and a prepare that fails here is retried by the kubelet.
-const READY_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a whole start may take: removing a Pod left by an earlier attempt, creating the new one
+/// and waiting until it is Ready share it. The kubelet gives a whole NodePrepareResources 45 s (its
+/// DRA client's `defaultClientCallTimeout`), and the rest of a prepare (reading the claim, MIG
+/// devices, CDI spec, checkpoint) needs some of it; a prepare that fails here is retried by the
+/// kubelet.
+pub const START_BUDGET: Duration = Duration::from_secs(30);
 /// `sun_path` holds 108 bytes with the NUL; the real daemon's longest socket is `control_privileged`.
 const LONGEST_SOCKET: &str = "control_privileged";
 const MAX_SOCKET_PATH: usize = 107;
@@ -145,7 +148,7 @@ pub enum MpsError {
         source: Box<kube::Error>,
     },
     #[error(
-        "MPS daemon for claim {claim}: Pod {namespace}/{pod} not Ready within {waited:?}: {detail}"
+        "MPS daemon for claim {claim}: Pod {namespace}/{pod} not Ready within the start's {waited:?}: {detail}"
     )]
     NotReady {
         claim: String,
@@ -153,6 +156,14 @@ pub enum MpsError {
         pod: String,
         waited: Duration,
         detail: String,
+    },
+    #[error("MPS daemon for claim {claim}: Pod {namespace}/{pod}: the start's {budget:?} ran out waiting for {waiting_for}")]
+    StartTimedOut {
+        claim: String,
+        namespace: String,
+        pod: String,
+        budget: Duration,
+        waiting_for: String,
     },
     #[error("MPS daemon for claim {claim}: Pod {namespace}/{pod} still there {waited:?} after its deletion")]
     StillRunning {
@@ -206,9 +217,19 @@ impl MpsDaemons {
         self.shm_size
     }
 
-    /// Makes the claim's directories and tmpfs, starts its daemon's Pod and waits until it is Ready.
-    /// A Pod left by an earlier, interrupted attempt is replaced. On failure nothing is left behind.
+    /// [`start_within`](Self::start_within) the [`START_BUDGET`].
     pub async fn start(&self, spec: &MpsDaemonSpec) -> Result<MpsDaemonRecord, MpsError> {
+        self.start_within(spec, START_BUDGET).await
+    }
+
+    /// Makes the claim's directories and tmpfs, starts its daemon's Pod and waits until it is Ready,
+    /// all within `budget`. A Pod left by an earlier, interrupted attempt is replaced (and waited on
+    /// until gone, within the same budget). On failure nothing is left behind.
+    pub async fn start_within(
+        &self,
+        spec: &MpsDaemonSpec,
+        budget: Duration,
+    ) -> Result<MpsDaemonRecord, MpsError> {
         let dirs = self.dirs_for_uid(&spec.claim_uid)?;
         let pods = self.pods.as_ref().ok_or_else(|| MpsError::NoDaemonPods {
             claim: dirs.claim.clone(),
@@ -217,7 +238,7 @@ impl MpsDaemons {
             return Err(MpsError::NoStandIn { claim: dirs.claim });
         }
         limit_commands(spec)?;
-        let started = self.launch(pods, &dirs, spec).await;
+        let started = self.launch(pods, &dirs, spec, budget).await;
         match &started {
             Ok(record) => {
                 info!(claim = %dirs.claim, pod = %record.pod, devices = %visible_devices(&spec.devices), "MPS control daemon started")
@@ -232,8 +253,8 @@ impl MpsDaemons {
 
     /// At plugin start, for a claim that is still prepared: keeps a Ready daemon Pod that serves
     /// `spec`'s devices, or starts a new one in the same directories (kept, so that containers that
-    /// mounted them see it). `spec` comes from the claim's devices as they are now, so a MIG device
-    /// made again after a reboot (new UUID) gets a daemon that names it.
+    /// mounted them see it), within the [`START_BUDGET`]. `spec` comes from the claim's devices as
+    /// they are now, so a MIG device made again after a reboot (new UUID) gets a daemon that names it.
     pub async fn take_over(
         &self,
         record: &MpsDaemonRecord,
@@ -252,7 +273,7 @@ impl MpsDaemons {
             claim: dirs.claim.clone(),
         })?;
         limit_commands(spec)?;
-        let restarted = self.launch(pods, &dirs, spec).await?;
+        let restarted = self.launch(pods, &dirs, spec, START_BUDGET).await?;
         info!(claim = %dirs.claim, old_pod_uid = %record.pod_uid, pod_uid = %restarted.pod_uid, same_devices, "MPS control daemon started again");
         Ok(TakeOver::Restarted(restarted))
     }

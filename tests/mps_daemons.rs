@@ -118,6 +118,7 @@ fn spec(claim_uid: &str) -> MpsDaemonSpec {
         ],
         active_thread_percentage: Some(50),
         multi_user: false,
+        shm_size_bytes: None,
     }
 }
 
@@ -402,6 +403,34 @@ async fn a_multi_user_daemon_is_started_with_nvidias_documented_multiuser_server
         gpu_dra::claims::mps::TakeOver::TakenOver
     );
     daemons.stop(&record).await.expect("stop");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claims_mps_config_sets_the_size_of_its_tmpfs() {
+    if !is_root() {
+        return;
+    }
+    let node = Node::new().await;
+    let daemons = node.daemons();
+    let mut asked = spec(UID_A);
+    asked.shm_size_bytes = Some(16 * 1024 * 1024);
+    let record = daemons.start(&asked).await.expect("daemon starts");
+    assert_eq!(tmpfs_size(&record.dir.join("shm")), Some(16 * 1024 * 1024));
+    // The Pod may hold the daemon and all of its tmpfs.
+    let pod = node.pod(UID_A).await.unwrap();
+    let limits = pod.spec.unwrap().containers[0]
+        .resources
+        .clone()
+        .unwrap()
+        .limits
+        .unwrap();
+    assert_eq!(limits["memory"].0, "1040Mi");
+    daemons.stop(&record).await.unwrap();
+    // More than the node's memory is refused before anything is made.
+    let small_node = node.daemons().with_node_memory(8 * 1024 * 1024);
+    let error = small_node.start(&asked).await.unwrap_err().to_string();
+    assert!(error.contains("shmSize"), "{error}");
+    assert!(!node.dir.path().join("mps").join(UID_A).exists());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -33,6 +33,7 @@ fn daemon_pod(node: &str) -> Json {
         }],
         active_thread_percentage: Some(50),
         multi_user: false,
+        shm_size_bytes: None,
     };
     let dir =
         Path::new("/var/lib/kubelet/plugins/gpu.dra.dev/mps/8d1f0c3a-0000-4a8e-9f00-1d2c3b4a5e6f");

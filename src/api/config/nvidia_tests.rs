@@ -32,6 +32,7 @@ fn mps(percentage: Option<u8>, limit: Option<u64>) -> SharingSettings {
         pinned_memory_limit_bytes: limit,
         per_device_pinned_memory_limit_bytes: BTreeMap::new(),
         multi_user: false,
+        shm_size_bytes: None,
     })
 }
 

@@ -80,13 +80,20 @@ impl MpsDaemons {
             begun: Instant::now(),
             budget,
         };
+        let shm_size = self.shm_size_for(spec)?;
         self.prepare_dirs(dirs)?;
-        shm::mount_tmpfs(&dirs.shm, self.shm_size).map_err(|source| MpsError::Shm {
+        shm::mount_tmpfs(&dirs.shm, shm_size).map_err(|source| MpsError::Shm {
             claim: dirs.claim.clone(),
             path: dirs.shm.clone(),
             source,
         })?;
-        let pod = pods.template.pod(spec, &self.host_root.join(&dirs.claim))?;
+        let spec = MpsDaemonSpec {
+            shm_size_bytes: Some(shm_size),
+            ..spec.clone()
+        };
+        let pod = pods
+            .template
+            .pod(&spec, &self.host_root.join(&dirs.claim))?;
         // A Pod of an earlier attempt (or an earlier boot) may hold other devices or a dead mount.
         let deleted = before(start.deadline(), pods.api.delete(&start.name))
             .await

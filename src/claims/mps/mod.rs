@@ -73,6 +73,9 @@ pub struct MpsDaemonSpec {
     pub active_thread_percentage: Option<u8>,
     /// Serve clients of different user ids at once (`-multiuser-server`; NVIDIA's `multiUser`).
     pub multi_user: bool,
+    /// The size of the claim's shared-memory tmpfs (the MPS config's `shmSize`); `None`: the
+    /// node's default (`--mps-shm-size`).
+    pub shm_size_bytes: Option<u64>,
 }
 
 /// A started daemon, as the checkpoint keeps it. Records of releases that ran the daemon inside the
@@ -179,7 +182,10 @@ pub enum MpsError {
 pub struct MpsDaemons {
     root: PathBuf,
     host_root: PathBuf,
+    /// The node's default size of a claim's tmpfs.
     shm_size: u64,
+    /// The node's memory, which bounds a claim's tmpfs; `None`: unknown, not checked.
+    node_memory: Option<u64>,
     pods: Option<DaemonPods>,
 }
 
@@ -192,8 +198,15 @@ impl MpsDaemons {
             host_root: root.clone(),
             root,
             shm_size,
+            node_memory: shm::node_memory(),
             pods: None,
         }
+    }
+
+    /// The node's memory, which bounds the size a claim's MPS config may ask for its tmpfs.
+    pub fn with_node_memory(mut self, bytes: u64) -> Self {
+        self.node_memory = Some(bytes);
+        self
     }
 
     /// Where the host (the container runtime that performs the CDI mounts) sees `root`.
@@ -217,6 +230,29 @@ impl MpsDaemons {
         self.shm_size
     }
 
+    /// The size of a claim's tmpfs in bytes: its MPS config's `shmSize`, within the node's memory, or
+    /// the node's default.
+    fn shm_size_for(&self, spec: &MpsDaemonSpec) -> Result<u64, MpsError> {
+        match (spec.shm_size_bytes, self.node_memory) {
+            (Some(0), _) => Err(MpsError::InvalidSpec {
+                claim: spec.claim_uid.clone(),
+                reason: "the MPS config's shmSize is 0; a claim's /dev/shm needs at least one byte"
+                    .into(),
+            }),
+            (Some(asked), Some(memory)) if asked > memory => Err(MpsError::InvalidSpec {
+                claim: spec.claim_uid.clone(),
+                reason: format!(
+                    "the MPS config's shmSize ({} bytes, {} MiB) is more than this node's memory ({} MiB); a claim's /dev/shm is a tmpfs in the node's memory",
+                    asked,
+                    asked / MIB,
+                    memory / MIB
+                ),
+            }),
+            (Some(asked), _) => Ok(asked),
+            (None, _) => Ok(self.shm_size),
+        }
+    }
+
     /// [`start_within`](Self::start_within) the [`START_BUDGET`].
     pub async fn start(&self, spec: &MpsDaemonSpec) -> Result<MpsDaemonRecord, MpsError> {
         self.start_within(spec, START_BUDGET).await
@@ -238,6 +274,7 @@ impl MpsDaemons {
             return Err(MpsError::NoStandIn { claim: dirs.claim });
         }
         limit_commands(spec)?;
+        self.shm_size_for(spec)?;
         let started = self.launch(pods, &dirs, spec, budget).await;
         match &started {
             Ok(record) => {

@@ -39,7 +39,8 @@ const POD_CLAIM_DIR: &str = "/mps";
 /// allows at most one MPS server to be active at a time"). NVIDIA publishes no figure for the
 /// server's host memory and its own DRA driver's daemon has no limit; 1 GiB is well above what a
 /// CUDA context's host state takes on current drivers, so the limit only stops a daemon that leaks,
-/// never one that works.
+/// never one that works. The Pod's limit adds the claim's tmpfs size to it: what the server writes
+/// into the claim's `/dev/shm` is charged to the Pod (`shm.rs`), at most the whole tmpfs.
 pub const DAEMON_MEMORY: u64 = 1024 * MIB;
 /// The daemon's resting size, which the scheduler counts.
 const MEMORY_REQUEST: &str = "16Mi";
@@ -80,7 +81,8 @@ impl PodTemplate<MpsPrograms> {
     }
 
     /// The daemon Pod of one claim; `host_dir` is the claim's directory on the host (with `pipe`,
-    /// `log` and the tmpfs `shm` in it). Its memory limit is [`DAEMON_MEMORY`].
+    /// `log` and the tmpfs `shm` in it). Its memory limit is [`DAEMON_MEMORY`] and the claim's tmpfs
+    /// size (the spec's, else [`super::shm::DEFAULT_SIZE`]).
     pub fn pod(&self, spec: &MpsDaemonSpec, host_dir: &Path) -> Result<Pod, MpsError> {
         let limits = super::limit_commands(spec)?;
         let (claim_dir, shm_dir, inside) = match &self.program {
@@ -100,6 +102,7 @@ impl PodTemplate<MpsPrograms> {
             trailing_args.push("--multi-user".to_string());
         }
         trailing_args.extend(limits.iter().map(|command| format!("--command={command}")));
+        let shm_size = spec.shm_size_bytes.unwrap_or(super::shm::DEFAULT_SIZE);
         DaemonPod {
             template: self,
             name: Self::pod_name(&spec.claim_uid),
@@ -133,7 +136,7 @@ impl PodTemplate<MpsPrograms> {
             ready_file: format!("{}/log/{READY_FILE}", claim_dir.display()),
             host_network: false,
             memory_request: MEMORY_REQUEST,
-            memory_limit: DAEMON_MEMORY,
+            memory_limit: DAEMON_MEMORY.saturating_add(shm_size),
         }
         .pod()
         .map_err(|e| MpsError::InvalidSpec {

@@ -24,6 +24,7 @@ fn spec() -> MpsDaemonSpec {
         ],
         active_thread_percentage: Some(25),
         multi_user: false,
+        shm_size_bytes: None,
     }
 }
 
@@ -208,16 +209,23 @@ fn a_direct_daemon_runs_the_roots_control_program_with_its_libraries() {
 }
 
 #[test]
-fn the_daemon_pod_has_a_memory_limit_for_the_daemon() {
-    let pod = json(
-        &template(chroot())
-            .pod(&spec(), Path::new(HOST_DIR))
-            .unwrap(),
-    );
-    let resources = &pod["spec"]["containers"][0]["resources"];
-    assert_eq!(resources["limits"]["memory"], "1024Mi");
+fn the_daemon_pod_has_a_memory_limit_for_the_daemon_and_the_claims_tmpfs() {
+    let container = |spec: &MpsDaemonSpec| {
+        json(&template(chroot()).pod(spec, Path::new(HOST_DIR)).unwrap())["spec"]["containers"][0]
+            .clone()
+    };
+    let resources = &container(&spec())["resources"];
+    // The daemon's own 1 GiB and the default 64 MiB tmpfs it may write.
+    assert_eq!(resources["limits"]["memory"], "1088Mi");
     assert_eq!(resources["requests"]["memory"], "16Mi");
     assert_eq!(DAEMON_MEMORY, 1 << 30);
+    let mut large = spec();
+    large.shm_size_bytes = Some(8 << 30);
+    assert_eq!(
+        container(&large)["resources"]["limits"]["memory"],
+        "9216Mi",
+        "an 8 GiB tmpfs and the daemon's own"
+    );
 }
 
 #[test]

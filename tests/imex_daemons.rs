@@ -7,6 +7,7 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use gpu_dra::claims::daemon_pod::PodTemplate;
 use gpu_dra::domains::imex::stand_in::{StandInState, FAIL_FILE};
 use gpu_dra::domains::imex::{
     DaemonState, ImexDaemonSpec, ImexDaemons, ImexError, ImexPodTemplate, ImexProgram, Peer,
@@ -65,12 +66,14 @@ impl Cluster {
             self.api.client(),
             node.root.clone(),
             ImexPodTemplate {
-                namespace: NAMESPACE.into(),
-                node: node.name.into(),
-                driver: "gpu.dra.dev".into(),
-                image: "gpu-dra:test".into(),
-                host_driver_root: "/".into(),
-                program: ImexProgram::StandIn,
+                pod: PodTemplate {
+                    namespace: NAMESPACE.into(),
+                    node: node.name.into(),
+                    driver: "gpu.dra.dev".into(),
+                    image: "gpu-dra:test".into(),
+                    host_driver_root: "/".into(),
+                    program: ImexProgram::StandIn,
+                },
                 node_ip: Some(node.ip.into()),
             },
         )

@@ -14,7 +14,7 @@ use gpu_dra::claims::mps::shm::{is_mount_point, is_tmpfs, tmpfs_size};
 use gpu_dra::claims::mps::stand_in::SHM_SEGMENT;
 use gpu_dra::claims::mps::{
     DaemonPodTemplate, DaemonPods, DaemonProgram, MpsDaemonRecord, MpsDaemonSpec, MpsDaemons,
-    MpsDevice, MpsError, TakeOver, SHM_MARKER,
+    MpsDevice, MpsError, MpsPrograms, TakeOver, SHM_MARKER,
 };
 use gpu_dra::support::apiserver::ApiServer;
 use gpu_dra::support::pod_runner::PodRunner;
@@ -118,6 +118,7 @@ fn spec(claim_uid: &str) -> MpsDaemonSpec {
         ],
         active_thread_percentage: Some(50),
         multi_user: false,
+        shm_size_bytes: None,
     }
 }
 
@@ -335,9 +336,9 @@ async fn a_daemon_pod_that_never_gets_ready_fails_the_start_with_the_kubelets_re
                 driver: "gpu.dra.dev".into(),
                 image: "gpu-dra:test".into(),
                 host_driver_root: "/nonexistent-driver-root".into(),
-                program: DaemonProgram::Chroot {
-                    binary: "/usr/bin/nvidia-cuda-mps-control".into(),
-                },
+                program: DaemonProgram::Chroot(MpsPrograms {
+                    control: "/usr/bin/nvidia-cuda-mps-control".into(),
+                }),
             },
         ));
     let error = daemons.start(&spec(UID_A)).await.unwrap_err();
@@ -379,7 +380,7 @@ fn the_supervisor_refuses_a_dev_shm_that_is_no_tmpfs() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_multi_user_daemon_is_started_with_dash_m() {
+async fn a_multi_user_daemon_is_started_with_nvidias_documented_multiuser_server_option() {
     if !is_root() {
         return;
     }
@@ -389,7 +390,8 @@ async fn a_multi_user_daemon_is_started_with_dash_m() {
     multi.multi_user = true;
     let record = daemons.start(&multi).await.expect("daemon starts");
     assert!(record.multi_user);
-    // The stand-in, like nvidia-cuda-mps-control, took -M: it says so in its log and its state.
+    // The stand-in, which takes only the options NVIDIA documents, took -multiuser-server: it says
+    // so in its log and its state.
     let log = control_log(&record);
     assert!(log.contains("Multi-user mode"), "{log}");
     let segment =
@@ -401,4 +403,79 @@ async fn a_multi_user_daemon_is_started_with_dash_m() {
         gpu_dra::claims::mps::TakeOver::TakenOver
     );
     daemons.stop(&record).await.expect("stop");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claims_mps_config_sets_the_size_of_its_tmpfs() {
+    if !is_root() {
+        return;
+    }
+    let node = Node::new().await;
+    let daemons = node.daemons();
+    let mut asked = spec(UID_A);
+    asked.shm_size_bytes = Some(16 * 1024 * 1024);
+    let record = daemons.start(&asked).await.expect("daemon starts");
+    assert_eq!(tmpfs_size(&record.dir.join("shm")), Some(16 * 1024 * 1024));
+    // The Pod may hold the daemon and all of its tmpfs.
+    let pod = node.pod(UID_A).await.unwrap();
+    let limits = pod.spec.unwrap().containers[0]
+        .resources
+        .clone()
+        .unwrap()
+        .limits
+        .unwrap();
+    assert_eq!(limits["memory"].0, "1040Mi");
+    daemons.stop(&record).await.unwrap();
+    // More than the node's memory is refused before anything is made.
+    let small_node = node.daemons().with_node_memory(8 * 1024 * 1024);
+    let error = small_node.start(&asked).await.unwrap_err().to_string();
+    assert!(error.contains("shmSize"), "{error}");
+    assert!(!node.dir.path().join("mps").join(UID_A).exists());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leftover_pod_that_never_goes_fails_the_start_within_its_budget_and_says_so() {
+    if !is_root() {
+        return;
+    }
+    let node = Node::new().await;
+    // A Pod of an earlier attempt, bound to a node whose kubelet is gone and held by a finalizer:
+    // deleted, it stays.
+    let leftover: Pod = serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": DaemonPodTemplate::pod_name(UID_A), "namespace": "gpu-dra",
+                     "finalizers": ["gpu-dra.dev/test-never-goes"]},
+        "spec": {"nodeName": "gone-node", "containers": [{"name": "c", "image": "gpu-dra:test"}]},
+    }))
+    .unwrap();
+    node.pods()
+        .create(&kube::api::PostParams::default(), &leftover)
+        .await
+        .unwrap();
+    let budget = Duration::from_secs(3);
+    let begun = Instant::now();
+    let error = node
+        .daemons()
+        .start_within(&spec(UID_A), budget)
+        .await
+        .unwrap_err();
+    let took = begun.elapsed();
+    assert!(
+        took < budget + Duration::from_secs(2),
+        "took {took:?} of a {budget:?} budget"
+    );
+    let text = error.to_string();
+    assert!(matches!(error, MpsError::StartTimedOut { .. }), "{text}");
+    assert!(
+        text.contains("ran out waiting for the Pod of an earlier attempt to go"),
+        "{text}"
+    );
+    assert!(text.contains("3s"), "{text}");
+    // Nothing of the start is left: the claim's directory is gone.
+    assert!(!node.dir.path().join("mps").join(UID_A).exists());
+    assert_eq!(
+        gpu_dra::claims::mps::START_BUDGET,
+        Duration::from_secs(30),
+        "within the kubelet's 45 s for a whole NodePrepareResources"
+    );
 }

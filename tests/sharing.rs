@@ -211,8 +211,8 @@ async fn an_mps_claim_gets_its_own_daemon_with_its_limits_and_mounts() {
     let plugin = node.start_plugin().await;
     let kubelet = node.kubelet().await;
     node.wait_for_slices().await;
-    let limits =
-        json!({"defaultActiveThreadPercentage": 50, "defaultPinnedDeviceMemoryLimit": "10Gi"});
+    let limits = json!({"defaultActiveThreadPercentage": 50, "defaultPinnedDeviceMemoryLimit": "10Gi",
+                        "shmSize": "32Mi"});
     let claim = node
         .allocated_claim_with("mps", one_gpu_with(mps(limits)))
         .await
@@ -222,6 +222,11 @@ async fn an_mps_claim_gets_its_own_daemon_with_its_limits_and_mounts() {
     let pid = daemon_pid(&plugin, &claim.uid);
     assert!(process_runs(&node, &pid), "daemon Pod {pid} runs");
     let dir = mps_dir(&node, &claim.uid);
+    assert_eq!(
+        gpu_dra::claims::mps::shm::tmpfs_size(&dir.join("shm")),
+        Some(32 << 20),
+        "the claim's /dev/shm has the size its MPS config asks for"
+    );
     let log = read(&dir.join("log/control.log"));
     assert!(
         log.contains("set_default_active_thread_percentage 50"),

@@ -190,6 +190,11 @@ pub struct MpsConfig {
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     #[schemars(extend("propertyNames" = {"pattern": DEVICE_NAME_PATTERN}))]
     pub default_per_device_pinned_memory_limit: BTreeMap<String, ByteQuantity>,
+    /// The size of the claim's /dev/shm, which the MPS server and the claim's containers share (a
+    /// quantity such as 1Gi, at most the node's memory); absent: the node's default, 64Mi unless
+    /// the plugin's --mps-shm-size says otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shm_size: Option<ByteQuantity>,
 }
 
 /// A Kubernetes quantity that is a positive whole number of bytes (`10Gi`, `512Mi`, `1000000`),
@@ -324,6 +329,7 @@ impl DeviceConfig {
                         .collect(),
                     // gpu-dra's own MpsConfig has no multi-user mode.
                     multi_user: false,
+                    shm_size_bytes: config.shm_size.map(|q| q.bytes()),
                 })
             }
         }
@@ -375,9 +381,12 @@ pub struct MpsSettings {
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub per_device_pinned_memory_limit_bytes: BTreeMap<String, u64>,
     /// NVIDIA's `multiUser`: the claim's control daemon serves clients of different user ids at once
-    /// (it is started with `-M`, as NVIDIA's plugin starts it) instead of one user's at a time.
+    /// (started with NVIDIA's documented `-multiuser-server`) instead of one user's at a time.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub multi_user: bool,
+    /// `shmSize`: the size of the claim's shared-memory tmpfs; `None`, the node's default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shm_size_bytes: Option<u64>,
 }
 
 impl MpsSettings {

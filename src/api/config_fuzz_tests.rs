@@ -216,12 +216,14 @@ fn valid_config() -> impl Strategy<Value = DeviceConfig> {
     let mps = (
         prop::option::of(1u8..=100),
         prop::option::of(quantity.clone()),
-        prop::collection::btree_map(device, quantity, 0..3),
+        prop::collection::btree_map(device, quantity.clone(), 0..3),
+        prop::option::of(quantity),
     )
-        .prop_map(|(percentage, limit, per_device)| MpsConfig {
+        .prop_map(|(percentage, limit, per_device, shm_size)| MpsConfig {
             default_active_thread_percentage: percentage,
             default_pinned_device_memory_limit: limit,
             default_per_device_pinned_memory_limit: per_device,
+            shm_size,
         });
     let interval = prop::option::of(prop::sample::select(&TimeSliceInterval::ALL[..]));
     (

@@ -290,6 +290,39 @@ fn memory_limits_are_positive_whole_bytes() {
 }
 
 #[test]
+fn the_shm_size_is_a_positive_quantity_of_bytes_that_reaches_the_settings() {
+    let shm = |kind: &str, value: &str| {
+        config(
+            kind,
+            &format!(r#"{{"strategy": "MPS", "mpsConfig": {{"shmSize": {value}}}}}"#),
+        )
+    };
+    for bad in [r#""0""#, r#""-64Mi""#, r#""1.5""#, r#""1GB""#, r#""""#] {
+        assert_eq!(
+            error(&shm("GpuConfig", bad)),
+            "sharing.mpsConfig.shmSize: must be a positive quantity of bytes such as 10Gi",
+            "{bad}"
+        );
+    }
+    assert_eq!(
+        error(&shm("MigConfig", "67108864")),
+        "sharing.mpsConfig.shmSize: must be a string"
+    );
+    for kind in ["GpuConfig", "MigConfig"] {
+        let SharingSettings::Mps(settings) = decoded(&shm(kind, r#""1Gi""#)).effective() else {
+            panic!("MPS expected");
+        };
+        assert_eq!(settings.shm_size_bytes, Some(1 << 30), "{kind}");
+    }
+    let SharingSettings::Mps(unset) =
+        decoded(&config("GpuConfig", r#"{"strategy": "MPS"}"#)).effective()
+    else {
+        panic!("MPS expected");
+    };
+    assert_eq!(unset.shm_size_bytes, None, "the node's default");
+}
+
+#[test]
 fn per_device_limits_need_device_names_and_quantities() {
     let limits = |map: &str| {
         config(
@@ -464,10 +497,12 @@ fn settings_read_well_in_the_checkpoint_and_the_environment() {
                 pinned_memory_limit_bytes: Some(1 << 30),
                 per_device_pinned_memory_limit_bytes: BTreeMap::from([("gpu-0".into(), 1 << 20)]),
                 multi_user: false,
+                shm_size_bytes: Some(1 << 31),
             }),
             json!({"strategy": "MPS", "activeThreadPercentage": 50,
                    "pinnedMemoryLimitBytes": 1073741824,
-                   "perDevicePinnedMemoryLimitBytes": {"gpu-0": 1048576}}),
+                   "perDevicePinnedMemoryLimitBytes": {"gpu-0": 1048576},
+                   "shmSizeBytes": 2147483648u64}),
             "MPS",
         ),
         (

@@ -17,6 +17,7 @@ mod allocation;
 mod channels;
 pub mod checkpoint;
 pub mod configs;
+pub mod daemon_pod;
 mod edits;
 mod error;
 mod gpu_modes;

@@ -540,6 +540,7 @@ fn mps_spec(
         devices: Vec::new(),
         active_thread_percentage: None,
         multi_user: false,
+        shm_size_bytes: None,
     };
     let mut percentage_from: Option<&str> = None;
     let mut before_volta = None;
@@ -549,6 +550,8 @@ fn mps_spec(
         };
         // One daemon serves the claim: multi-user if any of its MPS configs asks for it.
         spec.multi_user |= mps.multi_user;
+        // One tmpfs serves the claim: the largest `shmSize` its MPS configs ask for.
+        spec.shm_size_bytes = spec.shm_size_bytes.max(mps.shm_size_bytes);
         if let Some(percentage) = mps.active_thread_percentage {
             match (spec.active_thread_percentage, percentage_from) {
                 (Some(earlier), Some(from)) if earlier != percentage => {

@@ -96,19 +96,15 @@ pub enum FakeCommand {
         name: String,
     },
     /// Stand-in for NVIDIA's nvidia-cuda-mps-control (MPS sharing with the fake backend): -d starts
-    /// the daemon, -f runs it in the foreground, neither sends stdin's commands to it.
+    /// the daemon, -f runs it in the foreground, neither sends stdin's commands to it;
+    /// -multiuser-server is multi-user mode.
     #[cfg(feature = "doubles")]
-    #[command(hide = true)]
+    #[command(hide = true, disable_help_flag = true)]
     MpsControlDaemon {
-        /// Start the daemon in the background; return once it runs.
-        #[arg(short = 'd', conflicts_with = "foreground")]
-        daemon: bool,
-        /// Run the daemon in the foreground.
-        #[arg(short = 'f')]
-        foreground: bool,
-        /// Multi-user mode: serve clients of different user ids at once.
-        #[arg(short = 'M')]
-        multi_user: bool,
+        /// NVIDIA's options, read as NVIDIA's program reads them (`-multiuser-server` has one dash,
+        /// which clap would take for short flags).
+        #[arg(allow_hyphen_values = true, trailing_var_arg = true, num_args = 0..)]
+        options: Vec<String>,
     },
     /// Stand-in for NVIDIA's nvidia-imex (ComputeDomains with the fake backend): runs in the
     /// foreground with the config given.
@@ -193,18 +189,15 @@ pub fn fake(command: FakeCommand) -> Result<()> {
             Ok(())
         }
         #[cfg(feature = "doubles")]
-        FakeCommand::MpsControlDaemon {
-            daemon,
-            foreground,
-            multi_user,
-        } => {
+        FakeCommand::MpsControlDaemon { options } => {
             use crate::claims::mps::stand_in::{run, Mode};
-            let mode = match (daemon, foreground) {
-                (true, _) => Mode::Background { multi_user },
-                (_, true) => Mode::Foreground { multi_user },
-                _ => Mode::Client,
-            };
-            std::process::exit(run(mode)?)
+            match Mode::from_args(&options) {
+                Ok(mode) => std::process::exit(run(mode)?),
+                Err(why) => {
+                    eprintln!("nvidia-cuda-mps-control (stand-in): {why}");
+                    std::process::exit(1)
+                }
+            }
         }
         #[cfg(feature = "doubles")]
         FakeCommand::ImexDaemon { config } => {

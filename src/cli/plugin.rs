@@ -65,8 +65,9 @@ pub struct PluginArgs {
     /// made the Deployments of MPS daemons; those of the claims taken over from it are deleted there.
     #[arg(long, env = "NVIDIA_DRIVER_NAMESPACE", default_value = crate::claims::DEFAULT_NVIDIA_NAMESPACE)]
     nvidia_namespace: String,
-    /// The size limit of each MPS claim's shared-memory tmpfs (a Kubernetes quantity, e.g. 8Gi);
-    /// half of the node's memory when absent.
+    /// The size limit of each MPS claim's shared-memory tmpfs (a Kubernetes quantity, e.g. 8Gi) where
+    /// the claim's MPS config sets no `shmSize`; 64Mi when absent, the /dev/shm containerd and Docker
+    /// give a container.
     #[arg(long, env = "MPS_SHM_SIZE")]
     mps_shm_size: Option<String>,
     /// Whether a node whose GPUs joined an NVLink clique publishes its IMEX channel device (1) for

@@ -40,19 +40,9 @@ pub(super) fn mps_daemons(
     client: &kube::Client,
     image: Option<String>,
 ) -> claims::mps::MpsDaemons {
-    use claims::mps::{DaemonPodTemplate, DaemonPods, DaemonProgram, MpsDaemons};
+    use claims::mps::{DaemonPods, MpsDaemons, MpsPrograms};
     let daemons = MpsDaemons::new(plugin_dir.join("mps"), config.mps.shm_size);
-    let (program, host_driver_root) = match &config.backend {
-        BackendChoice::Nvml {
-            driver_root,
-            host_driver_root,
-        } => (
-            claims::mps::pod::program_for_root(driver_root),
-            host_driver_root.clone(),
-        ),
-        BackendChoice::Fake { .. } => (DaemonProgram::StandIn, PathBuf::from("/")),
-    };
-    if program == DaemonProgram::StandIn && !cfg!(feature = "doubles") {
+    if matches!(config.backend, BackendChoice::Fake { .. }) && !cfg!(feature = "doubles") {
         warn!(
             "{}: MPS claims will fail at prepare",
             claims::mps::supervisor::NO_STAND_IN
@@ -64,15 +54,36 @@ pub(super) fn mps_daemons(
     };
     daemons.with_pods(DaemonPods::new(
         client.clone(),
-        DaemonPodTemplate {
-            namespace: config.mps.namespace.clone(),
-            node: config.node_name.clone(),
-            driver: config.driver_name.clone(),
-            image,
-            host_driver_root,
-            program,
-        },
+        daemon_pod_template::<MpsPrograms>(config, image),
     ))
+}
+
+/// Where and as what this plugin runs one kind of daemon's Pods: in its namespace, bound to its node,
+/// from `image`, with the driver's programs of the backend's driver root (the fake backend's
+/// stand-ins).
+fn daemon_pod_template<P: claims::daemon_pod::DriverPrograms>(
+    config: &PluginConfig,
+    image: String,
+) -> claims::daemon_pod::PodTemplate<P> {
+    use claims::daemon_pod::DriverProgram;
+    let (program, host_driver_root) = match &config.backend {
+        BackendChoice::Nvml {
+            driver_root,
+            host_driver_root,
+        } => (
+            DriverProgram::for_root(driver_root),
+            host_driver_root.clone(),
+        ),
+        BackendChoice::Fake { .. } => (DriverProgram::StandIn, PathBuf::from("/")),
+    };
+    claims::daemon_pod::PodTemplate {
+        namespace: config.mps.namespace.clone(),
+        node: config.node_name.clone(),
+        driver: config.driver_name.clone(),
+        image,
+        host_driver_root,
+        program,
+    }
 }
 
 /// How long the start waits for the plugin's own Pod, for the daemons' image: longer than the
@@ -157,20 +168,15 @@ pub(super) fn domains(
             ),
         ));
     }
-    use crate::domains::imex::pod::program_for_root;
-    use crate::domains::imex::{ImexDaemons, ImexPodTemplate, ImexProgram};
+    use crate::domains::imex::{ImexDaemons, ImexPodTemplate};
     // Where the driver root is the host's `/`, this process sees the host's systemd state in it, and
     // the daemons are refused while the host runs nvidia-imex.service.
-    let (program, host_driver_root, host_system_root) = match &config.backend {
+    let host_system_root = match &config.backend {
         BackendChoice::Nvml {
             driver_root,
             host_driver_root,
-        } => (
-            program_for_root(driver_root),
-            host_driver_root.clone(),
-            (host_driver_root.as_path() == std::path::Path::new("/")).then(|| driver_root.clone()),
-        ),
-        BackendChoice::Fake { .. } => (ImexProgram::StandIn, PathBuf::from("/"), None),
+        } => (host_driver_root.as_path() == std::path::Path::new("/")).then(|| driver_root.clone()),
+        BackendChoice::Fake { .. } => None,
     };
     // The daemons run this plugin's image, as the MPS daemons do.
     let Some(image) = image else {
@@ -181,12 +187,7 @@ pub(super) fn domains(
         client.clone(),
         plugin_dir.join("imex"),
         ImexPodTemplate {
-            namespace: config.mps.namespace.clone(),
-            node: config.node_name.clone(),
-            driver: config.driver_name.clone(),
-            image,
-            host_driver_root,
-            program,
+            pod: daemon_pod_template(config, image),
             // Unknown: the daemon's Pod gets the kubelet's status.hostIP.
             node_ip: node_ip.clone(),
         },

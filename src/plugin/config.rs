@@ -73,7 +73,8 @@ pub struct MpsConfig {
     /// The plugin's own Pod (`POD_NAME`), whose image the daemons run unless `image` is set.
     pub own_pod: Option<String>,
     pub image: Option<String>,
-    /// The size limit of each claim's shared-memory tmpfs, in bytes.
+    /// The size limit of each claim's shared-memory tmpfs, in bytes, unless the claim's MPS config
+    /// says otherwise (`shmSize`).
     pub shm_size: u64,
     /// Under NVIDIA's driver name: the namespace of NVIDIA's plugin, whose MPS daemons' Deployments
     /// are deleted with the claims taken over from it.
@@ -86,7 +87,7 @@ impl Default for MpsConfig {
             namespace: "gpu-dra".to_string(),
             own_pod: None,
             image: None,
-            shm_size: 64 * 1024 * 1024,
+            shm_size: crate::claims::mps::shm::DEFAULT_SIZE,
             nvidia_namespace: crate::claims::DEFAULT_NVIDIA_NAMESPACE.to_string(),
         }
     }

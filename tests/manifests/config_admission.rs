@@ -46,6 +46,8 @@ const MESSAGES: &[&str] = &[
     "sharing.mpsConfig.defaultPinnedDeviceMemoryLimit: must be a positive quantity of bytes such as 10Gi",
     "sharing.mpsConfig.defaultPerDevicePinnedMemoryLimit[gpu-0]: must be a positive quantity of bytes such as 10Gi",
     "sharing.mpsConfig.defaultPerDevicePinnedMemoryLimit[gpu-x]: not a device name of this driver (gpu-<minor> or gpu-<minor>-mig-...)",
+    "sharing.mpsConfig.shmSize: must be a string",
+    "sharing.mpsConfig.shmSize: must be a positive quantity of bytes such as 10Gi",
 ];
 
 #[derive(Deserialize)]

@@ -4,7 +4,9 @@
 
 use std::path::Path;
 
-use gpu_dra::claims::mps::{DaemonPodTemplate, DaemonProgram, MpsDaemonSpec, MpsDevice};
+use gpu_dra::claims::mps::{
+    DaemonPodTemplate, DaemonProgram, MpsDaemonSpec, MpsDevice, MpsPrograms,
+};
 use serde_json::{json, Value as Json};
 
 use super::admission::{check_cases, Request};
@@ -18,9 +20,9 @@ fn daemon_pod(node: &str) -> Json {
         driver: "gpu.dra.dev".into(),
         image: "gpu-dra:dev".into(),
         host_driver_root: "/".into(),
-        program: DaemonProgram::Chroot {
-            binary: "/usr/bin/nvidia-cuda-mps-control".into(),
-        },
+        program: DaemonProgram::Chroot(MpsPrograms {
+            control: "/usr/bin/nvidia-cuda-mps-control".into(),
+        }),
     };
     let spec = MpsDaemonSpec {
         claim_uid: "8d1f0c3a-0000-4a8e-9f00-1d2c3b4a5e6f".into(),
@@ -31,6 +33,7 @@ fn daemon_pod(node: &str) -> Json {
         }],
         active_thread_percentage: Some(50),
         multi_user: false,
+        shm_size_bytes: None,
     };
     let dir =
         Path::new("/var/lib/kubelet/plugins/gpu.dra.dev/mps/8d1f0c3a-0000-4a8e-9f00-1d2c3b4a5e6f");
@@ -39,16 +42,20 @@ fn daemon_pod(node: &str) -> Json {
 
 /// An IMEX daemon Pod exactly as the plugin on `node` makes it for a ComputeDomain.
 fn imex_pod(node: &str) -> Json {
-    use gpu_dra::domains::imex::{ImexDaemonSpec, ImexPodTemplate, ImexProgram, Peer};
+    use gpu_dra::domains::imex::{
+        ImexDaemonSpec, ImexPodTemplate, ImexProgram, ImexPrograms, Peer,
+    };
     let template = ImexPodTemplate {
-        namespace: "gpu-dra".into(),
-        node: node.into(),
-        driver: "gpu.dra.dev".into(),
-        image: "gpu-dra:dev".into(),
-        host_driver_root: "/".into(),
-        program: ImexProgram::Chroot {
-            daemon: "/usr/bin/nvidia-imex".into(),
-            ctl: "/usr/bin/nvidia-imex-ctl".into(),
+        pod: gpu_dra::claims::daemon_pod::PodTemplate {
+            namespace: "gpu-dra".into(),
+            node: node.into(),
+            driver: "gpu.dra.dev".into(),
+            image: "gpu-dra:dev".into(),
+            host_driver_root: "/".into(),
+            program: ImexProgram::Chroot(ImexPrograms {
+                daemon: "/usr/bin/nvidia-imex".into(),
+                ctl: "/usr/bin/nvidia-imex-ctl".into(),
+            }),
         },
         node_ip: Some("10.0.0.1".into()),
     };

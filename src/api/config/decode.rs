@@ -146,10 +146,16 @@ fn decode_mps(value: &Value, path: &Path) -> Result<MpsConfig, ConfigError> {
     const PERCENTAGE_FIELD: &str = "defaultActiveThreadPercentage";
     const LIMIT_FIELD: &str = "defaultPinnedDeviceMemoryLimit";
     const PER_DEVICE_FIELD: &str = "defaultPerDevicePinnedMemoryLimit";
+    const SHM_SIZE_FIELD: &str = "shmSize";
     let object = object(value, path)?;
     unknown_fields(
         object,
-        &[PERCENTAGE_FIELD, LIMIT_FIELD, PER_DEVICE_FIELD],
+        &[
+            PERCENTAGE_FIELD,
+            LIMIT_FIELD,
+            PER_DEVICE_FIELD,
+            SHM_SIZE_FIELD,
+        ],
         path,
     )?;
 
@@ -183,10 +189,16 @@ fn decode_mps(value: &Value, path: &Path) -> Result<MpsConfig, ConfigError> {
         }
     }
 
+    let shm_size_path = path.field(SHM_SIZE_FIELD);
+    let shm_size = present(object.get(SHM_SIZE_FIELD))
+        .map(|value| quantity_field(value, &shm_size_path))
+        .transpose()?;
+
     Ok(MpsConfig {
         default_active_thread_percentage,
         default_pinned_device_memory_limit,
         default_per_device_pinned_memory_limit,
+        shm_size,
     })
 }
 

@@ -96,6 +96,8 @@ impl NvidiaConfig {
                 pinned_memory_limit_bytes: mps.default_pinned_memory_limit_mib.map(|m| m * MIB),
                 per_device_pinned_memory_limit_bytes: BTreeMap::new(),
                 multi_user: mps.multi_user,
+                // NVIDIA's MpsConfig has no field for it: the node's default.
+                shm_size_bytes: None,
             }),
         }
     }

@@ -32,6 +32,7 @@ fn mps(percentage: Option<u8>, limit: Option<u64>) -> SharingSettings {
         pinned_memory_limit_bytes: limit,
         per_device_pinned_memory_limit_bytes: BTreeMap::new(),
         multi_user: false,
+        shm_size_bytes: None,
     })
 }
 
@@ -204,7 +205,8 @@ fn multi_user_false_is_accepted() {
 
 #[test]
 fn multi_user_true_asks_for_a_multi_user_daemon() {
-    // NVIDIA's main branch starts the daemon with -M; so does gpu-dra (mps::supervisor).
+    // NVIDIA's main branch starts the daemon with -M; gpu-dra passes the option NVIDIA documents,
+    // -multiuser-server (mps::supervisor::MULTI_USER_OPTION).
     let config = gpu(
         r#"{"strategy": "MPS", "mpsConfig": {"multiUser": true, "defaultActiveThreadPercentage": 40}}"#,
     );

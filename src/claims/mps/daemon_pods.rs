@@ -1,74 +1,119 @@
-//! The daemons' Pods through the API server: created for a claim and waited on until Ready (with the
-//! kubelet's reason when they are not), deleted and waited on until gone, and this node's Pods listed
-//! for claims that are no longer prepared. Every call on `Api<Pod>` stays in this file, beside the
-//! field that types it: tests/manifests/rbac.rs tells a call's kind by the binding in its own file.
+//! The daemons' Pods through the API server (`claims::daemon_pod::api`): created for a claim and
+//! waited on until Ready (with the kubelet's reason when they are not), all within one start budget;
+//! deleted and waited on until gone; this node's Pods listed for claims that are no longer prepared.
 
 use std::collections::BTreeSet;
+use std::future::Future;
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use tracing::{info, warn};
 
 use super::dirs::ClaimDirs;
 use super::{
     is_plain_name, pod, shm, DaemonPodTemplate, MpsDaemonRecord, MpsDaemonSpec, MpsDaemons,
-    MpsError, GONE_TIMEOUT, POLL, READY_TIMEOUT, SHM_MARKER,
+    MpsError, SHM_MARKER,
 };
+use crate::claims::daemon_pod::api::{Gone, POLL};
+use crate::claims::daemon_pod::{is_ready, not_ready_reason, DaemonPodApi};
 
 /// Runs the daemons' Pods: the API and what every Pod of this plugin shares.
-#[derive(Clone)]
+#[derive(Debug, Clone)]
 pub struct DaemonPods {
-    pub(super) api: Api<Pod>,
+    pub(super) api: DaemonPodApi,
     pub(super) template: DaemonPodTemplate,
-}
-
-impl std::fmt::Debug for DaemonPods {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DaemonPods")
-            .field("template", &self.template)
-            .finish()
-    }
 }
 
 impl DaemonPods {
     pub fn new(client: kube::Client, template: DaemonPodTemplate) -> Self {
         Self {
-            api: Api::namespaced(client, &template.namespace),
+            api: DaemonPodApi::new(client, &template.namespace),
             template,
         }
     }
 }
 
+/// `future`, unless `deadline` comes first.
+async fn before<T>(deadline: Instant, future: impl Future<Output = T>) -> Option<T> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    tokio::time::timeout(left, future).await.ok()
+}
+
+/// Where a start is: its deadline and budget, for the errors that say it ran out.
+struct Start<'a> {
+    pods: &'a DaemonPods,
+    dirs: &'a ClaimDirs,
+    name: String,
+    begun: Instant,
+    budget: Duration,
+}
+
+impl Start<'_> {
+    fn deadline(&self) -> Instant {
+        self.begun + self.budget
+    }
+
+    fn ran_out(&self, waiting_for: &str) -> MpsError {
+        MpsError::StartTimedOut {
+            claim: self.dirs.claim.clone(),
+            namespace: self.pods.api.namespace().to_string(),
+            pod: self.name.clone(),
+            budget: self.budget,
+            waiting_for: waiting_for.to_string(),
+        }
+    }
+}
+
 impl MpsDaemons {
+    /// Makes the claim's tmpfs and Pod and waits until the daemon is Ready; a Pod of an earlier
+    /// attempt goes first. All of it within `budget`.
     pub(super) async fn launch(
         &self,
         pods: &DaemonPods,
         dirs: &ClaimDirs,
         spec: &MpsDaemonSpec,
+        budget: Duration,
     ) -> Result<MpsDaemonRecord, MpsError> {
+        let start = Start {
+            pods,
+            dirs,
+            name: DaemonPodTemplate::pod_name(&dirs.claim),
+            begun: Instant::now(),
+            budget,
+        };
+        let shm_size = self.shm_size_for(spec)?;
         self.prepare_dirs(dirs)?;
-        shm::mount_tmpfs(&dirs.shm, self.shm_size).map_err(|source| MpsError::Shm {
+        shm::mount_tmpfs(&dirs.shm, shm_size).map_err(|source| MpsError::Shm {
             claim: dirs.claim.clone(),
             path: dirs.shm.clone(),
             source,
         })?;
         crate::claims::lifecycle::reached(&dirs.claim, crate::claims::Step::TmpfsMount).await;
-        let pod = pods.template.pod(spec, &self.host_root.join(&dirs.claim))?;
-        let name = DaemonPodTemplate::pod_name(&dirs.claim);
+        let spec = MpsDaemonSpec {
+            shm_size_bytes: Some(shm_size),
+            ..spec.clone()
+        };
+        let pod = pods
+            .template
+            .pod(&spec, &self.host_root.join(&dirs.claim))?;
         // A Pod of an earlier attempt (or an earlier boot) may hold other devices or a dead mount.
-        self.delete_pod(pods, &dirs.claim, Some(GONE_TIMEOUT))
-            .await?;
-        let created = pods
-            .api
-            .create(&PostParams::default(), &pod)
+        let deleted = before(start.deadline(), pods.api.delete(&start.name))
             .await
-            .map_err(|e| self.api_error(&dirs.claim, &name, "creating", e))?;
+            .ok_or_else(|| start.ran_out("the API server to delete the Pod of an earlier attempt"))?
+            .map_err(|e| self.api_error(&dirs.claim, &start.name, "deleting", e))?;
+        if deleted && pods.api.wait_gone(&start.name, start.deadline()).await == Gone::StillThere {
+            return Err(start.ran_out(
+                "the Pod of an earlier attempt to go (it was deleted, and is still there)",
+            ));
+        }
+        let created = before(start.deadline(), pods.api.create(&pod))
+            .await
+            .ok_or_else(|| start.ran_out("the API server to create the Pod"))?
+            .map_err(|e| self.api_error(&dirs.claim, &start.name, "creating", e))?;
         let uid = created.metadata.uid.clone().unwrap_or_default();
         crate::claims::lifecycle::reached(&dirs.claim, crate::claims::Step::DaemonPodStart).await;
-        self.wait_ready(pods, dirs, &name, &uid).await?;
+        self.wait_ready(&start, &uid).await?;
         Ok(MpsDaemonRecord {
-            pod: name,
+            pod: start.name,
             pod_uid: uid,
             dir: dirs.dir.clone(),
             devices: spec.devices.clone(),
@@ -77,21 +122,19 @@ impl MpsDaemons {
         })
     }
 
-    /// Waits until the Pod (this UID) is Ready and its daemon wrote the marker into the claim's tmpfs.
-    async fn wait_ready(
-        &self,
-        pods: &DaemonPods,
-        dirs: &ClaimDirs,
-        name: &str,
-        uid: &str,
-    ) -> Result<(), MpsError> {
-        let deadline = Instant::now() + READY_TIMEOUT;
+    /// Waits until the Pod (this UID) is Ready and its daemon wrote the marker into the claim's
+    /// tmpfs, or the start's deadline.
+    async fn wait_ready(&self, start: &Start<'_>, uid: &str) -> Result<(), MpsError> {
+        let (pods, dirs, name) = (start.pods, start.dirs, &start.name);
+        // What the last answer said: a read cut short by the deadline says nothing new.
+        let mut detail = "the API server did not answer".to_string();
         loop {
-            let detail = match pods.api.get_opt(name).await {
-                Ok(Some(pod)) if pod.metadata.uid.as_deref() != Some(uid) => {
+            detail = match before(start.deadline(), pods.api.get(name)).await {
+                None => detail,
+                Some(Ok(Some(pod))) if pod.metadata.uid.as_deref() != Some(uid) => {
                     "replaced by another Pod of the same name".to_string()
                 }
-                Ok(Some(pod)) if is_ready(&pod) => {
+                Some(Ok(Some(pod))) if is_ready(&pod) => {
                     if dirs.shm.join(SHM_MARKER).is_file() {
                         return Ok(());
                     }
@@ -100,23 +143,26 @@ impl MpsDaemons {
                         dirs.shm.display()
                     )
                 }
-                Ok(Some(pod)) => not_ready_reason(&pod),
-                Ok(None) => "the Pod is gone".to_string(),
-                Err(e) => format!("reading the Pod: {e}"),
+                Some(Ok(Some(pod))) => not_ready_reason(&pod),
+                Some(Ok(None)) => "the Pod is gone".to_string(),
+                Some(Err(e)) => format!("reading the Pod: {e}"),
             };
-            if Instant::now() >= deadline {
+            if Instant::now() >= start.deadline() {
                 return Err(MpsError::NotReady {
                     claim: dirs.claim.clone(),
-                    namespace: pods.template.namespace.clone(),
-                    pod: name.to_string(),
-                    waited: READY_TIMEOUT,
+                    namespace: pods.api.namespace().to_string(),
+                    pod: name.clone(),
+                    waited: start.budget,
                     detail: format!(
                         "{detail}; `kubectl logs -n {} {name}` says why",
-                        pods.template.namespace
+                        pods.api.namespace()
                     ),
                 });
             }
-            tokio::time::sleep(POLL).await;
+            tokio::time::sleep(
+                POLL.min(start.deadline().saturating_duration_since(Instant::now())),
+            )
+            .await;
         }
     }
 
@@ -125,7 +171,7 @@ impl MpsDaemons {
         let Some(pods) = &self.pods else {
             return false;
         };
-        matches!(pods.api.get_opt(&record.pod).await,
+        matches!(pods.api.get(&record.pod).await,
             Ok(Some(pod)) if pod.metadata.uid.as_deref() == Some(record.pod_uid.as_str()) && is_ready(&pod))
     }
 
@@ -137,16 +183,11 @@ impl MpsDaemons {
             return Vec::new();
         };
         let template = &pods.template;
-        let params = ListParams::default()
-            .labels(&format!(
-                "{}={},{}={}",
-                pod::COMPONENT_LABEL,
-                pod::COMPONENT,
-                pod::DRIVER_LABEL,
-                template.driver
-            ))
-            .fields(&format!("spec.nodeName={}", template.node));
-        let list = match pods.api.list(&params).await {
+        let list = match pods
+            .api
+            .on_node(pod::COMPONENT, &template.driver, &template.node)
+            .await
+        {
             Ok(list) => list,
             Err(e) => {
                 warn!(error = %e, "listing this node's MPS daemon Pods failed; none deleted");
@@ -154,7 +195,7 @@ impl MpsDaemons {
             }
         };
         let mut cleaned = Vec::new();
-        for pod in list.items {
+        for pod in list {
             let Some(uid) = pod
                 .metadata
                 .labels
@@ -189,28 +230,23 @@ impl MpsDaemons {
         wait: Option<Duration>,
     ) -> Result<(), MpsError> {
         let name = DaemonPodTemplate::pod_name(claim);
-        match pods.api.delete(&name, &DeleteParams::default()).await {
-            Ok(_) => {}
-            Err(kube::Error::Api(status)) if status.code == 404 => return Ok(()),
-            Err(e) => return Err(self.api_error(claim, &name, "deleting", e)),
-        }
-        let Some(waited) = wait else {
-            return Ok(());
-        };
-        let deadline = Instant::now() + waited;
-        loop {
-            match pods.api.get_opt(&name).await {
-                Ok(None) => return Ok(()),
-                Ok(Some(_)) | Err(_) if Instant::now() < deadline => tokio::time::sleep(POLL).await,
-                Ok(Some(_)) | Err(_) => {
-                    return Err(MpsError::StillRunning {
-                        claim: claim.to_string(),
-                        namespace: pods.template.namespace.clone(),
-                        pod: name,
-                        waited,
-                    })
-                }
-            }
+        let begun = Instant::now();
+        let deleted = pods
+            .api
+            .delete(&name)
+            .await
+            .map_err(|e| self.api_error(claim, &name, "deleting", e))?;
+        match wait {
+            Some(waited) if deleted => match pods.api.wait_gone(&name, begun + waited).await {
+                Gone::Yes => Ok(()),
+                Gone::StillThere => Err(MpsError::StillRunning {
+                    claim: claim.to_string(),
+                    namespace: pods.api.namespace().to_string(),
+                    pod: name,
+                    waited,
+                }),
+            },
+            _ => Ok(()),
         }
     }
 
@@ -220,51 +256,11 @@ impl MpsDaemons {
             namespace: self
                 .pods
                 .as_ref()
-                .map(|p| p.template.namespace.clone())
+                .map(|p| p.api.namespace().to_string())
                 .unwrap_or_default(),
             pod: pod.to_string(),
             action,
             source: Box::new(e),
         }
     }
-}
-
-/// Whether the Pod is Ready and not being deleted (the daemons of MPS and IMEX alike).
-pub(crate) fn is_ready(pod: &Pod) -> bool {
-    pod.metadata.deletion_timestamp.is_none()
-        && pod
-            .status
-            .as_ref()
-            .and_then(|s| s.conditions.as_ref())
-            .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
-}
-
-/// Why a Pod is not Ready, in the kubelet's words where it gave some.
-fn not_ready_reason(pod: &Pod) -> String {
-    let status = pod.status.as_ref();
-    let container = status
-        .and_then(|s| s.container_statuses.as_ref())
-        .and_then(|c| c.first());
-    let state = container.and_then(|c| c.state.as_ref());
-    if let Some(waiting) = state.and_then(|s| s.waiting.as_ref()) {
-        return format!(
-            "container waiting: {} {}",
-            waiting.reason.as_deref().unwrap_or_default(),
-            waiting.message.as_deref().unwrap_or_default()
-        )
-        .trim()
-        .to_string();
-    }
-    if let Some(terminated) = container
-        .and_then(|c| c.last_state.as_ref())
-        .and_then(|s| s.terminated.as_ref())
-    {
-        return format!(
-            "container exited with {} ({})",
-            terminated.exit_code,
-            terminated.reason.as_deref().unwrap_or("no reason")
-        );
-    }
-    let phase = status.and_then(|s| s.phase.as_deref()).unwrap_or("Pending");
-    format!("phase {phase}, not Ready yet")
 }

@@ -18,8 +18,9 @@ use thiserror::Error;
 use tracing::{info, warn};
 
 use crate::cdi::{ContainerEdits, Mount};
+use crate::claims::daemon_pod::api::GONE_TIMEOUT;
 pub use daemon_pods::DaemonPods;
-pub use pod::{DaemonPodTemplate, DaemonProgram};
+pub use pod::{DaemonPodTemplate, DaemonProgram, MpsPrograms};
 
 pub(crate) mod daemon_pods;
 mod dirs;
@@ -40,12 +41,12 @@ pub const CONTAINER_LOG_DIR: &str = "/tmp/nvidia-mps-log";
 /// claim's tmpfs, which proves that daemon and clients share one `/dev/shm`.
 pub const SHM_MARKER: &str = ".gpu-dra-mps-daemon";
 
-/// How long a prepare waits for the daemon's Pod to become Ready: the kubelet's own deadline for the
-/// whole call is 45 s, and a prepare that fails here is retried by the kubelet.
-const READY_TIMEOUT: Duration = Duration::from_secs(30);
-/// How long an unprepare waits for the daemon's Pod to be gone (its grace period is 15 s).
-const GONE_TIMEOUT: Duration = Duration::from_secs(25);
-const POLL: Duration = Duration::from_millis(200);
+/// How long a whole start may take: removing a Pod left by an earlier attempt, creating the new one
+/// and waiting until it is Ready share it. The kubelet gives a whole NodePrepareResources 45 s (its
+/// DRA client's `defaultClientCallTimeout`), and the rest of a prepare (reading the claim, MIG
+/// devices, CDI spec, checkpoint) needs some of it; a prepare that fails here is retried by the
+/// kubelet.
+pub const START_BUDGET: Duration = Duration::from_secs(30);
 /// `sun_path` holds 108 bytes with the NUL; the real daemon's longest socket is `control_privileged`.
 const LONGEST_SOCKET: &str = "control_privileged";
 const MAX_SOCKET_PATH: usize = 107;
@@ -70,8 +71,11 @@ pub struct MpsDaemonSpec {
     pub claim_uid: String,
     pub devices: Vec<MpsDevice>,
     pub active_thread_percentage: Option<u8>,
-    /// Serve clients of different user ids at once (`-M`; NVIDIA's `multiUser`).
+    /// Serve clients of different user ids at once (`-multiuser-server`; NVIDIA's `multiUser`).
     pub multi_user: bool,
+    /// The size of the claim's shared-memory tmpfs (the MPS config's `shmSize`); `None`: the
+    /// node's default (`--mps-shm-size`).
+    pub shm_size_bytes: Option<u64>,
 }
 
 /// A started daemon, as the checkpoint keeps it. Records of releases that ran the daemon inside the
@@ -147,7 +151,7 @@ pub enum MpsError {
         source: Box<kube::Error>,
     },
     #[error(
-        "MPS daemon for claim {claim}: Pod {namespace}/{pod} not Ready within {waited:?}: {detail}"
+        "MPS daemon for claim {claim}: Pod {namespace}/{pod} not Ready within the start's {waited:?}: {detail}"
     )]
     NotReady {
         claim: String,
@@ -155,6 +159,14 @@ pub enum MpsError {
         pod: String,
         waited: Duration,
         detail: String,
+    },
+    #[error("MPS daemon for claim {claim}: Pod {namespace}/{pod}: the start's {budget:?} ran out waiting for {waiting_for}")]
+    StartTimedOut {
+        claim: String,
+        namespace: String,
+        pod: String,
+        budget: Duration,
+        waiting_for: String,
     },
     #[error("MPS daemon for claim {claim}: Pod {namespace}/{pod} still there {waited:?} after its deletion")]
     StillRunning {
@@ -170,7 +182,10 @@ pub enum MpsError {
 pub struct MpsDaemons {
     root: PathBuf,
     host_root: PathBuf,
+    /// The node's default size of a claim's tmpfs.
     shm_size: u64,
+    /// The node's memory, which bounds a claim's tmpfs; `None`: unknown, not checked.
+    node_memory: Option<u64>,
     pods: Option<DaemonPods>,
 }
 
@@ -183,8 +198,15 @@ impl MpsDaemons {
             host_root: root.clone(),
             root,
             shm_size,
+            node_memory: shm::node_memory(),
             pods: None,
         }
+    }
+
+    /// The node's memory, which bounds the size a claim's MPS config may ask for its tmpfs.
+    pub fn with_node_memory(mut self, bytes: u64) -> Self {
+        self.node_memory = Some(bytes);
+        self
     }
 
     /// Where the host (the container runtime that performs the CDI mounts) sees `root`.
@@ -208,9 +230,42 @@ impl MpsDaemons {
         self.shm_size
     }
 
-    /// Makes the claim's directories and tmpfs, starts its daemon's Pod and waits until it is Ready.
-    /// A Pod left by an earlier, interrupted attempt is replaced. On failure nothing is left behind.
+    /// The size of a claim's tmpfs in bytes: its MPS config's `shmSize`, within the node's memory, or
+    /// the node's default.
+    fn shm_size_for(&self, spec: &MpsDaemonSpec) -> Result<u64, MpsError> {
+        match (spec.shm_size_bytes, self.node_memory) {
+            (Some(0), _) => Err(MpsError::InvalidSpec {
+                claim: spec.claim_uid.clone(),
+                reason: "the MPS config's shmSize is 0; a claim's /dev/shm needs at least one byte"
+                    .into(),
+            }),
+            (Some(asked), Some(memory)) if asked > memory => Err(MpsError::InvalidSpec {
+                claim: spec.claim_uid.clone(),
+                reason: format!(
+                    "the MPS config's shmSize ({} bytes, {} MiB) is more than this node's memory ({} MiB); a claim's /dev/shm is a tmpfs in the node's memory",
+                    asked,
+                    asked / MIB,
+                    memory / MIB
+                ),
+            }),
+            (Some(asked), _) => Ok(asked),
+            (None, _) => Ok(self.shm_size),
+        }
+    }
+
+    /// [`start_within`](Self::start_within) the [`START_BUDGET`].
     pub async fn start(&self, spec: &MpsDaemonSpec) -> Result<MpsDaemonRecord, MpsError> {
+        self.start_within(spec, START_BUDGET).await
+    }
+
+    /// Makes the claim's directories and tmpfs, starts its daemon's Pod and waits until it is Ready,
+    /// all within `budget`. A Pod left by an earlier, interrupted attempt is replaced (and waited on
+    /// until gone, within the same budget). On failure nothing is left behind.
+    pub async fn start_within(
+        &self,
+        spec: &MpsDaemonSpec,
+        budget: Duration,
+    ) -> Result<MpsDaemonRecord, MpsError> {
         let dirs = self.dirs_for_uid(&spec.claim_uid)?;
         let pods = self.pods.as_ref().ok_or_else(|| MpsError::NoDaemonPods {
             claim: dirs.claim.clone(),
@@ -219,7 +274,8 @@ impl MpsDaemons {
             return Err(MpsError::NoStandIn { claim: dirs.claim });
         }
         limit_commands(spec)?;
-        let started = self.launch(pods, &dirs, spec).await;
+        self.shm_size_for(spec)?;
+        let started = self.launch(pods, &dirs, spec, budget).await;
         match &started {
             Ok(record) => {
                 info!(claim = %dirs.claim, pod = %record.pod, devices = %visible_devices(&spec.devices), "MPS control daemon started")
@@ -234,8 +290,8 @@ impl MpsDaemons {
 
     /// At plugin start, for a claim that is still prepared: keeps a Ready daemon Pod that serves
     /// `spec`'s devices, or starts a new one in the same directories (kept, so that containers that
-    /// mounted them see it). `spec` comes from the claim's devices as they are now, so a MIG device
-    /// made again after a reboot (new UUID) gets a daemon that names it.
+    /// mounted them see it), within the [`START_BUDGET`]. `spec` comes from the claim's devices as
+    /// they are now, so a MIG device made again after a reboot (new UUID) gets a daemon that names it.
     pub async fn take_over(
         &self,
         record: &MpsDaemonRecord,
@@ -254,7 +310,7 @@ impl MpsDaemons {
             claim: dirs.claim.clone(),
         })?;
         limit_commands(spec)?;
-        let restarted = self.launch(pods, &dirs, spec).await?;
+        let restarted = self.launch(pods, &dirs, spec, START_BUDGET).await?;
         info!(claim = %dirs.claim, old_pod_uid = %record.pod_uid, pod_uid = %restarted.pod_uid, same_devices, "MPS control daemon started again");
         Ok(TakeOver::Restarted(restarted))
     }

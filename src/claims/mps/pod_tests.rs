@@ -1,6 +1,12 @@
 use super::*;
 use crate::claims::mps::MpsDevice;
 
+fn chroot() -> DaemonProgram {
+    DaemonProgram::Chroot(MpsPrograms {
+        control: "/usr/bin/nvidia-cuda-mps-control".into(),
+    })
+}
+
 fn spec() -> MpsDaemonSpec {
     MpsDaemonSpec {
         claim_uid: "0f6a3b2c-1d2e-4f50-8a9b-0c1d2e3f4a5b".to_string(),
@@ -18,6 +24,7 @@ fn spec() -> MpsDaemonSpec {
         ],
         active_thread_percentage: Some(25),
         multi_user: false,
+        shm_size_bytes: None,
     }
 }
 
@@ -41,11 +48,9 @@ const HOST_DIR: &str =
 
 #[test]
 fn a_chroot_daemon_sees_the_claims_directories_inside_the_driver_root() {
-    let pod = template(DaemonProgram::Chroot {
-        binary: "/usr/bin/nvidia-cuda-mps-control".into(),
-    })
-    .pod(&spec(), Path::new(HOST_DIR))
-    .unwrap();
+    let pod = template(chroot())
+        .pod(&spec(), Path::new(HOST_DIR))
+        .unwrap();
     let pod = json(&pod);
     assert_eq!(
         pod["metadata"]["name"],
@@ -152,8 +157,11 @@ fn a_root_without_a_loader_runs_the_daemon_directly() {
         std::fs::create_dir_all(root.path().join(dir)).unwrap();
     }
     match program_for_root(root.path()) {
-        DaemonProgram::Direct { binary, .. } => {
-            assert_eq!(binary, Path::new("/usr/bin/nvidia-cuda-mps-control"))
+        DaemonProgram::Direct { programs, .. } => {
+            assert_eq!(
+                programs.control,
+                Path::new("/usr/bin/nvidia-cuda-mps-control")
+            )
         }
         other => panic!("{other:?}"),
     }
@@ -164,26 +172,80 @@ fn a_root_without_a_loader_runs_the_daemon_directly() {
     let loader = root.path().join(interp.strip_prefix("/").unwrap());
     std::fs::create_dir_all(loader.parent().unwrap()).unwrap();
     std::fs::write(&loader, b"").unwrap();
-    assert_eq!(
-        program_for_root(root.path()),
-        DaemonProgram::Chroot {
-            binary: "/usr/bin/nvidia-cuda-mps-control".into()
-        }
-    );
+    assert_eq!(program_for_root(root.path()), chroot());
 }
 
 #[test]
 fn a_multi_user_daemon_is_told_so() {
     let mut multi = spec();
     multi.multi_user = true;
-    let pod = template(DaemonProgram::Chroot {
-        binary: "/usr/bin/nvidia-cuda-mps-control".into(),
-    })
-    .pod(&multi, Path::new(HOST_DIR))
-    .unwrap();
+    let pod = template(chroot()).pod(&multi, Path::new(HOST_DIR)).unwrap();
     let args = json(&pod)["spec"]["containers"][0]["args"].clone();
     assert!(
         args.as_array().unwrap().iter().any(|a| a == "--multi-user"),
         "{args}"
+    );
+}
+
+#[test]
+fn a_direct_daemon_runs_the_roots_control_program_with_its_libraries() {
+    let direct = DaemonProgram::Direct {
+        programs: MpsPrograms {
+            control: "/usr/bin/nvidia-cuda-mps-control".into(),
+        },
+        library_dir: Some("/usr/lib64".into()),
+    };
+    let pod = json(&template(direct).pod(&spec(), Path::new(HOST_DIR)).unwrap());
+    let args = pod["spec"]["containers"][0]["args"].to_string();
+    for expected in [
+        "--program=/driver-root/usr/bin/nvidia-cuda-mps-control",
+        "--library-path=/driver-root/usr/lib64",
+        "--pipe-dir=/mps/pipe",
+        "--shm-dir=/dev/shm",
+    ] {
+        assert!(args.contains(expected), "{expected} in {args}");
+    }
+    assert!(!args.contains("--driver-root"), "{args}");
+}
+
+#[test]
+fn the_daemon_pod_has_a_memory_limit_for_the_daemon_and_the_claims_tmpfs() {
+    let container = |spec: &MpsDaemonSpec| {
+        json(&template(chroot()).pod(spec, Path::new(HOST_DIR)).unwrap())["spec"]["containers"][0]
+            .clone()
+    };
+    let resources = &container(&spec())["resources"];
+    // The daemon's own 1 GiB and the default 64 MiB tmpfs it may write.
+    assert_eq!(resources["limits"]["memory"], "1088Mi");
+    assert_eq!(resources["requests"]["memory"], "16Mi");
+    assert_eq!(DAEMON_MEMORY, 1 << 30);
+    let mut large = spec();
+    large.shm_size_bytes = Some(8 << 30);
+    assert_eq!(
+        container(&large)["resources"]["limits"]["memory"],
+        "9216Mi",
+        "an 8 GiB tmpfs and the daemon's own"
+    );
+}
+
+#[test]
+fn a_daemon_that_dies_leaves_its_last_lines_for_kubectl_describe() {
+    let pod = json(
+        &template(chroot())
+            .pod(&spec(), Path::new(HOST_DIR))
+            .unwrap(),
+    );
+    let container = &pod["spec"]["containers"][0];
+    assert_eq!(
+        container["terminationMessagePolicy"],
+        "FallbackToLogsOnError"
+    );
+    assert_eq!(container["name"], "mps-control-daemon");
+    assert_eq!(pod["spec"]["priorityClassName"], "system-node-critical");
+    assert_eq!(pod["spec"]["tolerations"][0]["operator"], "Exists");
+    assert!(pod["spec"].get("hostNetwork").is_none());
+    assert_eq!(
+        pod["metadata"]["labels"]["gpu-dra.dev/claim-uid"],
+        "0f6a3b2c-1d2e-4f50-8a9b-0c1d2e3f4a5b"
     );
 }

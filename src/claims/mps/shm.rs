@@ -58,12 +58,26 @@ pub fn tmpfs_size(dir: &Path) -> Option<u64> {
     (fs.filesystem_type() == TMPFS_MAGIC).then(|| fs.blocks() * fs.block_size() as u64)
 }
 
-/// The default size of a claim's tmpfs: half of the node's memory, as NVIDIA's driver and the
-/// kernel's own `/dev/shm` default do; 64 MiB where `/proc/meminfo` cannot be read.
+/// The size of a claim's tmpfs unless its MPS config or `--mps-shm-size` says otherwise: what
+/// containers get for `/dev/shm` by default, 64 MiB, in containerd's CRI (`defaultShmSize`,
+/// internal/cri/server/podsandbox/helpers_linux.go) and in Docker (`DefaultShmSize`,
+/// daemon/config/config.go). A claim's containers see this tmpfs at `/dev/shm` instead of the
+/// runtime's, so they get the size they would get without MPS; a workload that needs more (NCCL,
+/// PyTorch DataLoader workers) asks for it with `shmSize`, as it would with an `emptyDir` of medium
+/// `Memory`.
+pub const DEFAULT_SIZE: u64 = 64 * 1024 * 1024;
+
+/// The node's default size of a claim's tmpfs: [`DEFAULT_SIZE`].
 pub fn default_size() -> u64 {
-    const FALLBACK: u64 = 64 * 1024 * 1024;
+    DEFAULT_SIZE
+}
+
+/// The node's memory (`MemTotal`), which bounds what a claim may ask for its tmpfs.
+pub fn node_memory() -> Option<u64> {
     use procfs::Current;
-    procfs::Meminfo::current().map_or(FALLBACK, |memory| memory.mem_total / 2)
+    procfs::Meminfo::current()
+        .ok()
+        .map(|memory| memory.mem_total)
 }
 
 #[cfg(test)]
@@ -71,10 +85,9 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_default_size_is_half_the_nodes_memory() {
-        let size = default_size();
-        assert!(size >= 64 * 1024 * 1024, "{size}");
-        assert_eq!(size % 512, 0, "{size}");
+    fn the_default_size_is_what_containers_get_for_dev_shm() {
+        assert_eq!(default_size(), 64 * 1024 * 1024);
+        assert!(node_memory().is_some_and(|memory| memory > default_size()));
     }
 
     #[test]

@@ -1,8 +1,10 @@
 //! The fake backend's MPS control daemon, `gpu-dra fake mps-control-daemon`, with the command line
 //! of NVIDIA's `nvidia-cuda-mps-control`: `-d` starts the daemon in the background and returns once
 //! it runs, `-f` runs it in the foreground, and with neither it is a client that sends the command
-//! lines on its stdin to the running daemon and prints the answers. `-M` (with `-d` or `-f`) is
-//! multi-user mode, which it logs and notes in its shared-memory state.
+//! lines on its stdin to the running daemon and prints the answers. `-multiuser-server` (with `-d` or
+//! `-f`) is multi-user mode, which it logs and notes in its shared-memory state. It takes only the
+//! options NVIDIA documents ([`Mode::from_args`]), so that the plugin never relies on one that the
+//! documentation does not promise: `-M`, which NVIDIA's DRA driver passes, is refused.
 //!
 //! The daemon reads `CUDA_MPS_PIPE_DIRECTORY`, `CUDA_MPS_LOG_DIRECTORY` and `CUDA_VISIBLE_DEVICES`,
 //! writes `<pipe>/nvidia-cuda-mps-control.pid`, listens on `<pipe>/control` (one command per line,
@@ -59,6 +61,42 @@ pub enum StandInError {
     },
 }
 
+/// The options NVIDIA documents for starting the control daemon: `-d` and `-f` (`man
+/// nvidia-cuda-mps-control`, SYNOPSIS `[-d | -f]`) and `-multiuser-server` ("Multi-Process Service",
+/// Architecture, Provisioning Sequence, Server).
+pub const OPTIONS: [&str; 3] = ["-d", "-f", super::supervisor::MULTI_USER_OPTION];
+
+impl Mode {
+    /// The mode the command line asks for; an option NVIDIA does not document, `-d` with `-f`, or
+    /// multi-user mode for a client is refused with why.
+    pub fn from_args(args: &[String]) -> Result<Mode, String> {
+        let (mut background, mut foreground, mut multi_user) = (false, false, false);
+        for arg in args {
+            match arg.as_str() {
+                "-d" => background = true,
+                "-f" => foreground = true,
+                option if option == super::supervisor::MULTI_USER_OPTION => multi_user = true,
+                other => {
+                    return Err(format!(
+                        "unrecognized option {other:?}: nvidia-cuda-mps-control takes {}",
+                        OPTIONS.join(", ")
+                    ))
+                }
+            }
+        }
+        match (background, foreground) {
+            (true, true) => Err("-d and -f exclude each other".into()),
+            (true, false) => Ok(Mode::Background { multi_user }),
+            (false, true) => Ok(Mode::Foreground { multi_user }),
+            (false, false) if multi_user => Err(format!(
+                "{} starts a daemon: it goes with -d or -f",
+                super::supervisor::MULTI_USER_OPTION
+            )),
+            (false, false) => Ok(Mode::Client),
+        }
+    }
+}
+
 /// Runs the stand-in; returns the process exit code.
 pub fn run(mode: Mode) -> Result<i32, StandInError> {
     match mode {
@@ -94,7 +132,7 @@ fn background(multi_user: bool) -> Result<i32, StandInError> {
     let exe = std::env::current_exe().map_err(io_error("finding", Path::new("/proc/self/exe")))?;
     let mut child = Command::new(&exe)
         .args(["fake", "mps-control-daemon", "-f"])
-        .args(multi_user.then_some("-M"))
+        .args(multi_user.then_some(super::supervisor::MULTI_USER_OPTION))
         .stdin(Stdio::null())
         .process_group(0)
         .spawn()

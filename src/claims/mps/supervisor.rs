@@ -1,7 +1,8 @@
 //! `gpu-dra mps-daemon`: PID 1 of a claim's MPS daemon Pod (`pod.rs`). It checks that the claim's
 //! shared memory is a tmpfs, enters the driver root (chroot) where the Pod says so, runs the control
 //! daemon in the foreground (`nvidia-cuda-mps-control -f`, or the fake backend's stand-in), applies the
-//! claim's limits once it answers and writes the ready file that the Pod's readiness probe reads.
+//! claim's limits once it answers and writes the ready file that the Pod's readiness probe reads (the
+//! steps every daemon's supervisor shares are `claims::daemon_pod::supervisor`'s).
 //! SIGTERM (the Pod is deleted) is passed on as `quit`; a daemon that dies ends the supervisor with
 //! status 1, so the kubelet restarts the container and the limits are applied again.
 
@@ -10,20 +11,25 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use thiserror::Error;
 use tokio::process::{Child, Command};
 
 use super::pod::READY_FILE;
 use super::shm::is_tmpfs;
 use super::{reports_error, CONTROL_SOCKET, PID_FILE, SHM_MARKER};
+pub use crate::claims::daemon_pod::supervisor::{check_ready, SupervisorError, STAND_IN_PROGRAM};
+use crate::claims::daemon_pod::supervisor::{program_command, ReadyFile, Supervised};
 
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
 const COMMAND_TIMEOUT: Duration = Duration::from_secs(5);
 const QUIT_WAIT: Duration = Duration::from_secs(10);
 const POLL: Duration = Duration::from_millis(50);
-/// `--program` for the fake backend's stand-in (`gpu-dra fake mps-control-daemon`), which only a build
-/// with the `doubles` feature has.
-pub const STAND_IN_PROGRAM: &str = "stand-in";
+/// The control daemon's option for multi-user mode: one MPS server, root's, serves the clients of
+/// every user id. NVIDIA documents it as `-multiuser-server` ("Multi-Process Service",
+/// Architecture, Provisioning Sequence, Server: "To allow multiple Linux users share one MPS server,
+/// start the control daemon under superuser with the -multiuser-server option",
+/// https://docs.nvidia.com/deploy/mps/architecture.html#server). NVIDIA's DRA driver passes `-M`,
+/// which no NVIDIA document names; gpu-dra passes the documented option.
+pub const MULTI_USER_OPTION: &str = "-multiuser-server";
 /// The environment variable that tells the stand-in where its `/dev/shm` is (the real daemon always
 /// uses `/dev/shm`; the stand-in may run where nothing is mounted there, in the test doubles).
 pub const STAND_IN_SHM_ENV: &str = "GPU_DRA_FAKE_MPS_SHM";
@@ -51,71 +57,28 @@ pub struct SupervisorArgs {
     pub multi_user: bool,
 }
 
-#[derive(Debug, Error)]
-pub enum SupervisorError {
-    #[error("MPS daemon of claim {claim}: {} is not a tmpfs: the MPS server and the claim's containers must share one tmpfs at /dev/shm; the Pod must mount the claim's shm directory there", dir.display())]
-    SharedMemoryNotTmpfs { claim: String, dir: PathBuf },
-    #[error("MPS daemon of claim {claim}: {action} {}: {source}", path.display())]
-    Io {
-        claim: String,
-        action: &'static str,
-        path: PathBuf,
-        source: std::io::Error,
-    },
-    #[error("MPS daemon of claim {claim}: entering the driver root {}: {source}", root.display())]
-    Chroot {
-        claim: String,
-        root: PathBuf,
-        source: nix::Error,
-    },
-    #[error("MPS daemon of claim {claim}: {detail}")]
-    Daemon { claim: String, detail: String },
+impl Supervised for SupervisorArgs {
+    fn daemon(&self) -> String {
+        format!("MPS daemon of claim {}", self.claim)
+    }
 }
 
 impl SupervisorArgs {
-    fn io(
-        &self,
-        action: &'static str,
-        path: &Path,
-    ) -> impl FnOnce(std::io::Error) -> SupervisorError {
-        let (claim, path) = (self.claim.clone(), path.to_path_buf());
-        move |source| SupervisorError::Io {
-            claim,
-            action,
-            path,
-            source,
-        }
-    }
-
-    fn failed(&self, detail: String) -> SupervisorError {
-        SupervisorError::Daemon {
-            claim: self.claim.clone(),
-            detail,
-        }
-    }
-
     fn command(&self, args: &[&str]) -> Command {
-        let mut command = if cfg!(feature = "doubles") && self.program == STAND_IN_PROGRAM {
-            // Never after a chroot: the stand-in mode runs without one.
-            let exe = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("/proc/self/exe"));
-            let mut command = Command::new(exe);
-            command.args(["fake", "mps-control-daemon"]);
+        let mut command = program_command(
+            &self.program,
+            self.library_path.as_deref(),
+            "mps-control-daemon",
+        );
+        if self.program == STAND_IN_PROGRAM {
             command.env(STAND_IN_SHM_ENV, &self.shm_dir);
-            command
-        } else {
-            let mut command = Command::new(&self.program);
-            if let Some(dir) = &self.library_path {
-                command.env("LD_LIBRARY_PATH", dir);
-            }
+        } else if let Some(dir) = Path::new(&self.program).parent() {
             // The daemon starts nvidia-cuda-mps-server, which the driver installs beside it.
-            if let Some(dir) = Path::new(&self.program).parent() {
-                command.env(
-                    "PATH",
-                    format!("{}:/usr/bin:/bin:/usr/sbin:/sbin", dir.display()),
-                );
-            }
-            command
-        };
+            command.env(
+                "PATH",
+                format!("{}:/usr/bin:/bin:/usr/sbin:/sbin", dir.display()),
+            );
+        }
         command
             .args(args)
             .env("CUDA_MPS_PIPE_DIRECTORY", &self.pipe_dir)
@@ -123,8 +86,8 @@ impl SupervisorArgs {
         command
     }
 
-    fn ready_file(&self) -> PathBuf {
-        self.log_dir.join(READY_FILE)
+    fn ready_file(&self) -> ReadyFile {
+        ReadyFile::new(self.log_dir.join(READY_FILE))
     }
 }
 
@@ -135,31 +98,25 @@ pub async fn supervise(args: SupervisorArgs) -> Result<i32, SupervisorError> {
         return Err(args.failed(NO_STAND_IN.to_string()));
     }
     if !is_tmpfs(&args.shm_dir) {
-        return Err(SupervisorError::SharedMemoryNotTmpfs {
-            claim: args.claim.clone(),
-            dir: args.shm_dir.clone(),
-        });
+        return Err(args.failed(format!(
+            "{} is not a tmpfs: the MPS server and the claim's containers must share one tmpfs at /dev/shm; the Pod must mount the claim's shm directory there",
+            args.shm_dir.display()
+        )));
     }
     // Found by the plugin in the claim's tmpfs: proof that this is the memory the clients get.
     let marker = args.shm_dir.join(SHM_MARKER);
     fs::write(&marker, format!("{}\n", args.claim)).map_err(args.io("writing", &marker))?;
     if let Some(root) = &args.driver_root {
-        // The driver's binaries then load the driver root's own libc with its own loader.
-        nix::unistd::chroot(root.as_path())
-            .and_then(|()| nix::unistd::chdir("/"))
-            .map_err(|source| SupervisorError::Chroot {
-                claim: args.claim.clone(),
-                root: root.clone(),
-                source,
-            })?;
+        args.enter_driver_root(root)?;
     }
     let mut term =
         signal(SignalKind::terminate()).map_err(args.io("handling SIGTERM in", Path::new("/")))?;
     clear_pipe_dir(&args)?;
-    let _ = fs::remove_file(args.ready_file());
+    let ready = args.ready_file();
+    ready.clear();
     let mut daemon = args
         .command(if args.multi_user {
-            &["-f", "-M"]
+            &["-f", MULTI_USER_OPTION]
         } else {
             &["-f"]
         })
@@ -178,29 +135,24 @@ pub async fn supervise(args: SupervisorArgs) -> Result<i32, SupervisorError> {
             return Err(args.failed(format!("{command}: {detail}")));
         }
     }
-    let pid = daemon.id().unwrap_or_default();
-    fs::write(args.ready_file(), format!("{pid}\n"))
-        .map_err(args.io("writing", &args.ready_file()))?;
+    ready
+        .mark(daemon.id().unwrap_or_default())
+        .map_err(args.io("writing", ready.path()))?;
     tracing::info!(claim = %args.claim, "MPS control daemon ready");
     tokio::select! {
         _ = term.recv() => {
-            let _ = fs::remove_file(args.ready_file());
+            ready.clear();
             tracing::info!(claim = %args.claim, "SIGTERM: stopping the MPS control daemon");
             stop(&args, &mut daemon).await;
             Ok(0)
         }
         status = daemon.wait() => {
-            let _ = fs::remove_file(args.ready_file());
+            ready.clear();
             let status = status.map_or_else(|e| e.to_string(), |s| s.to_string());
             tracing::error!(claim = %args.claim, %status, "MPS control daemon exited; the kubelet starts it again");
             Ok(1)
         }
     }
-}
-
-/// The readiness probe: the ready file exists.
-pub fn check_ready(ready_file: &Path) -> i32 {
-    i32::from(!ready_file.is_file())
 }
 
 /// A restarted container finds the last daemon's pid file and sockets: they name a process that is

@@ -13,6 +13,7 @@ fn spec(devices: &[(&str, &str, Option<u64>)], percentage: Option<u8>) -> MpsDae
             .collect(),
         active_thread_percentage: percentage,
         multi_user: false,
+        shm_size_bytes: None,
     }
 }
 
@@ -220,4 +221,52 @@ async fn without_daemon_pods_a_start_says_what_is_missing() {
         .to_string();
     assert!(error.contains("--mps-daemon-image"), "{error}");
     assert!(!root.path().join("mps").exists(), "nothing is made");
+}
+
+#[test]
+fn a_claims_tmpfs_is_its_configs_size_within_the_nodes_memory_else_the_nodes_default() {
+    let daemons = MpsDaemons::new("/plugin/mps".into(), 64 * MIB).with_node_memory(1 << 30);
+    let mut asked = spec(&[("gpu-0", "GPU-a", None)], None);
+    assert_eq!(
+        daemons.shm_size_for(&asked).unwrap(),
+        64 * MIB,
+        "the node's default"
+    );
+    asked.shm_size_bytes = Some(512 * MIB);
+    assert_eq!(daemons.shm_size_for(&asked).unwrap(), 512 * MIB);
+    asked.shm_size_bytes = Some(1 << 30);
+    assert_eq!(daemons.shm_size_for(&asked).unwrap(), 1 << 30, "all of it");
+    asked.shm_size_bytes = Some((1 << 30) + 1);
+    let error = daemons.shm_size_for(&asked).unwrap_err().to_string();
+    assert!(
+        error.contains("shmSize") && error.contains("more than this node's memory (1024 MiB)"),
+        "{error}"
+    );
+    assert!(error.contains(&asked.claim_uid), "{error}");
+    asked.shm_size_bytes = Some(0);
+    let error = daemons.shm_size_for(&asked).unwrap_err().to_string();
+    assert!(error.contains("shmSize is 0"), "{error}");
+}
+
+#[test]
+fn the_stand_in_takes_the_options_nvidia_documents_and_refuses_others() {
+    use super::stand_in::Mode;
+    let args = |list: &[&str]| list.iter().map(|a| a.to_string()).collect::<Vec<_>>();
+    assert_eq!(
+        Mode::from_args(&args(&["-f", "-multiuser-server"])),
+        Ok(Mode::Foreground { multi_user: true })
+    );
+    assert_eq!(
+        Mode::from_args(&args(&["-d"])),
+        Ok(Mode::Background { multi_user: false })
+    );
+    assert_eq!(Mode::from_args(&args(&[])), Ok(Mode::Client));
+    for refused in [
+        &["-f", "-M"][..],
+        &["-f", "--multiuser-server"],
+        &["-d", "-f"],
+        &["-multiuser-server"],
+    ] {
+        assert!(Mode::from_args(&args(refused)).is_err(), "{refused:?}");
+    }
 }

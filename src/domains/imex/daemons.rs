@@ -1,9 +1,8 @@
 //! The plugin's handle on this node's IMEX daemon: the directory of the domain it serves
 //! (`<plugin-dir>/imex/<domainUID>/`) with the daemon's config, node config and peers, and its Pod,
 //! created (one domain's at a time, and none beside the host's own IMEX service), asked whether it is
-//! Ready (with the kubelet's and the daemon's reason when not) and deleted. Every call on `Api<Pod>`
-//! stays in this file, beside the field that types it: tests/manifests/rbac.rs tells a call's kind by
-//! the binding in its own file.
+//! Ready (with the kubelet's and the daemon's reason when not) and deleted, through the daemon Pods'
+//! API (`claims::daemon_pod`).
 
 use std::fs;
 use std::io;
@@ -11,8 +10,6 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use tracing::{info, warn};
 
 use super::config::{
@@ -23,17 +20,17 @@ use super::host_service::host_imex_service;
 use super::pod::COMPONENT;
 use super::{
     check_domain_uid, DaemonState, ImexDaemonSpec, ImexError, ImexPodTemplate, ImexProgram,
-    GONE_TIMEOUT, NOT_READY_FILE, POLL, READY_FILE,
+    NOT_READY_FILE, READY_FILE,
 };
-use crate::claims::mps::daemon_pods::is_ready;
-use crate::claims::mps::pod::{COMPONENT_LABEL, DRIVER_LABEL};
+use crate::claims::daemon_pod::api::{Gone, GONE_TIMEOUT, POLL};
+use crate::claims::daemon_pod::{is_ready, not_ready_reason, DaemonPodApi};
 use crate::domains::api::DOMAIN_LABEL;
 use crate::fsutil::write_for_this_boot;
 
 /// This node's IMEX daemon, of the one domain with channels prepared here.
-#[derive(Clone)]
+#[derive(Debug, Clone)]
 pub struct ImexDaemons {
-    api: Api<Pod>,
+    pods: DaemonPodApi,
     /// `<plugin-dir>/imex` as this process sees it.
     root: PathBuf,
     /// The same directory as the host (and so the daemon's Pod) sees it.
@@ -44,24 +41,13 @@ pub struct ImexDaemons {
     template: ImexPodTemplate,
 }
 
-impl std::fmt::Debug for ImexDaemons {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ImexDaemons")
-            .field("root", &self.root)
-            .field("host_root", &self.host_root)
-            .field("host_system_root", &self.host_system_root)
-            .field("template", &self.template)
-            .finish()
-    }
-}
-
 impl ImexDaemons {
     /// `root` is `<plugin-dir>/imex` as this process sees it; the host sees it at the same path unless
     /// [`with_host_root`](Self::with_host_root) says otherwise. The Pods go into the template's
     /// namespace.
     pub fn new(client: kube::Client, root: PathBuf, template: ImexPodTemplate) -> Self {
         Self {
-            api: Api::namespaced(client, &template.namespace),
+            pods: DaemonPodApi::new(client, &template.pod.namespace),
             host_root: root.clone(),
             root,
             host_system_root: None,
@@ -99,7 +85,7 @@ impl ImexDaemons {
     /// another domain (its Pod, even one being deleted) is on this node: a node runs one.
     pub async fn ensure(&self, spec: &ImexDaemonSpec) -> Result<(), ImexError> {
         let dir = self.domain_dir(&spec.domain_uid)?;
-        if self.template.program == ImexProgram::StandIn && !cfg!(feature = "doubles") {
+        if self.template.pod.program == ImexProgram::StandIn && !cfg!(feature = "doubles") {
             return Err(ImexError::NoStandIn {
                 domain: spec.domain.clone(),
             });
@@ -141,7 +127,7 @@ impl ImexDaemons {
             write_if_changed(&path, text).map_err(io("writing", &path))?;
         }
         let name = self.template.pod_name(&spec.domain_uid);
-        match self.api.get_opt(&name).await {
+        match self.pods.get(&name).await {
             Ok(Some(pod)) if pod.metadata.deletion_timestamp.is_none() => return Ok(()),
             // A Pod of a stop that has not finished: its successor takes its name once it is gone.
             Ok(Some(_)) => self.wait_gone(&spec.domain, &name).await?,
@@ -149,7 +135,7 @@ impl ImexDaemons {
             Err(e) => return Err(self.api_error(&spec.domain, &name, "reading", e)),
         }
         let pod = self.template.pod(spec, &host_dir)?;
-        match self.api.create(&PostParams::default(), &pod).await {
+        match self.pods.create(&pod).await {
             Ok(_) => {
                 info!(domain = %spec.domain, domain_uid = %spec.domain_uid, pod = %name, "IMEX daemon Pod created");
                 Ok(())
@@ -204,8 +190,8 @@ impl ImexDaemons {
             }
         };
         let name = self.template.pod_name(domain_uid);
-        let pod_name = format!("Pod {}/{name}", self.template.namespace);
-        let pod_reason = match self.api.get_opt(&name).await {
+        let pod_name = format!("Pod {}/{name}", self.pods.namespace());
+        let pod_reason = match self.pods.get(&name).await {
             Ok(Some(pod)) if pod.metadata.deletion_timestamp.is_some() => {
                 format!("{pod_name} is being deleted")
             }
@@ -216,7 +202,7 @@ impl ImexDaemons {
                 "{pod_name} is Ready, its daemon no longer (the readiness probe has yet to see it)"
             ),
             Ok(Some(pod)) => format!("{pod_name}: {}", not_ready_reason(&pod)),
-            Ok(None) => format!("no daemon Pod {}/{name}", self.template.namespace),
+            Ok(None) => format!("no daemon Pod {}/{name}", self.pods.namespace()),
             Err(e) => format!("reading {pod_name}: {e}"),
         };
         let daemon_reason = fs::read_to_string(dir.join(NOT_READY_FILE))
@@ -247,9 +233,9 @@ impl ImexDaemons {
     pub async fn stop(&self, domain_uid: &str) -> Result<(), ImexError> {
         let dir = self.domain_dir(domain_uid)?;
         let name = self.template.pod_name(domain_uid);
-        match self.api.delete(&name, &DeleteParams::default()).await {
-            Ok(_) => self.wait_gone(domain_uid, &name).await?,
-            Err(kube::Error::Api(status)) if status.code == 404 => {}
+        match self.pods.delete(&name).await {
+            Ok(true) => self.wait_gone(domain_uid, &name).await?,
+            Ok(false) => {}
             Err(e) => return Err(self.api_error(domain_uid, &name, "deleting", e)),
         }
         match fs::remove_dir_all(&dir) {
@@ -269,14 +255,8 @@ impl ImexDaemons {
     /// The domain UIDs whose daemon Pods this plugin runs on this node (for the sweep at start).
     /// A failed list is logged and reads as none.
     pub async fn on_this_node(&self) -> Vec<String> {
-        let params = ListParams::default()
-            .labels(&format!(
-                "{COMPONENT_LABEL}={COMPONENT},{DRIVER_LABEL}={}",
-                self.template.driver
-            ))
-            .fields(&format!("spec.nodeName={}", self.template.node));
-        let pods = match self.api.list(&params).await {
-            Ok(list) => list.items,
+        let pods = match self.on_this_node_pods().await {
+            Ok(pods) => pods,
             Err(e) => {
                 warn!(error = %e, "listing this node's IMEX daemon Pods failed");
                 return Vec::new();
@@ -294,13 +274,7 @@ impl ImexDaemons {
 
     /// Fails when a daemon Pod of another domain than `spec`'s is on this node, being deleted or not.
     async fn refuse_other_domain(&self, spec: &ImexDaemonSpec) -> Result<(), ImexError> {
-        let params = ListParams::default()
-            .labels(&format!(
-                "{COMPONENT_LABEL}={COMPONENT},{DRIVER_LABEL}={}",
-                self.template.driver
-            ))
-            .fields(&format!("spec.nodeName={}", self.template.node));
-        let pods = self.api.list(&params).await.map_err(|e| {
+        let pods = self.on_this_node_pods().await.map_err(|e| {
             self.api_error(
                 &spec.domain,
                 &self.template.pod_name(&spec.domain_uid),
@@ -308,7 +282,7 @@ impl ImexDaemons {
                 e,
             )
         })?;
-        let other = pods.items.iter().find_map(|pod| {
+        let other = pods.iter().find_map(|pod| {
             let uid = pod.metadata.labels.as_ref()?.get(DOMAIN_LABEL)?;
             (*uid != spec.domain_uid).then(|| (uid.clone(), pod))
         });
@@ -317,28 +291,37 @@ impl ImexDaemons {
             Some((other_uid, pod)) => Err(ImexError::OtherDomainRunning {
                 domain: spec.domain.clone(),
                 other_uid: crate::claims::names::truncated(&other_uid),
-                namespace: self.template.namespace.clone(),
+                namespace: self.pods.namespace().to_string(),
                 pod: pod.metadata.name.clone().unwrap_or_default(),
                 terminating: pod.metadata.deletion_timestamp.is_some(),
             }),
         }
     }
 
+    /// This node's IMEX daemon Pods of this driver, being deleted or not.
+    async fn on_this_node_pods(&self) -> Result<Vec<k8s_openapi::api::core::v1::Pod>, kube::Error> {
+        self.pods
+            .on_node(
+                COMPONENT,
+                &self.template.pod.driver,
+                &self.template.pod.node,
+            )
+            .await
+    }
+
     async fn wait_gone(&self, domain: &str, name: &str) -> Result<(), ImexError> {
-        let deadline = Instant::now() + GONE_TIMEOUT;
-        loop {
-            match self.api.get_opt(name).await {
-                Ok(None) => return Ok(()),
-                Ok(Some(_)) | Err(_) if Instant::now() < deadline => tokio::time::sleep(POLL).await,
-                Ok(Some(_)) | Err(_) => {
-                    return Err(ImexError::StillRunning {
-                        domain: domain.to_string(),
-                        namespace: self.template.namespace.clone(),
-                        pod: name.to_string(),
-                        waited: GONE_TIMEOUT,
-                    })
-                }
-            }
+        match self
+            .pods
+            .wait_gone(name, Instant::now() + GONE_TIMEOUT)
+            .await
+        {
+            Gone::Yes => Ok(()),
+            Gone::StillThere => Err(ImexError::StillRunning {
+                domain: domain.to_string(),
+                namespace: self.pods.namespace().to_string(),
+                pod: name.to_string(),
+                waited: GONE_TIMEOUT,
+            }),
         }
     }
 
@@ -351,7 +334,7 @@ impl ImexDaemons {
     ) -> ImexError {
         ImexError::Api {
             domain: domain.to_string(),
-            namespace: self.template.namespace.clone(),
+            namespace: self.pods.namespace().to_string(),
             pod: pod.to_string(),
             action,
             source: Box::new(e),
@@ -366,51 +349,6 @@ fn write_if_changed(path: &Path, text: &str) -> io::Result<bool> {
     }
     write_for_this_boot(path, text.as_bytes(), 0o644)?;
     Ok(true)
-}
-
-/// Why a Pod is not Ready, in the kubelet's words: the container's waiting reason, then its last
-/// exit (code, reason, termination message).
-fn not_ready_reason(pod: &Pod) -> String {
-    let status = pod.status.as_ref();
-    let container = status
-        .and_then(|s| s.container_statuses.as_ref())
-        .and_then(|c| c.first());
-    let mut parts = Vec::new();
-    if let Some(waiting) = container
-        .and_then(|c| c.state.as_ref())
-        .and_then(|s| s.waiting.as_ref())
-    {
-        parts.push(
-            format!(
-                "container waiting: {} {}",
-                waiting.reason.as_deref().unwrap_or_default(),
-                waiting.message.as_deref().unwrap_or_default()
-            )
-            .trim()
-            .to_string(),
-        );
-    }
-    if let Some(terminated) = container
-        .and_then(|c| c.last_state.as_ref())
-        .and_then(|s| s.terminated.as_ref())
-    {
-        let mut exit = format!(
-            "last exit code {} ({})",
-            terminated.exit_code,
-            terminated.reason.as_deref().unwrap_or("no reason")
-        );
-        if let Some(message) = terminated.message.as_deref().map(str::trim) {
-            if !message.is_empty() {
-                exit.push_str(&format!(": {message}"));
-            }
-        }
-        parts.push(exit);
-    }
-    if parts.is_empty() {
-        let phase = status.and_then(|s| s.phase.as_deref()).unwrap_or("Pending");
-        parts.push(format!("phase {phase}, not Ready yet"));
-    }
-    parts.join(", ")
 }
 
 /// The plugin's membership code drives the daemons through this trait (a stand-in in its unit tests).
@@ -466,38 +404,6 @@ impl crate::domains::membership::DomainDaemons for ImexDaemons {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn pod(status: serde_json::Value) -> Pod {
-        serde_json::from_value(serde_json::json!({
-            "metadata": {"name": "p"}, "status": status,
-        }))
-        .unwrap()
-    }
-
-    #[test]
-    fn a_crash_looping_daemon_says_the_kubelets_reason_and_its_last_exit() {
-        let pod = pod(serde_json::json!({
-            "phase": "Running",
-            "conditions": [{"type": "Ready", "status": "False"}],
-            "containerStatuses": [{
-                "name": "imex-daemon", "ready": false, "restartCount": 3, "image": "", "imageID": "",
-                "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s"}},
-                "lastState": {"terminated": {"exitCode": 1, "reason": "Error",
-                                             "message": "IMEX: fabric manager not running\n"}},
-            }],
-        }));
-        assert!(!is_ready(&pod));
-        assert_eq!(
-            not_ready_reason(&pod),
-            "container waiting: CrashLoopBackOff back-off 40s, last exit code 1 (Error): IMEX: fabric manager not running"
-        );
-    }
-
-    #[test]
-    fn a_pod_not_started_yet_says_its_phase() {
-        let pod = pod(serde_json::json!({"phase": "Pending"}));
-        assert_eq!(not_ready_reason(&pod), "phase Pending, not Ready yet");
-    }
 
     #[test]
     fn files_are_rewritten_only_when_their_content_changes() {

@@ -32,16 +32,12 @@ pub mod supervisor;
 
 pub use config::{ConfigError, Peer};
 pub use daemons::ImexDaemons;
-pub use pod::{ImexPodTemplate, ImexProgram};
+pub use pod::{ImexPodTemplate, ImexProgram, ImexPrograms};
 
 /// The file the supervisor keeps in the domain's directory while the daemon answers READY.
 pub const READY_FILE: &str = "ready";
 /// The file the supervisor keeps there while it does not: why, in one line.
 pub const NOT_READY_FILE: &str = "not-ready";
-
-/// How long [`ImexDaemons::stop`] waits for the daemon's Pod to be gone (its grace period is 15 s).
-const GONE_TIMEOUT: Duration = Duration::from_secs(25);
-const POLL: Duration = Duration::from_millis(200);
 
 /// The daemon one node runs for the domain it is in.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -15,7 +15,9 @@ use serde_json::json;
 
 use super::config::NODES_CONFIG_FILE;
 use super::{ImexDaemonSpec, ImexError, READY_FILE};
-use crate::claims::mps::pod::{COMPONENT_LABEL, DRIVER_LABEL};
+use crate::claims::daemon_pod::{
+    in_pod_driver_root, DaemonPod, DriverProgram, DriverPrograms, HostDir, PodTemplate, MIB,
+};
 use crate::domains::api::DOMAIN_LABEL;
 
 /// The component label of every IMEX daemon Pod; the plugin lists its node's daemons by it.
@@ -23,38 +25,52 @@ pub const COMPONENT: &str = "imex-daemon";
 /// The variable that gives the daemon this node's address (the stand-in needs it; NVIDIA's daemon
 /// finds its own among the peers).
 pub const NODE_IP_ENV: &str = "NODE_IP";
-/// Where the daemon container sees the driver root.
-const POD_DRIVER_ROOT: &str = "/driver-root";
 /// Where a chrooted daemon sees the domain's directory: a directory every root has.
 const CHROOT_DOMAIN_DIR: &str = "/tmp";
+/// The memory the daemon's processes may use: the supervisor (this binary, a few MiB), `nvidia-imex`
+/// (a network daemon that brokers memory handles between the nodes' drivers; it makes no CUDA
+/// context and keeps no shared memory of its clients) and the `nvidia-imex-ctl -q` the supervisor
+/// runs each second. NVIDIA publishes no figure for it and its own ComputeDomain daemon has no limit;
+/// 512 MiB is far above a network daemon's size, so the limit only stops one that leaks.
+pub const DAEMON_MEMORY: u64 = 512 * MIB;
+/// The daemon's resting size, which the scheduler counts.
+const MEMORY_REQUEST: &str = "32Mi";
+
+/// The driver's programs an IMEX daemon runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImexPrograms {
+    /// `nvidia-imex`'s path in the driver root.
+    pub daemon: PathBuf,
+    /// `nvidia-imex-ctl`'s path in the driver root.
+    pub ctl: PathBuf,
+}
+
+impl DriverPrograms for ImexPrograms {
+    const NAMES: &'static [&'static str] = &["nvidia-imex", "nvidia-imex-ctl"];
+    const FLAGS: &'static [&'static str] = &["--program", "--ctl-program"];
+    const MOUNT_POINTS: &'static [&'static str] = &["tmp"];
+
+    fn paths(&self) -> Vec<&Path> {
+        vec![&self.daemon, &self.ctl]
+    }
+
+    fn from_paths(paths: Vec<PathBuf>) -> Self {
+        let mut paths = paths.into_iter();
+        ImexPrograms {
+            daemon: paths.next().unwrap_or_default(),
+            ctl: paths.next().unwrap_or_default(),
+        }
+    }
+}
 
 /// How the daemon Pod runs `nvidia-imex` and `nvidia-imex-ctl`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ImexProgram {
-    /// Inside the driver root (chroot); the paths are the programs' there.
-    Chroot { daemon: PathBuf, ctl: PathBuf },
-    /// The root cannot run its binaries itself (no loader of its own): `<root>/<daemon>` with the
-    /// root's library directory `<root>/<library_dir>`.
-    Direct {
-        daemon: PathBuf,
-        ctl: PathBuf,
-        library_dir: Option<PathBuf>,
-    },
-    /// The fake backend's stand-ins, this binary's `fake imex-daemon` and `fake imex-ctl`.
-    StandIn,
-}
+pub type ImexProgram = DriverProgram<ImexPrograms>;
 
 /// What every IMEX daemon Pod of this plugin shares.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ImexPodTemplate {
-    pub namespace: String,
-    pub node: String,
-    pub driver: String,
-    /// The plugin's own image: the daemon runs `gpu-dra imex-daemon` from it.
-    pub image: String,
-    /// The driver root on the host.
-    pub host_driver_root: PathBuf,
-    pub program: ImexProgram,
+    /// As for every daemon of the plugin.
+    pub pod: PodTemplate<ImexPrograms>,
     /// This node's address as its domains' peers files list it. Given to the daemon as it is, so the
     /// daemon and its peers agree on one address; `None`: the kubelet's `status.hostIP`.
     pub node_ip: Option<String>,
@@ -65,12 +81,12 @@ impl ImexPodTemplate {
     /// nodes share a namespace. The node's name where it fits the 253 characters of a Pod name (a
     /// UUID and a node name are DNS subdomains, so the name is one), a hash of it where not.
     pub fn pod_name(&self, domain_uid: &str) -> String {
-        let name = format!("gpu-dra-imex-{domain_uid}-{}", self.node);
+        let name = format!("gpu-dra-imex-{domain_uid}-{}", self.pod.node);
         if name.len() <= 253 {
             return name;
         }
         // FNV-1a: stable across releases, unlike std's hasher.
-        let hash = self.node.bytes().fold(0xcbf29ce484222325_u64, |h, b| {
+        let hash = self.pod.node.bytes().fold(0xcbf29ce484222325_u64, |h, b| {
             (h ^ u64::from(b)).wrapping_mul(0x100000001b3)
         });
         // 12 hex digits keep the name one DNS label (63 characters).
@@ -79,9 +95,9 @@ impl ImexPodTemplate {
 
     /// Where the daemon sees the domain's directory whose host path is `host_dir`.
     pub fn daemon_dir(&self, host_dir: &Path) -> PathBuf {
-        match self.program {
-            ImexProgram::Chroot { .. } => PathBuf::from(CHROOT_DOMAIN_DIR),
-            ImexProgram::Direct { .. } | ImexProgram::StandIn => host_dir.to_path_buf(),
+        match self.pod.program {
+            DriverProgram::Chroot(_) => PathBuf::from(CHROOT_DOMAIN_DIR),
+            DriverProgram::Direct { .. } | DriverProgram::StandIn => host_dir.to_path_buf(),
         }
     }
 
@@ -92,112 +108,38 @@ impl ImexPodTemplate {
 
     /// The daemon Pod of one domain; `host_dir` is the domain's directory on the host.
     pub fn pod(&self, spec: &ImexDaemonSpec, host_dir: &Path) -> Result<Pod, ImexError> {
-        let mount_path = match self.program {
-            ImexProgram::Chroot { .. } => format!("{POD_DRIVER_ROOT}{CHROOT_DOMAIN_DIR}"),
-            ImexProgram::Direct { .. } | ImexProgram::StandIn => host_dir.display().to_string(),
+        let mount_path = match self.pod.program {
+            DriverProgram::Chroot(_) => in_pod_driver_root(Path::new(CHROOT_DOMAIN_DIR)),
+            DriverProgram::Direct { .. } | DriverProgram::StandIn => host_dir.to_path_buf(),
         };
-        let mut args = vec![
-            "imex-daemon".to_string(),
-            format!("--dir={}", self.daemon_dir(host_dir).display()),
-        ];
-        let in_root = |p: &Path| Path::new(POD_DRIVER_ROOT).join(p.strip_prefix("/").unwrap_or(p));
-        match &self.program {
-            ImexProgram::Chroot { daemon, ctl } => {
-                args.push(format!("--driver-root={POD_DRIVER_ROOT}"));
-                args.push(format!("--program={}", daemon.display()));
-                args.push(format!("--ctl-program={}", ctl.display()));
-            }
-            ImexProgram::Direct {
-                daemon,
-                ctl,
-                library_dir,
-            } => {
-                args.push(format!("--program={}", in_root(daemon).display()));
-                args.push(format!("--ctl-program={}", in_root(ctl).display()));
-                if let Some(dir) = library_dir {
-                    args.push(format!("--library-path={}", in_root(dir).display()));
-                }
-            }
-            ImexProgram::StandIn => {
-                args.push(format!("--program={}", super::supervisor::STAND_IN_PROGRAM));
-                args.push(format!(
-                    "--ctl-program={}",
-                    super::supervisor::STAND_IN_PROGRAM
-                ));
-            }
-        }
-        let mut mounts = vec![json!({"name": "domain", "mountPath": mount_path})];
-        let mut volumes = vec![json!({"name": "domain", "hostPath": {
-            "path": host_dir.display().to_string(), "type": "Directory"}})];
-        if !matches!(self.program, ImexProgram::StandIn) {
-            // Mounted first (shorter path), so the domain's directory goes on top of it.
-            mounts.insert(
-                0,
-                json!({"name": "driver-root", "mountPath": POD_DRIVER_ROOT, "readOnly": true,
-                       "mountPropagation": "HostToContainer"}),
-            );
-            volumes.push(json!({"name": "driver-root", "hostPath": {
-                "path": self.host_driver_root.display().to_string(), "type": "Directory"}}));
-        }
         let node_ip = match &self.node_ip {
             Some(ip) => json!({"name": NODE_IP_ENV, "value": ip}),
             None => json!({"name": NODE_IP_ENV,
                            "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}}),
         };
-        let ready_file = format!("{mount_path}/{READY_FILE}");
-        let pod = json!({
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {
-                "name": self.pod_name(&spec.domain_uid),
-                "namespace": self.namespace,
-                "labels": {
-                    "app.kubernetes.io/name": "gpu-dra",
-                    COMPONENT_LABEL: COMPONENT,
-                    DOMAIN_LABEL: spec.domain_uid,
-                    DRIVER_LABEL: self.driver,
-                },
-                "annotations": {"gpu.dra.dev/compute-domain-name": spec.domain},
-            },
-            "spec": {
-                // Bound by the plugin, never scheduled: the daemon belongs to this node's channel.
-                "nodeName": self.node,
-                "restartPolicy": "Always",
-                "priorityClassName": "system-node-critical",
-                // The peers reach the daemon at the node's address.
-                "hostNetwork": true,
-                "dnsPolicy": "ClusterFirstWithHostNet",
-                "automountServiceAccountToken": false,
-                "enableServiceLinks": false,
-                "terminationGracePeriodSeconds": 15,
-                // Whatever taints the node carries, the domain's pods already run there.
-                "tolerations": [{"operator": "Exists"}],
-                "containers": [{
-                    "name": COMPONENT,
-                    "image": self.image,
-                    "imagePullPolicy": "IfNotPresent",
-                    "command": ["gpu-dra"],
-                    "args": args,
-                    "env": [node_ip],
-                    "readinessProbe": {
-                        "exec": {"command": ["gpu-dra", "imex-daemon", "--check-ready", ready_file]},
-                        "periodSeconds": 2,
-                        "failureThreshold": 1,
-                    },
-                    // A daemon that dies says why in its last lines: `kubectl describe` shows them.
-                    "terminationMessagePolicy": "FallbackToLogsOnError",
-                    // The daemon opens the GPUs' and IMEX channels' device nodes; chroot needs
-                    // CAP_SYS_CHROOT, and the supervisor's private mount namespace with the
-                    // daemon's hosts file over the driver root's CAP_SYS_ADMIN (`supervisor.rs`):
-                    // privileged grants all three, nothing to add.
-                    "securityContext": {"privileged": true},
-                    "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}},
-                    "volumeMounts": mounts,
-                }],
-                "volumes": volumes,
-            },
-        });
-        serde_json::from_value(pod).map_err(|e| ImexError::Io {
+        DaemonPod {
+            template: &self.pod,
+            name: self.pod_name(&spec.domain_uid),
+            component: COMPONENT,
+            labels: vec![(DOMAIN_LABEL, spec.domain_uid.clone())],
+            annotations: vec![("gpu.dra.dev/compute-domain-name", spec.domain.clone())],
+            subcommand: "imex-daemon",
+            args: vec![format!("--dir={}", self.daemon_dir(host_dir).display())],
+            trailing_args: Vec::new(),
+            env: vec![node_ip],
+            volumes: vec![HostDir {
+                name: "domain",
+                host_path: host_dir.to_path_buf(),
+                mount_path: mount_path.display().to_string(),
+            }],
+            ready_file: format!("{}/{READY_FILE}", mount_path.display()),
+            // The peers reach the daemon at the node's address.
+            host_network: true,
+            memory_request: MEMORY_REQUEST,
+            memory_limit: DAEMON_MEMORY,
+        }
+        .pod()
+        .map_err(|e| ImexError::Io {
             domain: spec.domain.clone(),
             action: "making the daemon Pod for",
             path: host_dir.to_path_buf(),
@@ -210,37 +152,7 @@ impl ImexPodTemplate {
 /// at `container_root`: inside it (chroot) where the root can run its own binaries and has a `/tmp`
 /// to mount the domain's directory on; directly with the root's libraries otherwise.
 pub fn program_for_root(container_root: &Path) -> ImexProgram {
-    use crate::gpu::driver_exec::locate;
-    let (daemon, ctl) = match (
-        locate(container_root, "nvidia-imex"),
-        locate(container_root, "nvidia-imex-ctl"),
-    ) {
-        (Ok(daemon), Ok(ctl)) => (daemon, ctl),
-        // The supervisor then says which program it could not start.
-        _ => {
-            return ImexProgram::Chroot {
-                daemon: PathBuf::from("/usr/bin/nvidia-imex"),
-                ctl: PathBuf::from("/usr/bin/nvidia-imex-ctl"),
-            }
-        }
-    };
-    let inside = |path: &Path| {
-        path.strip_prefix(container_root)
-            .map(|rest| Path::new("/").join(rest))
-            .unwrap_or_else(|_| path.to_path_buf())
-    };
-    if daemon.runs_inside_root && ctl.runs_inside_root && container_root.join("tmp").is_dir() {
-        ImexProgram::Chroot {
-            daemon: daemon.in_root,
-            ctl: ctl.in_root,
-        }
-    } else {
-        ImexProgram::Direct {
-            daemon: daemon.in_root,
-            ctl: ctl.in_root,
-            library_dir: daemon.library_dir.as_deref().map(inside),
-        }
-    }
+    DriverProgram::for_root(container_root)
 }
 
 #[cfg(test)]
@@ -251,14 +163,23 @@ mod tests {
     const HOST_DIR: &str =
         "/var/lib/kubelet/plugins/gpu.dra.dev/imex/5d1f0c2a-3b4c-4d5e-8f60-718293a4b5c6";
 
+    fn usual() -> ImexPrograms {
+        ImexPrograms {
+            daemon: "/usr/bin/nvidia-imex".into(),
+            ctl: "/usr/bin/nvidia-imex-ctl".into(),
+        }
+    }
+
     fn template(program: ImexProgram, node_ip: Option<&str>) -> ImexPodTemplate {
         ImexPodTemplate {
-            namespace: "gpu-dra".into(),
-            node: "node-a".into(),
-            driver: "gpu.dra.dev".into(),
-            image: "gpu-dra:v1".into(),
-            host_driver_root: "/run/nvidia/driver".into(),
-            program,
+            pod: PodTemplate {
+                namespace: "gpu-dra".into(),
+                node: "node-a".into(),
+                driver: "gpu.dra.dev".into(),
+                image: "gpu-dra:v1".into(),
+                host_driver_root: "/run/nvidia/driver".into(),
+                program,
+            },
             node_ip: node_ip.map(String::from),
         }
     }
@@ -310,8 +231,15 @@ mod tests {
         assert_eq!(spec["hostNetwork"], true);
         assert_eq!(spec["restartPolicy"], "Always");
         assert_eq!(spec["tolerations"][0]["operator"], "Exists");
+        assert_eq!(spec["dnsPolicy"], "ClusterFirstWithHostNet");
+        assert_eq!(
+            pod["metadata"]["annotations"]["gpu.dra.dev/compute-domain-name"],
+            "team/training"
+        );
         let container = &spec["containers"][0];
         assert_eq!(container["securityContext"]["privileged"], true);
+        assert_eq!(container["resources"]["limits"]["memory"], "512Mi");
+        assert_eq!(container["resources"]["requests"]["memory"], "32Mi");
         assert_eq!(
             container["env"][0]["valueFrom"]["fieldRef"]["fieldPath"],
             "status.hostIP"
@@ -353,13 +281,7 @@ mod tests {
 
     #[test]
     fn a_chrooted_daemon_sees_the_domain_directory_at_tmp_inside_the_driver_root() {
-        let template = template(
-            ImexProgram::Chroot {
-                daemon: "/usr/bin/nvidia-imex".into(),
-                ctl: "/usr/bin/nvidia-imex-ctl".into(),
-            },
-            None,
-        );
+        let template = template(ImexProgram::Chroot(usual()), None);
         let pod = pod_json(&template);
         let container = &pod["spec"]["containers"][0];
         let args = strings(&container["args"]);
@@ -407,8 +329,7 @@ mod tests {
     fn a_direct_daemon_runs_the_roots_binaries_with_its_libraries() {
         let pod = pod_json(&template(
             ImexProgram::Direct {
-                daemon: "/usr/bin/nvidia-imex".into(),
-                ctl: "/usr/bin/nvidia-imex-ctl".into(),
+                programs: usual(),
                 library_dir: Some("/usr/lib64".into()),
             },
             None,
@@ -428,24 +349,18 @@ mod tests {
     #[test]
     fn the_pod_name_holds_the_node_or_a_hash_of_a_long_one() {
         let mut long = template(ImexProgram::StandIn, None);
-        long.node = format!("{}.example.com", "n".repeat(230));
+        long.pod.node = format!("{}.example.com", "n".repeat(230));
         let name = long.pod_name(UID);
         assert_eq!(name.len(), "gpu-dra-imex-".len() + UID.len() + 13);
         assert!(crate::claims::names::is_dns_label(&name), "{name}");
         assert_eq!(name, long.pod_name(UID), "stable");
-        long.node.push('x');
+        long.pod.node.push('x');
         assert_ne!(name, long.pod_name(UID));
     }
 
     #[test]
     fn a_root_without_the_programs_gets_their_usual_paths_so_the_supervisor_names_them() {
         let root = tempfile::tempdir().unwrap();
-        assert_eq!(
-            program_for_root(root.path()),
-            ImexProgram::Chroot {
-                daemon: "/usr/bin/nvidia-imex".into(),
-                ctl: "/usr/bin/nvidia-imex-ctl".into(),
-            }
-        );
+        assert_eq!(program_for_root(root.path()), ImexProgram::Chroot(usual()));
     }
 }

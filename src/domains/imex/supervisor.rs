@@ -26,7 +26,6 @@ use std::process::{ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use thiserror::Error;
 use tokio::io::AsyncBufReadExt;
 use tokio::process::{Child, Command};
 use tokio::task::JoinHandle;
@@ -36,6 +35,10 @@ use super::config::{
 };
 use super::host_service::HOST_SERVICE;
 use super::{NOT_READY_FILE, READY_FILE};
+use crate::claims::daemon_pod::supervisor::{
+    program_command, runs_stand_in, ReadyFile, Supervised,
+};
+pub use crate::claims::daemon_pod::supervisor::{SupervisorError, STAND_IN_PROGRAM};
 use crate::fsutil::write_for_this_boot;
 
 /// How often the daemon is asked whether it is ready, and the peers file compared.
@@ -56,9 +59,6 @@ pub const STAND_IN_HOSTS_ENV: &str = "GPU_DRA_IMEX_HOSTS";
 const CTL_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long the daemon has to end after SIGTERM (the Pod's grace period is 15 s).
 const STOP_WAIT: Duration = Duration::from_secs(10);
-/// `--program` and `--ctl-program` for the fake backend's stand-ins (`gpu-dra fake imex-daemon`,
-/// `gpu-dra fake imex-ctl`), which only a build with the `doubles` feature has.
-pub const STAND_IN_PROGRAM: &str = "stand-in";
 /// Why IMEX on the fake backend fails in the node binary.
 pub const NO_STAND_IN: &str = "IMEX on the fake backend runs a stand-in for NVIDIA's nvidia-imex, which this build leaves out (only a build with `--features doubles` has it); the node binary runs IMEX daemons on real GPUs only";
 
@@ -76,40 +76,13 @@ pub struct SupervisorArgs {
     pub library_path: Option<PathBuf>,
 }
 
-#[derive(Debug, Error)]
-pub enum SupervisorError {
-    #[error("IMEX daemon in {}: {action} {}: {source}", dir.display(), path.display())]
-    Io {
-        dir: PathBuf,
-        action: &'static str,
-        path: PathBuf,
-        source: std::io::Error,
-    },
-    #[error("IMEX daemon in {}: entering the driver root {}: {source}", dir.display(), root.display())]
-    Chroot {
-        dir: PathBuf,
-        root: PathBuf,
-        source: nix::Error,
-    },
-    #[error("IMEX daemon in {}: {detail}", dir.display())]
-    Daemon { dir: PathBuf, detail: String },
+impl Supervised for SupervisorArgs {
+    fn daemon(&self) -> String {
+        format!("IMEX daemon in {}", self.dir.display())
+    }
 }
 
 impl SupervisorArgs {
-    fn io(
-        &self,
-        action: &'static str,
-        path: &Path,
-    ) -> impl FnOnce(std::io::Error) -> SupervisorError {
-        let (dir, path) = (self.dir.clone(), path.to_path_buf());
-        move |source| SupervisorError::Io {
-            dir,
-            action,
-            path,
-            source,
-        }
-    }
-
     fn config(&self) -> PathBuf {
         self.dir.join(CONFIG_FILE)
     }
@@ -128,28 +101,11 @@ impl SupervisorArgs {
         }
     }
 
-    fn failed(&self, detail: String) -> SupervisorError {
-        SupervisorError::Daemon {
-            dir: self.dir.clone(),
-            detail,
-        }
-    }
-
     /// `program` with `args`; the stand-ins are this binary's `fake` commands.
     fn command(&self, program: &str, stand_in: &str, args: &[&str]) -> Command {
-        if cfg!(feature = "doubles") && program == STAND_IN_PROGRAM {
-            // Never after a chroot: the stand-in mode runs without one.
-            let exe = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("/proc/self/exe"));
-            let mut command = Command::new(exe);
-            command
-                .args(["fake", stand_in])
-                .args(args)
-                .env(STAND_IN_HOSTS_ENV, self.hosts_file());
-            return command;
-        }
-        let mut command = Command::new(program);
-        if let Some(dir) = &self.library_path {
-            command.env("LD_LIBRARY_PATH", dir);
+        let mut command = program_command(program, self.library_path.as_deref(), stand_in);
+        if runs_stand_in(program) {
+            command.env(STAND_IN_HOSTS_ENV, self.hosts_file());
         }
         command.args(args);
         command
@@ -166,7 +122,7 @@ impl SupervisorArgs {
 
 /// `ready` and `not-ready` in the domain's directory: one or the other.
 struct Readiness {
-    ready: PathBuf,
+    ready: ReadyFile,
     not_ready: PathBuf,
     is_ready: bool,
 }
@@ -174,21 +130,17 @@ struct Readiness {
 impl Readiness {
     fn new(dir: &Path) -> Self {
         Self {
-            ready: dir.join(READY_FILE),
+            ready: ReadyFile::new(dir.join(READY_FILE)),
             not_ready: dir.join(NOT_READY_FILE),
             is_ready: false,
         }
     }
 
     fn ready(&mut self) {
-        if self.is_ready && self.ready.is_file() {
+        if self.is_ready && self.ready.exists() {
             return;
         }
-        match write_for_this_boot(
-            &self.ready,
-            format!("{}\n", std::process::id()).as_bytes(),
-            0o644,
-        ) {
+        match self.ready.mark(std::process::id()) {
             Ok(()) => {
                 let _ = fs::remove_file(&self.not_ready);
                 if !self.is_ready {
@@ -197,13 +149,13 @@ impl Readiness {
                 self.is_ready = true;
             }
             Err(e) => {
-                tracing::warn!(path = %self.ready.display(), error = %e, "cannot write the ready file")
+                tracing::warn!(path = %self.ready.path().display(), error = %e, "cannot write the ready file")
             }
         }
     }
 
     fn not_ready(&mut self, reason: &str) {
-        let _ = fs::remove_file(&self.ready);
+        self.ready.clear();
         if self.is_ready {
             tracing::warn!(%reason, "IMEX daemon not ready");
         }
@@ -317,10 +269,7 @@ pub async fn supervise(args: SupervisorArgs) -> Result<i32, SupervisorError> {
     use tokio::signal::unix::{signal, SignalKind};
     let stand_in = args.is_stand_in() || args.ctl_program == STAND_IN_PROGRAM;
     if stand_in && !cfg!(feature = "doubles") {
-        return Err(SupervisorError::Daemon {
-            dir: args.dir.clone(),
-            detail: NO_STAND_IN.to_string(),
-        });
+        return Err(args.failed(NO_STAND_IN.to_string()));
     }
     if let Some(root) = &args.driver_root {
         // The root's /etc/hosts is the host's: the daemon gets its own over it, before the chroot
@@ -329,21 +278,14 @@ pub async fn supervise(args: SupervisorArgs) -> Result<i32, SupervisorError> {
         let peers = read_peers(&dir.join(PEERS_FILE)).map_err(|detail| args.failed(detail))?;
         mount_hosts_in_root(root, &dir.join(HOSTS_FILE), &peers)
             .map_err(|detail| args.failed(detail))?;
-        // The driver's binaries then load the driver root's own libc with its own loader.
-        nix::unistd::chroot(root.as_path())
-            .and_then(|()| nix::unistd::chdir("/"))
-            .map_err(|source| SupervisorError::Chroot {
-                dir: args.dir.clone(),
-                root: root.clone(),
-                source,
-            })?;
+        args.enter_driver_root(root)?;
     }
     let mut term =
         signal(SignalKind::terminate()).map_err(args.io("handling SIGTERM in", Path::new("/")))?;
     let mut readiness = Readiness::new(&args.dir);
     // A restarted container finds the last run's files; the reason why it ended stays until the
     // daemon answers (or says something else).
-    let _ = fs::remove_file(&readiness.ready);
+    readiness.ready.clear();
     if !readiness.not_ready.exists() {
         readiness.not_ready("starting");
     }

@@ -41,7 +41,7 @@ mkdir -p /var/lib/gpu-dra && cat /proc/sys/kernel/random/boot_id > /var/lib/gpu-
 h "1. the image, built without Docker or a registry"
 # The fake overlay's MPS claims (here and in e2e/day-two.sh) run the fake backend's MPS stand-in, which
 # only a build with the test doubles has: cargo build --release --features doubles.
-"${GPU_DRA_BINARY:-target/release/gpu-dra}" fake mps-control-daemon --help 2>&1 | grep -q "(stand-in)" ||
+grep -q "(stand-in)" <<<"$("${GPU_DRA_BINARY:-target/release/gpu-dra}" fake mps-control-daemon --help 2>&1)" ||
   { echo "${0##*/}: ${GPU_DRA_BINARY:-target/release/gpu-dra} has no MPS stand-in; build it with --features doubles" >&2; exit 1; }
 e2e/image.sh "${GPU_DRA_BINARY:-target/release/gpu-dra}" gpu-dra:dev target/gpu-dra-image.tar || exit 1
 "$BIN_DIR/ctr" -n k8s.io images import target/gpu-dra-image.tar >/dev/null

@@ -92,7 +92,7 @@ daemon_pods() { kubectl get pods -n gpu-dra -o name 2>/dev/null | grep -c '/gpu-
 shared_gpus() { kubectl get resourceslices --field-selector "spec.driver=$DRIVER" -o json | grep -q '"allowMultipleAllocations": true'; }
 
 echo "----- install ($INSTALL)"
-"$BIN" fake mps-control-daemon --help 2>&1 | grep -q "(stand-in)" ||
+grep -q "(stand-in)" <<<"$("$BIN" fake mps-control-daemon --help 2>&1)" ||
   { echo "${0##*/}: $BIN has no MPS stand-in (05 needs it); build it with --features doubles" >&2; exit 1; }
 if kubectl get daemonset -n gpu-dra gpu-dra-plugin >/dev/null 2>&1; then
   echo "${0##*/}: gpu-dra is installed already: kubectl delete -k e2e/real-node (or e2e/real-node-nvidia-compat) first" >&2

@@ -66,7 +66,7 @@ for s in json.load(sys.stdin)['items']:
 spec_file() { echo "$CDI/k8s.$DRIVER-claim_$1.yaml"; }
 
 echo "----- what NVIDIA's plugin left on the node"
-"$BIN" fake mps-control-daemon --help 2>&1 | grep -q "(stand-in)" ||
+grep -q "(stand-in)" <<<"$("$BIN" fake mps-control-daemon --help 2>&1)" ||
   { echo "${0##*/}: $BIN has no MPS stand-in; build it with --features doubles" >&2; exit 1; }
 python3 -c "import grpc, grpc_tools" 2>/dev/null ||
   { echo "${0##*/}: unprepare.py needs: pip install grpcio grpcio-tools" >&2; exit 1; }

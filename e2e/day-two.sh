@@ -375,8 +375,9 @@ step_reboot_mps() {
   local rebooted_at; rebooted_at=$(date -u +%Y-%m-%dT%H:%M:%SZ)
   echo "stopped; /var/run/cdi emptied, the MPS tmpfs unmounted; new boot id; starting the node again"
   "$REALK8S/node/up-node.sh" "$KUBECONFIG" "$STATE" > "$STATE/logs/up-node-reboot-mps.log" 2>&1 || tail -5 "$STATE/logs/up-node-reboot-mps.log"
-  # The plugin's container after the reboot: its first start in this boot.
-  waitfor 180 bash -c "kubectl get pod -n gpu-dra -l $SEL -o jsonpath='{.items[0].status.containerStatuses[0].state.running.startedAt}' | grep -q ."
+  # The plugin's container after the reboot: its first start in this boot (the kubelet re-creates the
+  # Pod's sandbox, which counts as a restart; what must not follow is a restart by a probe).
+  waitfor 180 bash -c "[[ \"\$(kubectl get pod -n gpu-dra -l $SEL -o jsonpath='{.items[0].status.containerStatuses[0].state.running.startedAt}')\" > '$rebooted_at' ]]"
   local first; first=$(plugin_restarts)
   local began=$SECONDS
   plugin_ready 300
@@ -385,13 +386,15 @@ step_reboot_mps() {
   sleep 45 # past the liveness probe's window, with the daemons recovered
   kubectl get pods -n $N -o wide
   check "the plugin's container was not restarted during its recovery (restart count $first -> $(plugin_restarts))" test "$(plugin_restarts)" = "$first"
-  check "no probe of the plugin failed after the reboot" bash -c \
-    "! kubectl get events -n gpu-dra --field-selector reason=Unhealthy -o jsonpath='{range .items[*]}{.lastTimestamp} {.message}{\"\\n\"}{end}' | awk -v t=$rebooted_at '\$1 >= t' | grep -q ."
+  local probes; probes=$(kubectl get events -n gpu-dra --field-selector "reason=Unhealthy,involvedObject.name=$(plugin_pod)" -o jsonpath='{range .items[*]}{.lastTimestamp} {.message}{"\n"}{end}' | awk -v t="$rebooted_at" '$1 >= t')
+  echo "the plugin's probe failures since the reboot (readiness is expected until it recovered):"; echo "${probes:-  none}"
+  check "no liveness or startup probe of the plugin failed after the reboot" bash -c "! grep -qE 'Liveness probe|Startup probe' <<<'$probes'"
   local with_device=0
   for i in 1 2 3 4 5 6 7 8; do waitfor 10 has_device "mps-$i" && with_device=$((with_device + 1)); done
   check "all eight pods Running with their device again ($with_device)" test "$with_device" = 8
+  local after_daemons; after_daemons=$(mps_pod_uids)
   check "eight MPS daemon Pods, each started again in this boot" bash -c \
-    "[ $(mps_pods | wc -l) = 8 ] && [ -z \"\$(comm -12 <(echo '$before_daemons') <(mps_pod_uids))\" ]"
+    "[ $(mps_pods | wc -l) = 8 ] && [ -z \"\$(comm -12 <(echo '$before_daemons') <(echo '$after_daemons'))\" ]"
   check "eight tmpfs mounted again" test "$(mps_mounts | wc -l)" = 8
   delete_all_and_check_clean "reboot with MPS claims"
 }

@@ -48,25 +48,22 @@ impl Node {
         }
     }
 
-    /// Starts the plugin and the kubelet, once the MIG devices are published.
+    /// Starts the plugin and the kubelet, once the whole pool (MIG devices included) is published.
     async fn start(&self) -> (RunningPlugin, KubeletDouble) {
         let plugin = self.harness.start_plugin().await;
         let kubelet = self.harness.kubelet().await;
-        self.harness
-            .wait_for_slices_where(|slices| {
-                slices
-                    .iter()
-                    .flat_map(|s| s.spec.devices.iter().flatten())
-                    .any(|d| d.name.contains("-mig-"))
-            })
-            .await;
+        self.harness.wait_for_whole_pool().await;
         (plugin, kubelet)
     }
 
     /// Sets or clears `migHangs` on the GPU with this minor.
+    /// Sets or clears `migHangs` on the GPU with this minor, replacing the file at once (the plugin
+    /// reads it at any moment).
     fn set_mig_hangs(&mut self, minor: usize, hangs: bool) {
         self.profile.gpus[minor].mig_hangs = hangs;
-        std::fs::write(&self.path, serde_yaml::to_string(&self.profile).unwrap()).unwrap();
+        let next = self.path.with_extension("yaml.next");
+        std::fs::write(&next, serde_yaml::to_string(&self.profile).unwrap()).unwrap();
+        std::fs::rename(&next, &self.path).unwrap();
     }
 
     /// MIG devices on GPU `minor` now, as (placement start, UUID).

@@ -156,9 +156,23 @@ impl Preparer {
         claim: &ClaimRef,
     ) -> Result<Vec<PreparedDevice>, Failed> {
         super::check_ref(claim)?;
-        if let Some(record) = lock(&self.state).data.claims.get(&claim.uid) {
-            if record.state == ClaimState::Completed {
+        let earlier = lock(&self.state).data.claims.get(&claim.uid).cloned();
+        if let Some(record) = earlier {
+            if record.state == ClaimState::Completed && record.phase != Phase::Unpreparing {
                 return Ok(record.devices.clone());
+            }
+            // An earlier attempt whose roll-back (or an unprepare) did not finish: what it recorded
+            // is undone first, so the new attempt's record starts from nothing made.
+            self.roll_back(claim).await;
+            if lock(&self.state).data.claims.contains_key(&claim.uid) {
+                return Err(ClaimError::Internal {
+                    claim: claim.to_string(),
+                    reason: format!(
+                        "an earlier attempt left things on the node that cannot be undone yet (its record is in phase {}); see the plugin's log",
+                        record.phase
+                    ),
+                }
+                .into());
             }
         }
         if let Some(devices) = self.adopted_devices(&claim.uid) {

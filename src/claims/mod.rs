@@ -25,6 +25,7 @@ pub mod lifecycle;
 mod mig;
 mod mig_records;
 pub mod mps;
+mod mps_claims;
 pub mod names;
 mod nvidia_adoption;
 pub mod nvidia_checkpoint;

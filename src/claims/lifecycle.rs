@@ -162,18 +162,9 @@ impl Preparer {
                 return Ok(record.devices.clone());
             }
             // An earlier attempt whose roll-back (or an unprepare) did not finish: what it recorded
-            // is undone first, so the new attempt's record starts from nothing made.
-            self.roll_back(claim).await;
-            if lock(&self.state).data.claims.contains_key(&claim.uid) {
-                return Err(ClaimError::Internal {
-                    claim: claim.to_string(),
-                    reason: format!(
-                        "an earlier attempt left things on the node that cannot be undone yet (its record is in phase {}); see the plugin's log",
-                        record.phase
-                    ),
-                }
-                .into());
-            }
+            // is undone first, so the new attempt's record starts from nothing made; while that
+            // cannot be done (a GPU is stuck), the claim fails with the reason.
+            self.roll_back(claim).await?;
         }
         if let Some(devices) = self.adopted_devices(&claim.uid) {
             return Ok(devices);
@@ -371,19 +362,20 @@ impl Preparer {
     }
 
     /// Undoes a prepare that failed (or ran out of time) from what its record names: everything
-    /// made destroyed, spec removed, devices freed, checkpoint updated. Failures here are logged and
-    /// the record kept, so the kubelet's next unprepare (or the start-up recovery) finishes the job.
-    pub(super) async fn roll_back(&self, claim: &ClaimRef) {
+    /// made destroyed, spec removed, devices freed, checkpoint updated. A failure is logged and
+    /// returned, and the record kept, so the kubelet's next prepare or unprepare (or the start-up
+    /// recovery) finishes the job.
+    pub(super) async fn roll_back(&self, claim: &ClaimRef) -> Result<(), ClaimError> {
         let held = lock(&self.state).data.claims.get(&claim.uid).cloned();
         let Some(record) = held else {
-            return;
+            return Ok(());
         };
         if let Err(error) = self.undo(claim, &record).await {
-            warn!(%error, phase = %record.phase, "rolling back the failed prepare; the claim stays recorded for the next unprepare");
+            warn!(%error, phase = %record.phase, "rolling back the failed prepare; the claim stays recorded for the next prepare or unprepare");
             if let Err(error) = self.persist(claim).await {
                 warn!(%error, "writing checkpoint during roll-back");
             }
-            return;
+            return Err(error);
         }
         if let Err(error) = self.cdi.remove_claim_spec(&claim.uid) {
             warn!(%error, "removing CDI spec during roll-back");
@@ -393,6 +385,7 @@ impl Preparer {
             warn!(%error, "writing checkpoint during roll-back");
         }
         info!(phase = %record.phase, "failed prepare rolled back");
+        Ok(())
     }
 
     /// Undoes what `record` names, last made first: the MPS daemon, the domain membership, the MIG

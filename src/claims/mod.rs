@@ -254,7 +254,8 @@ impl Preparer {
                                     warn!(error = %failed.error, "prepare failed");
                                     let _ = answer.send(Err(failed.error));
                                     if failed.roll_back {
-                                        worker.roll_back(&uid).await;
+                                        // Logged there; the record stays for the next call.
+                                        let _ = worker.roll_back(&uid).await;
                                     }
                                 }
                             }

@@ -511,8 +511,11 @@ step_reboot() {
   rm -f $CDI/*
   for m in $(awk '$5 ~ "^/var/lib/kubelet/plugins/gpu.dra.dev/" {print $5}' /proc/self/mountinfo); do umount "$m"; done
   cat /proc/sys/kernel/random/uuid > $BOOT_ID
+  local rebooted_at; rebooted_at=$(date -u +%Y-%m-%dT%H:%M:%SZ)
   echo "stopped; /var/run/cdi emptied; boot id $old_boot -> $(cat $BOOT_ID); starting the node again"
   "$REALK8S/node/up-node.sh" "$KUBECONFIG" "$STATE" > "$STATE/logs/up-node-reboot.log" 2>&1 || tail -5 "$STATE/logs/up-node-reboot.log"
+  # Until the kubelet reports the new boot's container, the Pod's Ready condition is the old boot's.
+  waitfor 180 bash -c "[[ \"\$(kubectl get pod -n gpu-dra -l $SEL -o jsonpath='{.items[0].status.containerStatuses[0].state.running.startedAt}')\" > '$rebooted_at' ]]"
   plugin_ready 180
   check "plugin Ready after the reboot" plugin_ready 5
   kubectl wait -n $N --for=condition=Ready pod --all --timeout=240s >/dev/null 2>&1

@@ -270,6 +270,22 @@ step_burst() {
   delete_all_and_check_clean "burst"
 }
 
+# What a reboot does to the node, acted out: kubelet, containerd and every container stopped, the tmpfs
+# gone (/var/run/cdi, the MPS claims' /dev/shm), a new boot id, the node started again. Returns once the
+# kubelet reports the plugin's container of the new boot (until then the Pod's status, Ready included,
+# is the old boot's); REBOOTED_AT is when the node was down.
+reboot_node() { # name of the up-node log
+  local old_boot; old_boot=$(cat $BOOT_ID)
+  "$REALK8S/node/down-node.sh" "$STATE"
+  rm -f $CDI/*
+  for m in $(awk '$5 ~ "^/var/lib/kubelet/plugins/gpu.dra.dev/" {print $5}' /proc/self/mountinfo); do umount "$m"; done
+  cat /proc/sys/kernel/random/uuid > $BOOT_ID
+  REBOOTED_AT=$(date -u +%Y-%m-%dT%H:%M:%SZ)
+  echo "stopped; /var/run/cdi emptied, the MPS tmpfs unmounted; boot id $old_boot -> $(cat $BOOT_ID); starting the node again"
+  "$REALK8S/node/up-node.sh" "$KUBECONFIG" "$STATE" > "$STATE/logs/up-node-$1.log" 2>&1 || tail -5 "$STATE/logs/up-node-$1.log"
+  waitfor 180 bash -c "[[ \"\$(kubectl get pod -n gpu-dra -l $SEL -o jsonpath='{.items[0].status.containerStatuses[0].state.running.startedAt}')\" > '$REBOOTED_AT' ]]"
+}
+
 step_burst_mps() {
   h "crash mid-burst of MPS and MIG claims: 4 MPS and 4 MIG pods at once, the plugin's container killed while they prepare"
   fresh_namespace
@@ -368,16 +384,9 @@ step_reboot_mps() {
   check "eight MPS pods Running with their device" test "$(kubectl get pods -n $N --field-selector=status.phase=Running -o name | wc -l)" = 8
   local before_daemons; before_daemons=$(mps_pod_uids)
   echo "before: $(leftovers)"
-  "$REALK8S/node/down-node.sh" "$STATE"
-  rm -f $CDI/*
-  for m in $(awk '$5 ~ "^/var/lib/kubelet/plugins/gpu.dra.dev/" {print $5}' /proc/self/mountinfo); do umount "$m"; done
-  cat /proc/sys/kernel/random/uuid > $BOOT_ID
-  local rebooted_at; rebooted_at=$(date -u +%Y-%m-%dT%H:%M:%SZ)
-  echo "stopped; /var/run/cdi emptied, the MPS tmpfs unmounted; new boot id; starting the node again"
-  "$REALK8S/node/up-node.sh" "$KUBECONFIG" "$STATE" > "$STATE/logs/up-node-reboot-mps.log" 2>&1 || tail -5 "$STATE/logs/up-node-reboot-mps.log"
-  # The plugin's container after the reboot: its first start in this boot (the kubelet re-creates the
-  # Pod's sandbox, which counts as a restart; what must not follow is a restart by a probe).
-  waitfor 180 bash -c "[[ \"\$(kubectl get pod -n gpu-dra -l $SEL -o jsonpath='{.items[0].status.containerStatuses[0].state.running.startedAt}')\" > '$rebooted_at' ]]"
+  reboot_node reboot-mps
+  # The kubelet re-created the Pod's sandbox in the new boot, which counts as a restart; what must
+  # not follow is a restart by a probe.
   local first; first=$(plugin_restarts)
   local began=$SECONDS
   plugin_ready 300
@@ -386,7 +395,7 @@ step_reboot_mps() {
   sleep 45 # past the liveness probe's window, with the daemons recovered
   kubectl get pods -n $N -o wide
   check "the plugin's container was not restarted during its recovery (restart count $first -> $(plugin_restarts))" test "$(plugin_restarts)" = "$first"
-  local probes; probes=$(kubectl get events -n gpu-dra --field-selector "reason=Unhealthy,involvedObject.name=$(plugin_pod)" -o jsonpath='{range .items[*]}{.lastTimestamp} {.message}{"\n"}{end}' | awk -v t="$rebooted_at" '$1 >= t')
+  local probes; probes=$(kubectl get events -n gpu-dra --field-selector "reason=Unhealthy,involvedObject.name=$(plugin_pod)" -o jsonpath='{range .items[*]}{.lastTimestamp} {.message}{"\n"}{end}' | awk -v t="$REBOOTED_AT" '$1 >= t')
   echo "the plugin's probe failures since the reboot (readiness is expected until it recovered):"; echo "${probes:-  none}"
   check "no liveness or startup probe of the plugin failed after the reboot" bash -c "! grep -qE 'Liveness probe|Startup probe' <<<'$probes'"
   local with_device=0
@@ -503,19 +512,10 @@ step_reboot() {
     busybox_pod mig "resourceClaimTemplateName: one-mig"
   } | kubectl apply -f - >/dev/null
   kubectl wait -n $N --for=condition=Ready pod --all --timeout=90s >/dev/null 2>&1
-  local whole mig old_mig old_boot
-  whole=$(pod_claim_uid whole); mig=$(pod_claim_uid mig); old_mig=$(fake_migs); old_boot=$(cat $BOOT_ID)
+  local whole mig old_mig
+  whole=$(pod_claim_uid whole); mig=$(pod_claim_uid mig); old_mig=$(fake_migs)
   echo "before: $(leftovers); MIG device $old_mig"
-  "$REALK8S/node/down-node.sh" "$STATE"
-  # What a reboot does to the node: tmpfs gone (/var/run/cdi, the MPS claims' /dev/shm), a new boot id.
-  rm -f $CDI/*
-  for m in $(awk '$5 ~ "^/var/lib/kubelet/plugins/gpu.dra.dev/" {print $5}' /proc/self/mountinfo); do umount "$m"; done
-  cat /proc/sys/kernel/random/uuid > $BOOT_ID
-  local rebooted_at; rebooted_at=$(date -u +%Y-%m-%dT%H:%M:%SZ)
-  echo "stopped; /var/run/cdi emptied; boot id $old_boot -> $(cat $BOOT_ID); starting the node again"
-  "$REALK8S/node/up-node.sh" "$KUBECONFIG" "$STATE" > "$STATE/logs/up-node-reboot.log" 2>&1 || tail -5 "$STATE/logs/up-node-reboot.log"
-  # Until the kubelet reports the new boot's container, the Pod's Ready condition is the old boot's.
-  waitfor 180 bash -c "[[ \"\$(kubectl get pod -n gpu-dra -l $SEL -o jsonpath='{.items[0].status.containerStatuses[0].state.running.startedAt}')\" > '$rebooted_at' ]]"
+  reboot_node reboot
   plugin_ready 180
   check "plugin Ready after the reboot" plugin_ready 5
   kubectl wait -n $N --for=condition=Ready pod --all --timeout=240s >/dev/null 2>&1

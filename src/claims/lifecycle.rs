@@ -261,16 +261,28 @@ impl Preparer {
         for device in devices.iter_mut() {
             self.driver_edits.reference_toolkit(inventory, device);
         }
+        self.write_spec(claim, devices, inventory, mps_edits.as_ref())
+            .await
+    }
+
+    /// The last phase: the claim's CDI spec, which names everything made before it. Written in
+    /// place on this worker, like every file on the prepare path: without fsync a write only reaches
+    /// the page cache, which costs less than a hand-off to a blocking thread.
+    async fn write_spec(
+        &self,
+        claim: &ClaimRef,
+        devices: &[PreparedDevice],
+        inventory: &Inventory,
+        mps_edits: Option<&crate::cdi::ContainerEdits>,
+    ) -> Result<(), ClaimError> {
         self.enter(claim, Phase::CdiSpec);
-        // Written in place on this worker, like every file on the prepare path: without fsync a
-        // write only reaches the page cache, which costs less than a hand-off to a blocking thread.
         write_spec_with(
             &self.cdi,
             &claim.uid,
             devices,
             inventory,
             &self.driver_edits,
-            mps_edits.as_ref(),
+            mps_edits,
         )
         .map_err(|source| ClaimError::Cdi {
             claim: claim.to_string(),
@@ -302,21 +314,7 @@ impl Preparer {
         self.persist(claim).await?;
         self.join_domain(claim, &member).await?;
         reached(&claim.uid, Step::DomainJoin).await;
-        self.enter(claim, Phase::CdiSpec);
-        write_spec_with(
-            &self.cdi,
-            &claim.uid,
-            devices,
-            inventory,
-            &self.driver_edits,
-            None,
-        )
-        .map_err(|source| ClaimError::Cdi {
-            claim: claim.to_string(),
-            source,
-        })?;
-        reached(&claim.uid, Step::SpecWrite).await;
-        Ok(())
+        self.write_spec(claim, devices, inventory, None).await
     }
 
     /// Unprepares one claim from its record alone; an unknown or already unprepared claim succeeds.

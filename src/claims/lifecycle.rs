@@ -33,8 +33,8 @@ use super::{channels, ClaimError, ClaimRecord, ClaimRef, ClaimState, PreparedDev
 use crate::gpu::Inventory;
 
 /// How long a NodePrepareResources or NodeUnprepareResources call waits for its claims' work before
-/// it answers: the kubelet cancels the call after 45 s (its DRA client's call timeout), so the answer
-/// must leave before that. Work still running then goes on in the background; the kubelet's retry
+/// it answers: the kubelet cancels the call after 45 s (its DRA client's `defaultClientCallTimeout`),
+/// so the answer must leave before that. Work still running then goes on in the background; the kubelet's retry
 /// gets its outcome.
 pub const CALL_BUDGET: Duration = Duration::from_secs(40);
 

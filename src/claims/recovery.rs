@@ -264,26 +264,26 @@ impl Preparer {
         };
         // Completed claims whose MIG devices are back, with whether their spec must be written again.
         let mut kept: Vec<(String, ClaimRecord, bool)> = Vec::new();
+        // The domains that claims kept here hold: a claim rolled back does not leave them.
+        let held_domains: BTreeSet<String> = stored
+            .claims
+            .values()
+            .filter(|record| is_finished(record))
+            .filter_map(|record| record.domain.as_ref())
+            .map(|member| member.domain_uid.clone())
+            .collect();
         for (uid, mut record) in stored.claims {
             if record.state == ClaimState::Completed && record.phase == Phase::Reserved {
                 // Written by a release before phases.
                 record.phase = Phase::Completed;
             }
-            let finished = record.state == ClaimState::Completed
-                && !matches!(record.phase, Phase::Unpreparing | Phase::Unknown);
-            if !finished {
+            if !is_finished(&record) {
                 // Unknown states were settled by `recover_at_start`; what is left was being
                 // prepared or unprepared when the plugin stopped. Its MPS daemon, MIG devices and
                 // GPU modes go with the sweeps below, which keep only what completed claims own;
                 // its domain is left here, from the record.
-                self.leave_recorded_domain(&uid, &record);
-                self.cdi
-                    .remove_claim_spec(&uid)
-                    .map_err(|source| ClaimError::Cdi {
-                        claim: describe(&uid, &record),
-                        source,
-                    })?;
-                recovery.rolled_back.push(uid);
+                self.leave_recorded_domain(&uid, &record, &held_domains);
+                self.roll_back_at_start(uid, &record, &mut recovery)?;
                 continue;
             }
             let mut rewrite = false;
@@ -291,13 +291,7 @@ impl Preparer {
                 self.restore_mig_devices(&uid, &inventory, &mut record, &mut rewrite, &mut journal)
             {
                 warn!(claim = %describe(&uid, &record), %reason, "MIG device of a prepared claim is gone and cannot be made again; rolling the claim back");
-                self.cdi
-                    .remove_claim_spec(&uid)
-                    .map_err(|source| ClaimError::Cdi {
-                        claim: describe(&uid, &record),
-                        source,
-                    })?;
-                recovery.rolled_back.push(uid);
+                self.roll_back_at_start(uid, &record, &mut recovery)?;
                 continue;
             }
             kept.push((uid, record, rewrite));
@@ -473,10 +467,13 @@ impl Preparer {
     /// Leaves the domain a claim rolled back at start had joined, or was joining, unless a kept
     /// claim holds it. Runs on recovery's blocking thread; a failure is logged (the entry then
     /// stays until the domain is deleted, and the daemon goes with the first domain sweep).
-    fn leave_recorded_domain(&self, uid: &str, record: &ClaimRecord) {
+    fn leave_recorded_domain(&self, uid: &str, record: &ClaimRecord, held: &BTreeSet<String>) {
         let (Some(member), Some(membership)) = (&record.domain, &self.domains) else {
             return;
         };
+        if held.contains(&member.domain_uid) {
+            return;
+        }
         let handle = tokio::runtime::Handle::current();
         match handle.block_on(membership.leave(member)) {
             Ok(()) => {
@@ -487,6 +484,32 @@ impl Preparer {
             }
         }
     }
+}
+
+impl Preparer {
+    /// A claim rolled back at start: its spec removed (what else it made goes with the sweeps).
+    fn roll_back_at_start(
+        &self,
+        uid: String,
+        record: &ClaimRecord,
+        recovery: &mut Recovery,
+    ) -> Result<(), ClaimError> {
+        self.cdi
+            .remove_claim_spec(&uid)
+            .map_err(|source| ClaimError::Cdi {
+                claim: describe(&uid, record),
+                source,
+            })?;
+        recovery.rolled_back.push(uid);
+        Ok(())
+    }
+}
+
+/// Whether a record says its claim was fully prepared and not being unprepared: kept at start.
+/// (`reserved` with `completed` state is a record of a release before phases.)
+fn is_finished(record: &ClaimRecord) -> bool {
+    record.state == ClaimState::Completed
+        && !matches!(record.phase, Phase::Unpreparing | Phase::Unknown)
 }
 
 /// Whether the checkpoint names a boot other than this one (a checkpoint written where the boot id

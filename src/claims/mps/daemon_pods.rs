@@ -113,12 +113,8 @@ impl MpsDaemons {
         crate::claims::lifecycle::reached(&dirs.claim, crate::claims::Step::DaemonPodStart).await;
         self.wait_ready(&start, &uid).await?;
         Ok(MpsDaemonRecord {
-            pod: start.name,
             pod_uid: uid,
-            dir: dirs.dir.clone(),
-            devices: spec.devices.clone(),
-            active_thread_percentage: spec.active_thread_percentage,
-            multi_user: spec.multi_user,
+            ..self.planned(&spec)?
         })
     }
 

@@ -131,6 +131,11 @@ fn real_gpu_inventory() -> Inventory {
     inventory.gpus[1].uuid = "GPU-9a1e4f3b-7c2d-4e8f-b5a6-0d1c2e3f4a5b".into();
     // As NVML reports it: real device nodes, no stand-in, the majors of the node's /proc/devices.
     inventory.stand_in_device = None;
+    // A host without the nvidia-modeset module (its /dev has no nvidia-modeset), where the NVML
+    // backend lists the control files without it; tests/cdi_parity.rs has the host with it.
+    inventory
+        .control_device_files
+        .retain(|f| f != "/dev/nvidia-modeset");
     inventory.device_majors = DeviceMajors::parse(
         Path::new("/proc/devices"),
         "Character devices:\n  1 mem\n195 nvidia-frontend\n237 nvidia-caps\n510 nvidia-uvm\n",

@@ -21,7 +21,7 @@ pub use driver_root::{device_host_path, DriverRoot, DriverRootError};
 pub(crate) use host_driver::fake_root;
 pub use host_driver::{
     find_nvml_library, CdiHook, DiscoveryOptions, DriverFile, FileKind, HookCli, HostDriver,
-    HostDriverError, LibraryClass,
+    HostDriverError, KnownHooks, LibraryClass,
 };
 pub use spec::{minimum_version, validate, ContainerEdits, Device, DeviceNode, Hook, Mount, Spec};
 pub use toolkit::{DeviceIndex, ToolkitSearch, ToolkitSpec, ToolkitWarning, TOOLKIT_KIND};

@@ -408,7 +408,8 @@ mod tests {
                 "/dev/nvidia1",
                 "/dev/nvidiactl",
                 "/dev/nvidia-uvm",
-                "/dev/nvidia-uvm-tools"
+                "/dev/nvidia-uvm-tools",
+                "/dev/nvidia-modeset"
             ]
         );
         assert!(fake
@@ -441,6 +442,7 @@ mod tests {
                 c("/dev/nvidiactl", 195, 255),
                 c("/dev/nvidia-uvm", 510, 0),
                 c("/dev/nvidia-uvm-tools", 510, 1),
+                c("/dev/nvidia-modeset", 195, 254),
             ]
         );
 

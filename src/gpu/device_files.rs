@@ -13,11 +13,15 @@ use super::caps::{CapsError, MigMinors, CAPS_DEVICE_DIR, MIG_MINORS};
 /// `/dev/nvidia<N>` (minor N) and `/dev/nvidiactl` (minor 255).
 pub const NVIDIA_MAJOR: u32 = 195;
 const CONTROL_MINOR: u32 = 255;
+/// `/dev/nvidia-modeset`'s minor under [`NVIDIA_MAJOR`], as the driver and the Container Toolkit make it.
+const MODESET_MINOR: u32 = 254;
 
 pub const CONTROL: &str = "/dev/nvidiactl";
 /// CUDA cannot initialise without it (unified memory); `-tools` is for profilers.
 pub const UVM: &str = "/dev/nvidia-uvm";
 pub const UVM_TOOLS: &str = "/dev/nvidia-uvm-tools";
+/// The `nvidia-modeset` module's file (display and graphics: Vulkan, EGL); only where the host has it.
+pub const MODESET: &str = "/dev/nvidia-modeset";
 /// Where the IMEX channels' device files live (`channel<N>`, minor N).
 pub const IMEX_CHANNEL_DIR: &str = "/dev/nvidia-caps-imex-channels";
 
@@ -31,9 +35,23 @@ pub enum DeviceFileError {
 }
 
 /// The device files every GPU container needs besides its GPUs' own, whatever the plugin's own
-/// `/dev` holds: that is a snapshot of when its container started, and not the host's.
-pub fn control_device_files() -> Vec<String> {
-    [CONTROL, UVM, UVM_TOOLS].map(str::to_string).to_vec()
+/// `/dev` holds: that is a snapshot of when its container started, and not the host's. With
+/// `modeset`, also `/dev/nvidia-modeset`, which the Container Toolkit adds only where the host has it
+/// (the `nvidia-modeset` module loaded): a spec naming a file the host lacks would give containers a
+/// device no driver answers.
+pub fn control_device_files(modeset: bool) -> Vec<String> {
+    let mut files = vec![CONTROL, UVM, UVM_TOOLS];
+    if modeset {
+        files.push(MODESET);
+    }
+    files.into_iter().map(str::to_string).collect()
+}
+
+/// Whether the host has `/dev/nvidia-modeset`, seen through the driver root's `dev` at `dev_dir` (the
+/// host's `/dev` where the driver root is `/`): a character device there, not just a name.
+pub fn has_modeset(dev_dir: &Path) -> bool {
+    let path = dev_dir.join(MODESET.trim_start_matches("/dev/"));
+    DeviceNumber::of_character_device(&path).is_ok()
 }
 
 /// The major and minor number of a character device.
@@ -118,6 +136,7 @@ impl DeviceMajors {
         let number = |major, minor| Some(DeviceNumber { major, minor });
         match path {
             CONTROL => number(NVIDIA_MAJOR, CONTROL_MINOR),
+            MODESET => number(NVIDIA_MAJOR, MODESET_MINOR),
             UVM => number(self.uvm?, 0),
             UVM_TOOLS => number(self.uvm?, 1),
             _ => {
@@ -233,7 +252,7 @@ mod tests {
             ("/dev/nvidia-uvm", n(510, 0)),
             ("/dev/nvidia-uvm-tools", n(510, 1)),
             ("/dev/nvidia-caps/nvidia-cap12", n(237, 12)),
-            ("/dev/nvidia-modeset", None),
+            ("/dev/nvidia-modeset", n(195, 254)),
             ("/dev/nvidia01", None),
             ("/dev/nvidia-caps/nvidia-cap", None),
             ("/dev/nvidia-caps/nvidia-cap1x", None),
@@ -288,6 +307,24 @@ mod tests {
         assert_eq!(majors.source, root.path().join("devices"));
         assert!(majors.unreadable.is_some());
         assert_eq!((majors.caps, majors.uvm), (None, None));
+    }
+
+    #[test]
+    fn modeset_is_given_only_where_the_host_has_its_character_device() {
+        assert_eq!(
+            control_device_files(false),
+            ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]
+        );
+        assert_eq!(control_device_files(true)[3], "/dev/nvidia-modeset");
+        let dev = tempfile::tempdir().unwrap();
+        assert!(!has_modeset(dev.path()));
+        // A plain file of that name is no device node.
+        std::fs::write(dev.path().join("nvidia-modeset"), b"").unwrap();
+        assert!(!has_modeset(dev.path()));
+        // /dev/null stands in for a character device here: tests cannot mknod.
+        std::fs::remove_file(dev.path().join("nvidia-modeset")).unwrap();
+        std::os::unix::fs::symlink("/dev/null", dev.path().join("nvidia-modeset")).unwrap();
+        assert!(has_modeset(dev.path()));
     }
 
     #[test]

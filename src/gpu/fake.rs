@@ -237,7 +237,9 @@ impl GpuBackend for FakeBackend {
             driver_version: profile.driver_version.clone(),
             cuda_driver_version: profile.cuda_driver_version.clone(),
             gpus,
-            control_device_files: control_device_files(),
+            // A fake node looks like a GPU node with the nvidia-modeset module loaded, so that specs
+            // written with the fake backend show the file as NVIDIA's do on such a node.
+            control_device_files: control_device_files(true),
             device_majors: self.proc.device_majors(),
             stand_in_device: Some(self.stand_in),
             unreadable,

@@ -10,7 +10,7 @@ use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::Device;
 use nvml_wrapper_sys::bindings::NVML_NVLINK_MAX_LINKS;
 
-use super::device_files::control_device_files;
+use super::device_files::{control_device_files, has_modeset};
 use super::nvml::{
     addressing_mode_raw, fabric_raw, module_id_raw, Named, NvmlBackend, SYSFS_PCI_DEVICES,
 };
@@ -43,7 +43,9 @@ impl NvmlBackend {
             driver_version,
             cuda_driver_version: support::cuda_version(cuda),
             gpus,
-            control_device_files: control_device_files(),
+            // The driver root's `dev` is the host's /dev (or the driver container's) as the Container
+            // Toolkit's dev root: /dev/nvidia-modeset only where it is there.
+            control_device_files: control_device_files(has_modeset(&self.driver_root.join("dev"))),
             device_majors: DriverProc::new(&self.driver_root).device_majors(),
             stand_in_device: None,
             unreadable,
@@ -183,7 +185,7 @@ mod tests {
     /// every GPU container gets them regardless.
     #[test]
     fn every_container_gets_the_uvm_files_whatever_the_plugins_dev_holds() {
-        let files = control_device_files();
+        let files = control_device_files(false);
         for path in ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"] {
             assert!(files.iter().any(|f| f == path), "{path} missing: {files:?}");
         }

@@ -135,6 +135,8 @@ async fn publishes_then_prepares_and_unprepares_a_claim() {
             "/dev/nvidiactl".into(),
             "/dev/nvidia-uvm".into(),
             "/dev/nvidia-uvm-tools".into(),
+            // The fake node has the nvidia-modeset module, as NVIDIA's specs show it on such a node.
+            "/dev/nvidia-modeset".into(),
         ] {
             let made = container
                 .device(&path)

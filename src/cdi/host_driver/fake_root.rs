@@ -41,6 +41,17 @@ impl FakeRoot {
         self.write(path, b"\x7fELF", 0o755)
     }
 
+    /// A Container Toolkit hook binary of a release that knows the hooks `known` beyond create-symlinks
+    /// and update-ldcache: their names are in it, as in the real binary's strings.
+    pub fn hook_binary(&self, path: &str, known: &[&str]) -> &Self {
+        let mut content = b"\x7fELF\0create-symlinks\0update-ldcache\0".to_vec();
+        for name in known {
+            content.extend_from_slice(name.as_bytes());
+            content.push(0);
+        }
+        self.write(path, &content, 0o755)
+    }
+
     pub fn symlink(&self, link: &str, target: &str) -> &Self {
         let full = self.path().join(link.trim_start_matches('/'));
         if let Some(parent) = full.parent() {

@@ -1,9 +1,11 @@
 //! The NVIDIA Container Toolkit's CDI hooks in the claim specs: which hook binary (found under the driver
-//! root, or given by the admin), and the `create-symlinks` and `update-ldcache` hooks the driver's
-//! libraries need, written as the toolkit writes them.
+//! root, or given by the admin) and which hooks it knows, and the hooks its own CDI library writes for the
+//! driver's files (`pkg/nvcdi`, `NewDriverLibraryDiscoverer`), in its order and with its arguments:
+//! `create-symlinks`, `enable-cuda-compat`, `update-ldcache`, `disable-device-node-modification`.
 
 use std::collections::HashSet;
 use std::fs;
+use std::io;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
@@ -21,11 +23,42 @@ pub enum HookCli {
     Ctk,
 }
 
+/// The hook names that not every release of the hook binary knows. Before v1.18.0 a hook binary fails
+/// on a hook name it does not know (v1.18.0 made that a warning), and a failed `createContainer` hook
+/// fails the container, so a hook goes into a spec only when its binary has it. The toolkit never meets
+/// this: it writes specs for its own binary, of its own release.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KnownHooks {
+    /// Since v1.17.5.
+    pub enable_cuda_compat: bool,
+    /// Since v1.18.0.
+    pub disable_device_node_modification: bool,
+}
+
+pub(super) const ENABLE_CUDA_COMPAT: &str = "enable-cuda-compat";
+pub(super) const DISABLE_DEVICE_NODE_MODIFICATION: &str = "disable-device-node-modification";
+
+impl KnownHooks {
+    /// What the hook binary at `path` (as this process sees it) knows, from the hook names compiled into
+    /// it: a release that has a hook has its name as a string in the binary (the command's name), one
+    /// that does not, has not. Reading beats running it: the binary is the host's, built for the host's
+    /// libc, and need not run in the plugin's container.
+    pub fn of_binary(path: &Path) -> io::Result<Self> {
+        let bytes = fs::read(path)?;
+        let has = |name: &str| bytes.windows(name.len()).any(|w| w == name.as_bytes());
+        Ok(Self {
+            enable_cuda_compat: has(ENABLE_CUDA_COMPAT),
+            disable_device_node_modification: has(DISABLE_DEVICE_NODE_MODIFICATION),
+        })
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CdiHook {
     /// The path the container runtime executes, on the host.
     pub host_path: PathBuf,
     pub cli: HookCli,
+    pub known: KnownHooks,
 }
 impl CdiHook {
     fn hook(&self, name: &str, args: Vec<String>) -> Hook {
@@ -74,16 +107,31 @@ pub(super) fn hook_override(path: &Path) -> Result<CdiHook, HostDriverError> {
         .file_name()
         .and_then(|n| n.to_str())
         .unwrap_or_default();
+    let known = KnownHooks::of_binary(path).map_err(|e| fail(e.to_string()))?;
     Ok(CdiHook {
         host_path: path.into(),
         cli: hook_cli(name),
+        known,
     })
 }
 
-/// Two `createContainer` hooks as the Container Toolkit writes them: `create-symlinks` for the sonames
-/// (`libcuda.so.1`) and the bare `libcuda.so`, which applications open by name and only the versioned
-/// files are mounted, and `update-ldcache` for the library directories, so the linker finds them.
-pub(super) fn library_hooks(hook: &CdiHook, files: &[DriverFile]) -> Vec<Hook> {
+/// The `createContainer` hooks the Container Toolkit writes for a driver of `driver_version`, in its order:
+/// - `create-symlinks` for the sonames (`libcuda.so.1`) and the bare `libcuda.so`, which applications open
+///   by name, where only the versioned files are mounted;
+/// - `enable-cuda-compat --host-driver-version=<version>`: where the image brings CUDA forward
+///   compatibility libraries (`/usr/local/cuda/compat/libcuda.so.*`) newer than the host's driver, an
+///   `/etc/ld.so.conf.d/00-compat-<uuid>.conf` naming that directory, so that the ldcache (next) puts
+///   them before the driver's;
+/// - `update-ldcache` for the library directories, so the linker finds them;
+/// - `disable-device-node-modification`: the container's `/proc/driver/nvidia/params` says
+///   `ModifyDeviceFiles: 0`, so that CUDA in the container never makes or changes device nodes.
+///
+/// The two later hooks only where the binary knows them ([`KnownHooks`]).
+pub(super) fn toolkit_hooks(
+    hook: &CdiHook,
+    files: &[DriverFile],
+    driver_version: &str,
+) -> Vec<Hook> {
     let path_str = |p: &Path| p.to_string_lossy().into_owned();
     let mut links = Vec::new();
     let mut link_paths = HashSet::new();
@@ -123,12 +171,19 @@ pub(super) fn library_hooks(hook: &CdiHook, files: &[DriverFile]) -> Vec<Hook> {
     if !links.is_empty() {
         hooks.push(hook.hook("create-symlinks", links));
     }
+    if hook.known.enable_cuda_compat {
+        let version = format!("--host-driver-version={driver_version}");
+        hooks.push(hook.hook(ENABLE_CUDA_COMPAT, vec![version]));
+    }
     if !folders.is_empty() {
         let args = folders
             .into_iter()
             .flat_map(|f| ["--folder".to_string(), f])
             .collect();
         hooks.push(hook.hook("update-ldcache", args));
+    }
+    if hook.known.disable_device_node_modification {
+        hooks.push(hook.hook(DISABLE_DEVICE_NODE_MODIFICATION, Vec::new()));
     }
     hooks
 }
@@ -166,7 +221,8 @@ mod tests {
             driver.cdi_hook(),
             Some(&CdiHook {
                 host_path: "/usr/bin/nvidia-cdi-hook".into(),
-                cli: HookCli::CdiHook
+                cli: HookCli::CdiHook,
+                known: KnownHooks::default(),
             })
         );
         let edits = driver.container_edits();
@@ -228,6 +284,82 @@ mod tests {
             assert_eq!(hook.hook_name, "createContainer");
             assert_eq!(hook.path, "/usr/bin/nvidia-cdi-hook");
         }
+    }
+
+    /// The names of a spec's hooks, with the hook command (after `nvidia-ctk hook`) and its arguments.
+    fn hook_args(root: &FakeRoot) -> Vec<Vec<String>> {
+        discover(root)
+            .container_edits()
+            .hooks
+            .iter()
+            .map(|h| {
+                assert_eq!(
+                    (h.hook_name.as_str(), h.env.as_slice()),
+                    (
+                        "createContainer",
+                        ["NVIDIA_CTK_DEBUG=false".to_string()].as_slice()
+                    )
+                );
+                h.args.clone()
+            })
+            .collect()
+    }
+
+    /// A hook binary of v1.18 or later (both names in it) gets the toolkit's four hooks in the toolkit's
+    /// order; v1.17.5 to v1.17.x (enable-cuda-compat only) three; an older one the two every release has,
+    /// since it would fail the container on a hook it does not know.
+    #[test]
+    fn the_toolkits_hooks_in_its_order_where_the_binary_knows_them() {
+        let version_arg = format!("--host-driver-version={VERSION}");
+        let dir = native_dir();
+        for (known, expected) in [
+            (
+                &[ENABLE_CUDA_COMPAT, DISABLE_DEVICE_NODE_MODIFICATION][..],
+                &[
+                    "create-symlinks",
+                    ENABLE_CUDA_COMPAT,
+                    "update-ldcache",
+                    DISABLE_DEVICE_NODE_MODIFICATION,
+                ][..],
+            ),
+            (
+                &[ENABLE_CUDA_COMPAT][..],
+                &["create-symlinks", ENABLE_CUDA_COMPAT, "update-ldcache"][..],
+            ),
+            (&[][..], &["create-symlinks", "update-ldcache"][..]),
+        ] {
+            let root = FakeRoot::debian_driver();
+            root.hook_binary("/usr/bin/nvidia-cdi-hook", known);
+            let hooks = hook_args(&root);
+            let names: Vec<&str> = hooks.iter().map(|h| h[1].as_str()).collect();
+            assert_eq!(names, expected, "binary knowing {known:?}");
+            for hook in &hooks {
+                match hook[1].as_str() {
+                    ENABLE_CUDA_COMPAT => assert_eq!(hook[2..], [version_arg.clone()]),
+                    DISABLE_DEVICE_NODE_MODIFICATION => assert_eq!(hook.len(), 2),
+                    "update-ldcache" => {
+                        assert_eq!(hook[2..], ["--folder".to_string(), dir.clone()])
+                    }
+                    _ => {}
+                }
+            }
+        }
+
+        // nvidia-ctk carries them under `hook`.
+        let root = FakeRoot::debian_driver();
+        root.hook_binary(
+            "/usr/bin/nvidia-ctk",
+            &[ENABLE_CUDA_COMPAT, DISABLE_DEVICE_NODE_MODIFICATION],
+        );
+        let hooks = hook_args(&root);
+        assert_eq!(
+            hooks[1],
+            ["nvidia-ctk", "hook", ENABLE_CUDA_COMPAT, &version_arg]
+        );
+        assert_eq!(
+            hooks[3],
+            ["nvidia-ctk", "hook", DISABLE_DEVICE_NODE_MODIFICATION]
+        );
     }
 
     #[test]

@@ -13,8 +13,8 @@ use std::path::{Path, PathBuf};
 
 use super::spec::{ContainerEdits, Mount};
 use crate::gpu::HostArch;
-use hooks::{hook_cli, hook_override, library_hooks, HOOK_BINARIES};
-pub use hooks::{CdiHook, HookCli};
+use hooks::{hook_cli, hook_override, toolkit_hooks, HOOK_BINARIES};
+pub use hooks::{CdiHook, HookCli, KnownHooks};
 pub use search::LibraryClass;
 use search::{Finder, BINARIES, CUDA_LIBRARY, NVML_LIBRARY};
 
@@ -247,9 +247,18 @@ impl HostDriver {
             Some(path) => Some(hook_override(path)?),
             None => HOOK_BINARIES.iter().find_map(|name| {
                 let file = finder.executable(name, FileKind::Binary)?;
+                // Unreadable, it gets the hooks every release has; the warning says why no more.
+                let known = KnownHooks::of_binary(&file.found_at).unwrap_or_else(|e| {
+                    warnings.push(format!(
+                        "{}: {e}: containers get only the create-symlinks and update-ldcache hooks",
+                        file.found_at.display()
+                    ));
+                    KnownHooks::default()
+                });
                 Some(CdiHook {
                     host_path: file.host_path,
                     cli: hook_cli(name),
+                    known,
                 })
             }),
         };
@@ -286,10 +295,9 @@ impl HostDriver {
         &self.warnings
     }
 
-    /// Read-only bind mounts of every file at its container path, plus, with a hook binary, two
-    /// `createContainer` hooks as the Container Toolkit writes them: `create-symlinks` for the sonames
-    /// (`libcuda.so.1`) and the bare `libcuda.so`, which applications open by name and only the versioned
-    /// files are mounted, and `update-ldcache` for the library directories, so the linker finds them.
+    /// Read-only bind mounts of every file at its container path, `NVIDIA_CTK_LIBCUDA_DIR`, plus, with a
+    /// hook binary, the `createContainer` hooks the Container Toolkit writes for the driver's files (see
+    /// `hooks::toolkit_hooks`).
     pub fn container_edits(&self) -> ContainerEdits {
         let path_str = |p: &Path| p.to_string_lossy().into_owned();
         let mounts = self
@@ -303,10 +311,21 @@ impl HostDriver {
             })
             .collect();
         let hooks = match &self.hook {
-            Some(hook) => library_hooks(hook, &self.files),
+            Some(hook) => toolkit_hooks(hook, &self.files, &self.version),
             None => Vec::new(),
         };
+        // As the toolkit's specs since v1.19: where libcuda is, for tools in the container that look
+        // for the host's driver beside the image's CUDA.
+        let libcuda = format!("{CUDA_LIBRARY}.so.{}", self.version);
+        let env = self
+            .files
+            .iter()
+            .find(|f| f.container_path.ends_with(&libcuda))
+            .and_then(|f| f.container_path.parent())
+            .map(|dir| vec![format!("NVIDIA_CTK_LIBCUDA_DIR={}", dir.display())])
+            .unwrap_or_default();
         ContainerEdits {
+            env,
             mounts,
             hooks,
             ..Default::default()

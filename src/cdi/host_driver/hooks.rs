@@ -345,11 +345,15 @@ mod tests {
             }
         }
 
-        // nvidia-ctk carries them under `hook`.
+        // nvidia-ctk carries them under `hook`; the GPU Operator installs it in /usr/local/nvidia/toolkit.
         let root = FakeRoot::debian_driver();
         root.hook_binary(
-            "/usr/bin/nvidia-ctk",
+            "/usr/local/nvidia/toolkit/nvidia-ctk",
             &[ENABLE_CUDA_COMPAT, DISABLE_DEVICE_NODE_MODIFICATION],
+        );
+        assert_eq!(
+            discover(&root).cdi_hook().map(|h| h.host_path.clone()),
+            Some("/usr/local/nvidia/toolkit/nvidia-ctk".into())
         );
         let hooks = hook_args(&root);
         assert_eq!(

@@ -246,7 +246,7 @@ impl HostDriver {
         let hook = match &options.cdi_hook {
             Some(path) => Some(hook_override(path)?),
             None => HOOK_BINARIES.iter().find_map(|name| {
-                let file = finder.executable(name, FileKind::Binary)?;
+                let file = finder.hook_binary(name)?;
                 // Unreadable, it gets the hooks every release has; the warning says why no more.
                 let known = KnownHooks::of_binary(&file.found_at).unwrap_or_else(|e| {
                     warnings.push(format!(

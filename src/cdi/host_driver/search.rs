@@ -86,6 +86,9 @@ const BINARY_DIRS: [&str; 4] = [
     "/bin",
 ];
 
+/// Where the GPU Operator's toolkit container installs the toolkit's programs on the host.
+const TOOLKIT_DIR: &str = "/usr/local/nvidia/toolkit";
+
 pub(super) const BINARIES: [&str; 5] = [
     "nvidia-smi",
     "nvidia-debugdump",
@@ -257,6 +260,15 @@ impl<'a> Finder<'a> {
         BINARY_DIRS
             .iter()
             .find_map(|dir| self.file(Path::new(dir).join(name), kind, true))
+    }
+
+    /// The Container Toolkit's hook binary `name`: where the driver's tools are, then where the GPU
+    /// Operator installs the toolkit on the host (`/usr/local/nvidia/toolkit`).
+    pub(super) fn hook_binary(&mut self, name: &str) -> Option<DriverFile> {
+        BINARY_DIRS
+            .iter()
+            .chain([TOOLKIT_DIR].iter())
+            .find_map(|dir| self.file(Path::new(dir).join(name), FileKind::Binary, true))
     }
 
     /// The driver's libraries of `version`, first file of each name in `dirs` order, and the names of

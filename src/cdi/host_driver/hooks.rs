@@ -335,7 +335,9 @@ mod tests {
             assert_eq!(names, expected, "binary knowing {known:?}");
             for hook in &hooks {
                 match hook[1].as_str() {
-                    ENABLE_CUDA_COMPAT => assert_eq!(hook[2..], [version_arg.clone()]),
+                    ENABLE_CUDA_COMPAT => {
+                        assert_eq!(hook[2..], [version_arg.as_str()])
+                    }
                     DISABLE_DEVICE_NODE_MODIFICATION => assert_eq!(hook.len(), 2),
                     "update-ldcache" => {
                         assert_eq!(hook[2..], ["--folder".to_string(), dir.clone()])

@@ -11,7 +11,7 @@ mod nvidia_table_tests;
 pub mod sharing;
 
 pub use names::DeviceName;
-pub use sharing::{share_for_mps, MemoryShares};
+pub use sharing::{share_devices, share_for_mps, Enforcement, MemoryShares, ShareCapacity, Shares};
 
 use std::collections::BTreeMap;
 

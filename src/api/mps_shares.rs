@@ -301,12 +301,18 @@ impl Shares {
                 interval.map(Enforcement::TimeSlicing)
             }
             unknown @ ShareEnforcement::Unknown(_) => {
-                problems.extend(unknown.problem().map(|p| format!("{path}.enforcement: {p}")));
+                problems.extend(
+                    unknown
+                        .problem()
+                        .map(|p| format!("{path}.enforcement: {p}")),
+                );
                 None
             }
         };
         if self.interval.is_some() && self.enforcement != Some(ShareEnforcement::TimeSlicing) {
-            problems.push(format!("{path}.interval: only with enforcement TimeSlicing"));
+            problems.push(format!(
+                "{path}.interval: only with enforcement TimeSlicing"
+            ));
         }
         match (capacity, enforcement) {
             (Some(capacity), Some(enforcement)) if problems.is_empty() => Ok(DeviceShares {

@@ -358,8 +358,13 @@ mod consumable_shares_tests {
             wrong,
             "invalid value for --consumable-shares: \"-2\" (must be 'disabled', 'memory', 'unlimited', or a positive integer)"
         );
-        let ours = consumable_shares("unlimited", "gpu.dra.dev").unwrap_err().to_string();
-        assert!(ours.contains("set spec.sharing.shares in a GpuNodePolicy"), "{ours}");
+        let ours = consumable_shares("unlimited", "gpu.dra.dev")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            ours.contains("set spec.sharing.shares in a GpuNodePolicy"),
+            "{ours}"
+        );
         assert!(consumable_shares("1", nvidia).is_err());
     }
 }

@@ -106,10 +106,12 @@ impl Shares {
             "unlimited" => ShareCapacity::Unlimited,
             other => match other.parse::<i64>() {
                 Ok(1) => {
-                    return Err("invalid value for --consumable-shares: \"1\" (one share per \
+                    return Err(
+                        "invalid value for --consumable-shares: \"1\" (one share per \
                          device is not sharing, and the API server refuses a shares capacity of 1; \
                          use 2 or more, or 'disabled')"
-                        .into())
+                            .into(),
+                    )
                 }
                 Ok(n) if n > 0 => ShareCapacity::Count(n.unsigned_abs()),
                 _ => {
@@ -176,12 +178,15 @@ fn share(device: &mut Device, shares: &Shares) -> bool {
             if u128::from(sizes.minimum_bytes) + u128::from(sizes.step_bytes) > u128::from(total) {
                 return false;
             }
-            policy(sizes.minimum_bytes, sizes.minimum_bytes, None, sizes.step_bytes)
+            policy(
+                sizes.minimum_bytes,
+                sizes.minimum_bytes,
+                None,
+                sizes.step_bytes,
+            )
         }
         ShareCapacity::NvidiaMemory => policy(rounded, MEBIBYTE, Some(rounded), MEBIBYTE),
-        ShareCapacity::Count(_) | ShareCapacity::Unlimited => {
-            policy(0, 0, Some(rounded), MEBIBYTE)
-        }
+        ShareCapacity::Count(_) | ShareCapacity::Unlimited => policy(0, 0, Some(rounded), MEBIBYTE),
     };
     if rounded < MEBIBYTE {
         return false;
@@ -313,30 +318,111 @@ mod tests {
     }
 
     #[test]
-    fn mig_devices_and_partitionable_gpus_stay_exclusive() {
+    fn mig_devices_stay_exclusive_unless_named_and_dynamic_gpus_are_shared_too() {
+        // Dynamic MIG: whole GPUs take counters, and their shares take them once.
         let mut dynamic = node("dgx-h100", MigMode::Dynamic);
-        let before = dynamic.clone();
         assert!(share_for_mps(&mut dynamic, shares(1, 1)).is_empty());
-        assert_eq!(dynamic, before, "dynamic MIG GPUs take counters");
+        for device in dynamic.devices() {
+            let whole = matches!(
+                DeviceName::parse(&device.name),
+                Some(DeviceName::Gpu { .. })
+            );
+            assert_eq!(
+                device.allow_multiple_allocations == Some(true),
+                whole,
+                "{}",
+                device.name
+            );
+        }
+        let mut both = node("dgx-h100", MigMode::Dynamic);
+        let everything = Shares {
+            mig_devices: true,
+            ..Shares::mps_memory(shares(1, 1))
+        };
+        let too_small = share_devices(&mut both, &everything);
+        // 1g.10gb MIG devices (9.75Gi) have room for 1Gi + 1Gi; every device is shared.
+        assert!(too_small.is_empty(), "{too_small:?}");
+        assert!(both
+            .devices()
+            .all(|d| d.allow_multiple_allocations == Some(true)));
+        // Other capacities of a MIG device take nothing by default, or a second claim would not fit.
+        let mig = both
+            .devices()
+            .find(|d| d.name.contains("-mig-1g10gb-"))
+            .expect("a 1g.10gb device");
+        let sms = &mig.capacity.as_ref().unwrap()["multiprocessors"];
+        let policy = sms.request_policy.as_ref().expect("a policy");
+        assert_eq!(policy.default, Some(Quantity("0".into())));
+    }
 
-        // A100 with MIG mode on offers only MIG devices, which stay exclusive; with it off (and no way
-        // to switch it without a reset) the whole GPU takes no counters and is shared.
-        let mut inventory = FakeBackend::new("n", "dgx-a100")
+    fn nvidia(flag: &str) -> Shares {
+        Shares::nvidia_flag(flag).unwrap().unwrap()
+    }
+
+    fn policy_json(device: &Device, capacity: &str) -> serde_json::Value {
+        serde_json::to_value(&device.capacity.as_ref().unwrap()[capacity]).unwrap()
+    }
+
+    #[test]
+    fn nvidias_flag_gives_nvidias_capacity_shapes() {
+        // 81559Mi of memory: already a whole number of Mi.
+        let total = "81559Mi";
+        let mut memory = node("dgx-h100", MigMode::None);
+        assert!(share_devices(&mut memory, &nvidia("memory")).is_empty());
+        let gpu = memory.devices().next().unwrap();
+        assert_eq!(gpu.allow_multiple_allocations, Some(true));
+        assert_eq!(
+            policy_json(gpu, "memory"),
+            serde_json::json!({"value": total, "requestPolicy": {"default": total,
+                "validRange": {"min": "1Mi", "max": total, "step": "1Mi"}}})
+        );
+        assert!(
+            !gpu.attributes
+                .as_ref()
+                .unwrap()
+                .contains_key(SHARING_ATTRIBUTE),
+            "NVIDIA's devices carry NVIDIA's attributes only"
+        );
+
+        let mut unlimited = node("dgx-h100", MigMode::None);
+        share_devices(&mut unlimited, &nvidia("unlimited"));
+        let gpu = unlimited.devices().next().unwrap();
+        let zero_default = serde_json::json!({"value": total, "requestPolicy": {"default": "0",
+            "validRange": {"min": "0", "max": total, "step": "1Mi"}}});
+        assert_eq!(policy_json(gpu, "memory"), zero_default);
+        assert!(!gpu.capacity.as_ref().unwrap().contains_key(SHARES_CAPACITY));
+
+        let mut four = node("dgx-h100", MigMode::None);
+        share_devices(&mut four, &nvidia("4"));
+        let gpu = four.devices().next().unwrap();
+        assert_eq!(policy_json(gpu, "memory"), zero_default);
+        assert_eq!(
+            policy_json(gpu, SHARES_CAPACITY),
+            serde_json::json!({"value": "4", "requestPolicy": {"default": "1",
+                "validRange": {"min": "1", "max": "4", "step": "1"}}})
+        );
+    }
+
+    #[test]
+    fn nvidias_flag_rounds_memory_down_to_a_mebibyte_and_reads_its_values() {
+        let mut inventory = FakeBackend::new("n", "dgx-h100")
             .unwrap()
             .inventory()
             .unwrap();
-        inventory.gpus[0].mig.as_mut().unwrap().enabled = true;
-        let mut node = node_devices(&inventory, MigMode::Dynamic);
-        share_for_mps(&mut node, shares(1, 1));
-        assert!(node.gpus[0].devices.len() > 1);
-        assert!(node.gpus[0]
-            .devices
-            .iter()
-            .all(|d| d.allow_multiple_allocations.is_none()));
-        assert_eq!(node.gpus[1].devices.len(), 1);
+        inventory.gpus[0].memory_bytes = (4 << 30) + 12345;
+        let mut node = node_devices(&inventory, MigMode::None);
+        share_devices(&mut node, &nvidia("memory"));
+        let memory = &node.gpus[0].devices[0].capacity.as_ref().unwrap()["memory"];
+        assert_eq!(memory.value.0, "4Gi");
+        assert_eq!(Shares::nvidia_flag("disabled"), Ok(None));
+        assert_eq!(Shares::nvidia_flag(""), Ok(None));
         assert_eq!(
-            node.gpus[1].devices[0].allow_multiple_allocations,
-            Some(true)
+            Shares::nvidia_flag("half"),
+            Err("invalid value for --consumable-shares: \"half\" (must be 'disabled', 'memory', 'unlimited', or a positive integer)".into())
+        );
+        assert_eq!(
+            Shares::nvidia_flag("0").unwrap_err(),
+            Shares::nvidia_flag("-3").unwrap_err().replace("-3", "0")
         );
     }
 

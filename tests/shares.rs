@@ -1,0 +1,219 @@
+//! Consumable shares under our own name: a GpuNodePolicy's `spec.sharing.shares` publishes MIG
+//! devices (dynamic MIG here) for sharing by count, the scheduler double gives one device to as many
+//! claims as it has shares and refuses the next with the scheduler's reason, and on the node the MIG
+//! device is made by the first claim, reused by the others and destroyed by the last one: an
+//! unprepare, or a prepare of a second claim cancelled half way and unprepared, leaves the device of
+//! the claim that still holds it in place.
+
+use std::time::{Duration, Instant};
+
+use gpu_dra::claims::lifecycle::holds;
+use gpu_dra::claims::Step;
+use gpu_dra::devices::MigMode;
+use gpu_dra::plugin::BackendChoice;
+use gpu_dra::support::apiserver::ServerVersion;
+use gpu_dra::support::harness::{Harness, DRIVER, MIG_CLASS};
+use gpu_dra::support::kubelet::{ClaimRef, KubeletDouble};
+use gpu_dra::support::scheduler::AllocationError;
+use k8s_openapi::api::resource::v1::{Device, ResourceSlice};
+use serde_json::{json, Value};
+
+const WAIT: Duration = Duration::from_secs(30);
+const IMPATIENT: Duration = Duration::from_millis(300);
+
+/// One H100 in dynamic MIG mode on a 1.35 API server, whose policy shares MIG devices four ways.
+async fn node() -> Harness {
+    let mut node = Harness::with_version("dgx-h100", ServerVersion::V1_35).await;
+    node.config.mig_mode = MigMode::Dynamic;
+    let profile = node.write_h100_profile(1);
+    let BackendChoice::Fake { state_file, .. } = &node.config.backend else {
+        panic!("a fake backend")
+    };
+    node.config.backend = BackendChoice::Fake {
+        profile: profile.display().to_string(),
+        state_file: state_file.clone(),
+    };
+    node.api.insert(
+        "gpunodepolicies",
+        json!({
+            "apiVersion": "gpu.dra.dev/v1alpha1", "kind": "GpuNodePolicy",
+            "metadata": {"name": "shares", "generation": 1},
+            "spec": {"migMode": "dynamic", "sharing": {"shares": {
+                "mode": "Count", "count": 4, "devices": ["MigDevices"], "enforcement": "None"
+            }}},
+        }),
+    );
+    node
+}
+
+fn devices(slices: &[ResourceSlice]) -> Vec<Device> {
+    slices
+        .iter()
+        .flat_map(|s| s.spec.devices.clone().unwrap_or_default())
+        .collect()
+}
+
+/// The whole-GPU MIG device (7g.80gb): one per GPU, so every claim lands on the same device.
+fn full_mig() -> Value {
+    json!({"requests": [{"name": "mig", "exactly": {
+        "deviceClassName": MIG_CLASS,
+        "selectors": [{"cel": {"expression": format!("device.attributes[\"{DRIVER}\"].profile == \"7g.80gb\"")}}]
+    }}]})
+}
+
+async fn shared_mig_published(node: &Harness) {
+    let slices = node
+        .wait_for_slices_where(|s| {
+            devices(s)
+                .iter()
+                .any(|d| d.name.contains("-mig-7g80gb-") && d.allow_multiple_allocations == Some(true))
+        })
+        .await;
+    let mig = devices(&slices)
+        .into_iter()
+        .find(|d| d.name.contains("-mig-7g80gb-"))
+        .expect("the 7g.80gb device");
+    let capacity = mig.capacity.as_ref().expect("capacity");
+    assert_eq!(capacity["shares"].value.0, "4");
+    let sharing = &mig.attributes.as_ref().expect("attributes")["sharing"];
+    assert_eq!(sharing.string.as_deref(), Some("None"));
+    let whole = devices(&slices)
+        .into_iter()
+        .find(|d| d.name == "gpu-0")
+        .expect("gpu-0");
+    assert_eq!(
+        whole.allow_multiple_allocations, None,
+        "devices: [MigDevices] leaves whole GPUs exclusive"
+    );
+}
+
+async fn prepared(kubelet: &KubeletDouble, claim: &ClaimRef) {
+    let answers = kubelet
+        .prepare(std::slice::from_ref(claim))
+        .await
+        .expect("kubelet call");
+    match answers.get(&claim.uid) {
+        Some(Ok(_)) => {}
+        other => panic!("prepare of {}: {other:?}", claim.name),
+    }
+}
+
+async fn unprepared(kubelet: &KubeletDouble, claim: &ClaimRef) {
+    let answers = kubelet
+        .unprepare(std::slice::from_ref(claim))
+        .await
+        .expect("kubelet call");
+    if let Some(Err(error)) = answers.get(&claim.uid) {
+        panic!("unprepare of {} failed: {error}", claim.name);
+    }
+}
+
+/// The UUIDs of the MIG devices on the node.
+fn mig_uuids(node: &Harness) -> Vec<String> {
+    node.mig_devices().into_iter().map(|(_, _, uuid)| uuid).collect()
+}
+
+fn spec_of(node: &Harness, claim: &ClaimRef) -> bool {
+    node.cdi_files().iter().any(|f| f.contains(&claim.uid))
+}
+
+async fn until(what: &str, done: impl Fn() -> bool) {
+    let deadline = Instant::now() + WAIT;
+    while !done() {
+        assert!(Instant::now() < deadline, "never: {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_claims_share_one_dynamic_mig_device_made_once_and_destroyed_by_the_last() {
+    let node = node().await;
+    let plugin = node.start_plugin().await;
+    let kubelet = node.kubelet().await;
+    shared_mig_published(&node).await;
+
+    let mut claims = Vec::new();
+    for n in 0..4 {
+        let claim = node
+            .allocated_claim_with(&format!("share-{n}"), full_mig())
+            .await
+            .unwrap_or_else(|e| panic!("share {n}: {e}"));
+        claims.push(claim);
+    }
+    let error = node
+        .allocated_claim_with("fifth", full_mig())
+        .await
+        .expect_err("four shares per device");
+    let text = error.to_string();
+    assert!(
+        matches!(error, AllocationError::Unallocatable { .. }),
+        "{text}"
+    );
+    assert!(text.contains("capacity shares"), "{text}");
+
+    prepared(&kubelet, &claims[0]).await;
+    let made = mig_uuids(&node);
+    assert_eq!(made.len(), 1, "the first claim made the MIG device");
+    prepared(&kubelet, &claims[1]).await;
+    assert_eq!(mig_uuids(&node), made, "the second claim reused it");
+
+    unprepared(&kubelet, &claims[0]).await;
+    assert_eq!(
+        mig_uuids(&node),
+        made,
+        "the claim that made it is gone, the one that shares it holds it"
+    );
+    assert!(spec_of(&node, &claims[1]));
+    unprepared(&kubelet, &claims[1]).await;
+    assert!(mig_uuids(&node).is_empty(), "the last claim destroyed it");
+    plugin.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_share_of_a_dynamic_mig_device_leaves_the_other_claims_device_in_place() {
+    let node = node().await;
+    let plugin = node.start_plugin().await;
+    let kubelet = node.kubelet().await;
+    shared_mig_published(&node).await;
+    let first = node
+        .allocated_claim_with("first", full_mig())
+        .await
+        .expect("first share");
+    let second = node
+        .allocated_claim_with("second", full_mig())
+        .await
+        .expect("second share");
+    prepared(&kubelet, &first).await;
+    let made = mig_uuids(&node);
+    assert_eq!(made.len(), 1);
+
+    // The second claim's prepare is held right after it has the MIG device; the kubelet gives up.
+    let held = holds::hold(&second.uid, Step::MigCreate);
+    let impatient = kubelet.clone().with_call_timeout(IMPATIENT);
+    assert!(impatient
+        .prepare(std::slice::from_ref(&second))
+        .await
+        .is_err());
+    tokio::time::timeout(WAIT, held.reached())
+        .await
+        .expect("the second prepare reached the MIG device");
+    // Unprepared while held; then the prepare goes on, finds the claim going and is undone.
+    let unprepare = tokio::spawn({
+        let (kubelet, claim) = (kubelet.clone(), second.clone());
+        async move { unprepared(&kubelet, &claim).await }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    held.release();
+    unprepare.await.expect("unprepare task");
+    until("the second claim's spec is gone", || !spec_of(&node, &second)).await;
+    assert_eq!(
+        mig_uuids(&node),
+        made,
+        "the first claim's MIG device survives the second claim's roll-back"
+    );
+    assert!(spec_of(&node, &first));
+
+    unprepared(&kubelet, &first).await;
+    until("the MIG device is gone", || mig_uuids(&node).is_empty()).await;
+    plugin.shutdown().await;
+}

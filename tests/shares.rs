@@ -64,9 +64,9 @@ fn full_mig() -> Value {
 async fn shared_mig_published(node: &Harness) {
     let slices = node
         .wait_for_slices_where(|s| {
-            devices(s)
-                .iter()
-                .any(|d| d.name.contains("-mig-7g80gb-") && d.allow_multiple_allocations == Some(true))
+            devices(s).iter().any(|d| {
+                d.name.contains("-mig-7g80gb-") && d.allow_multiple_allocations == Some(true)
+            })
         })
         .await;
     let mig = devices(&slices)
@@ -110,7 +110,10 @@ async fn unprepared(kubelet: &KubeletDouble, claim: &ClaimRef) {
 
 /// The UUIDs of the MIG devices on the node.
 fn mig_uuids(node: &Harness) -> Vec<String> {
-    node.mig_devices().into_iter().map(|(_, _, uuid)| uuid).collect()
+    node.mig_devices()
+        .into_iter()
+        .map(|(_, _, uuid)| uuid)
+        .collect()
 }
 
 fn spec_of(node: &Harness, claim: &ClaimRef) -> bool {
@@ -205,7 +208,10 @@ async fn a_cancelled_share_of_a_dynamic_mig_device_leaves_the_other_claims_devic
     tokio::time::sleep(Duration::from_millis(200)).await;
     held.release();
     unprepare.await.expect("unprepare task");
-    until("the second claim's spec is gone", || !spec_of(&node, &second)).await;
+    until("the second claim's spec is gone", || {
+        !spec_of(&node, &second)
+    })
+    .await;
     assert_eq!(
         mig_uuids(&node),
         made,
@@ -216,4 +222,102 @@ async fn a_cancelled_share_of_a_dynamic_mig_device_leaves_the_other_claims_devic
     unprepared(&kubelet, &first).await;
     until("the MIG device is gone", || mig_uuids(&node).is_empty()).await;
     plugin.shutdown().await;
+}
+
+/// `gpu-dra plugin` as a process of its own for this node, paused for ever at `pause` of a prepare
+/// (writing `marker` there) when given; killed when dropped.
+struct PluginProcess(std::process::Child);
+
+impl PluginProcess {
+    fn start(node: &Harness, pause: Option<(Step, &std::path::Path)>) -> PluginProcess {
+        let kubeconfig = node.dir.path().join("kubeconfig");
+        node.api.write_kubeconfig(&kubeconfig).expect("kubeconfig");
+        let BackendChoice::Fake {
+            profile,
+            state_file,
+        } = &node.config.backend
+        else {
+            panic!("a fake backend")
+        };
+        let mut command = node.plugin_command(
+            std::path::Path::new(env!("CARGO_BIN_EXE_gpu-dra")),
+            std::path::Path::new(profile),
+            &kubeconfig,
+        );
+        command
+            .args(["--mig-mode", "dynamic"])
+            .arg("--fake-state")
+            .arg(state_file.as_ref().expect("a state file"))
+            .stdout(std::process::Stdio::null());
+        if let Some((step, marker)) = pause {
+            command
+                .env("GPU_DRA_PAUSE_AT", step.as_str())
+                .env("GPU_DRA_PAUSE_MARKER", marker);
+        }
+        PluginProcess(command.spawn().expect("plugin binary starts"))
+    }
+}
+
+impl Drop for PluginProcess {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+async fn registered(node: &Harness) -> KubeletDouble {
+    KubeletDouble::register(&node.config.registry_dir, DRIVER, WAIT)
+        .await
+        .expect("plugin registers")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plugin_killed_during_a_second_share_keeps_the_first_claims_mig_device_at_restart() {
+    let node = node().await;
+    let marker = node.dir.path().join("paused");
+    let first = {
+        let _plugin = PluginProcess::start(&node, None);
+        let kubelet = registered(&node).await;
+        shared_mig_published(&node).await;
+        let first = node
+            .allocated_claim_with("first", full_mig())
+            .await
+            .expect("first share");
+        prepared(&kubelet, &first).await;
+        first
+    };
+    let made = mig_uuids(&node);
+    assert_eq!(made.len(), 1);
+    let second = node
+        .allocated_claim_with("second", full_mig())
+        .await
+        .expect("second share");
+
+    // Killed right after the second claim got the MIG device, before its spec.
+    let mut plugin = PluginProcess::start(&node, Some((Step::MigCreate, &marker)));
+    let kubelet = registered(&node).await;
+    let call = tokio::spawn({
+        let (kubelet, claim) = (kubelet.clone(), second.clone());
+        async move { kubelet.prepare(std::slice::from_ref(&claim)).await }
+    });
+    until("the second prepare pauses at the MIG device", || {
+        marker.exists()
+    })
+    .await;
+    drop(plugin);
+    let _ = call.await;
+
+    // The restart rolls the second claim back and keeps the first claim's device.
+    plugin = PluginProcess::start(&node, None);
+    let kubelet = registered(&node).await;
+    unprepared(&kubelet, &second).await;
+    assert_eq!(
+        mig_uuids(&node),
+        made,
+        "the first claim's MIG device survives a crash in the second claim's prepare"
+    );
+    assert!(spec_of(&node, &first));
+    unprepared(&kubelet, &first).await;
+    until("the MIG device is gone", || mig_uuids(&node).is_empty()).await;
+    drop(plugin);
 }

@@ -321,3 +321,82 @@ async fn a_plugin_killed_during_a_second_share_keeps_the_first_claims_mig_device
     until("the MIG device is gone", || mig_uuids(&node).is_empty()).await;
     drop(plugin);
 }
+
+/// One H100 shared by count among four claims, whole GPUs, with no enforcement (`None`).
+async fn whole_gpu_node() -> Harness {
+    let mut node = Harness::with_version("dgx-h100", ServerVersion::V1_35).await;
+    let profile = node.write_h100_profile(1);
+    let BackendChoice::Fake { state_file, .. } = &node.config.backend else {
+        panic!("a fake backend")
+    };
+    node.config.backend = BackendChoice::Fake {
+        profile: profile.display().to_string(),
+        state_file: state_file.clone(),
+    };
+    node.api.insert(
+        "gpunodepolicies",
+        json!({
+            "apiVersion": "gpu.dra.dev/v1alpha1", "kind": "GpuNodePolicy",
+            "metadata": {"name": "shares", "generation": 1},
+            "spec": {"migMode": "none", "sharing": {"shares": {
+                "mode": "Count", "count": 4, "enforcement": "None"
+            }}},
+        }),
+    );
+    node
+}
+
+/// A claim for one whole GPU, with a time-slicing config of `interval` when given.
+fn gpu_sliced(interval: Option<&str>) -> Value {
+    let mut devices =
+        json!({"requests": [{"name": "gpu", "exactly": {"deviceClassName": DRIVER}}]});
+    if let Some(interval) = interval {
+        devices["config"] = json!([{"requests": ["gpu"], "opaque": {"driver": DRIVER, "parameters": {
+            "apiVersion": "gpu.dra.dev/v1alpha1", "kind": "GpuConfig",
+            "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": interval}}
+        }}}]);
+    }
+    devices
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_that_share_a_gpu_must_agree_on_its_configuration() {
+    let node = whole_gpu_node().await;
+    let plugin = node.start_plugin().await;
+    let kubelet = node.kubelet().await;
+    node.wait_for_slices_where(|s| {
+        devices(s)
+            .iter()
+            .any(|d| d.name == "gpu-0" && d.allow_multiple_allocations == Some(true))
+    })
+    .await;
+    let first = node
+        .allocated_claim_with("long", gpu_sliced(Some("Long")))
+        .await
+        .expect("first share");
+    let same = node
+        .allocated_claim_with("long-too", gpu_sliced(Some("Long")))
+        .await
+        .expect("second share");
+    let other = node
+        .allocated_claim_with("plain", gpu_sliced(None))
+        .await
+        .expect("third share");
+    prepared(&kubelet, &first).await;
+    prepared(&kubelet, &same).await;
+    let answers = kubelet
+        .prepare(std::slice::from_ref(&other))
+        .await
+        .expect("kubelet call");
+    let error = match answers.get(&other.uid) {
+        Some(Err(error)) => error.clone(),
+        other => panic!("a share with another configuration was prepared: {other:?}"),
+    };
+    assert!(
+        error.contains("requested device gpu-0 has conflicting configuration with already prepared claim default/long"),
+        "{error}"
+    );
+    assert!(error.contains("TimeSlicing/Long"), "{error}");
+    assert!(!spec_of(&node, &other));
+    plugin.shutdown().await;
+}

@@ -472,3 +472,7 @@ fn describe_mode(mode: &GpuSharingMode) -> String {
         GpuSharingMode::ExclusiveProcess => "compute mode ExclusiveProcess (for MPS)".into(),
     }
 }
+
+#[cfg(test)]
+#[path = "sharing_tests.rs"]
+mod tests;

@@ -149,19 +149,21 @@ fn gpu_devices(inventory: &Inventory, gpu: &Gpu, mig_mode: MigMode) -> GpuDevice
 
 /// Gives up attributes in the order of [`GIVEN_UP_OVER_THE_LIMIT`] until the device is within
 /// [`MAX_ATTRIBUTES_AND_CAPACITIES`], so that the API server accepts its ResourceSlice.
-fn fit_the_limit(device: &mut Device) {
-    let count = |d: &Device| {
-        d.attributes.as_ref().map_or(0, BTreeMap::len)
-            + d.capacity.as_ref().map_or(0, BTreeMap::len)
-    };
+pub(super) fn fit_the_limit(device: &mut Device) {
     for name in GIVEN_UP_OVER_THE_LIMIT {
-        if count(device) <= MAX_ATTRIBUTES_AND_CAPACITIES {
+        if attributes_and_capacities(device) <= MAX_ATTRIBUTES_AND_CAPACITIES {
             return;
         }
         if let Some(attributes) = device.attributes.as_mut() {
             attributes.remove(name);
         }
     }
+}
+
+/// How many attributes and capacities `device` has: what the API's limit counts.
+pub(super) fn attributes_and_capacities(device: &Device) -> usize {
+    device.attributes.as_ref().map_or(0, BTreeMap::len)
+        + device.capacity.as_ref().map_or(0, BTreeMap::len)
 }
 
 /// The parent-GPU attributes whole GPUs and MIG devices share.

@@ -141,8 +141,8 @@ pub fn share_for_mps(node: &mut NodeDevices, shares: MemoryShares) -> Vec<String
 /// Publishes the devices of `node` that `shares` names for sharing. Whole GPUs of dynamic MIG take
 /// shared counters: their shares take them once, so while one claim holds a share no MIG device of
 /// that GPU can be made, as the scheduler counts it. A device without room for the shares (memory
-/// smaller than the minimum plus one step, which the API server requires) stays exclusive; returns
-/// their names.
+/// smaller than the minimum plus one step, which the API server requires, or no room left within
+/// the API's 32 attributes and capacities) stays exclusive; returns their names.
 pub fn share_devices(node: &mut NodeDevices, shares: &Shares) -> Vec<String> {
     let mut too_small = Vec::new();
     for device in node.gpus.iter_mut().flat_map(|g| g.devices.iter_mut()) {
@@ -160,6 +160,7 @@ pub fn share_devices(node: &mut NodeDevices, shares: &Shares) -> Vec<String> {
 
 /// Makes `device` shareable; false (and unchanged) when it has no room for `shares`.
 fn share(device: &mut Device, shares: &Shares) -> bool {
+    let before = device.clone();
     let Some(capacities) = device.capacity.as_mut() else {
         return false;
     };
@@ -242,6 +243,14 @@ fn share(device: &mut Device, shares: &Shares) -> bool {
                 SHARING_ATTRIBUTE.to_string(),
                 string(shares.enforcement.as_str()),
             );
+    }
+    // `shares` and `sharing` count against the API's limit of attributes and capacities too: a
+    // device that cannot give up enough (a static MIG device spanning the GPU, with its memory
+    // slices) stays exclusive rather than make its ResourceSlice invalid.
+    super::fit_the_limit(device);
+    if super::attributes_and_capacities(device) > super::MAX_ATTRIBUTES_AND_CAPACITIES {
+        *device = before;
+        return false;
     }
     true
 }

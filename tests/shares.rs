@@ -7,9 +7,10 @@
 
 use std::time::{Duration, Instant};
 
+use gpu_dra::api::NVIDIA_DRIVER_NAME;
 use gpu_dra::claims::lifecycle::holds;
 use gpu_dra::claims::Step;
-use gpu_dra::devices::MigMode;
+use gpu_dra::devices::{MigMode, Shares};
 use gpu_dra::plugin::BackendChoice;
 use gpu_dra::support::apiserver::ServerVersion;
 use gpu_dra::support::harness::{Harness, DRIVER, MIG_CLASS};
@@ -322,9 +323,9 @@ async fn a_plugin_killed_during_a_second_share_keeps_the_first_claims_mig_device
     drop(plugin);
 }
 
-/// One H100 shared by count among four claims, whole GPUs, with no enforcement (`None`).
-async fn whole_gpu_node() -> Harness {
-    let mut node = Harness::with_version("dgx-h100", ServerVersion::V1_35).await;
+/// One H100 under NVIDIA's name with `--consumable-shares=4`.
+async fn nvidia_node() -> Harness {
+    let mut node = Harness::nvidia_compat("dgx-h100").await;
     let profile = node.write_h100_profile(1);
     let BackendChoice::Fake { state_file, .. } = &node.config.backend else {
         panic!("a fake backend")
@@ -333,70 +334,93 @@ async fn whole_gpu_node() -> Harness {
         profile: profile.display().to_string(),
         state_file: state_file.clone(),
     };
-    node.api.insert(
-        "gpunodepolicies",
-        json!({
-            "apiVersion": "gpu.dra.dev/v1alpha1", "kind": "GpuNodePolicy",
-            "metadata": {"name": "shares", "generation": 1},
-            "spec": {"migMode": "none", "sharing": {"shares": {
-                "mode": "Count", "count": 4, "enforcement": "None"
-            }}},
-        }),
-    );
+    node.config.consumable_shares = Shares::nvidia_flag("4").expect("NVIDIA's value");
     node
 }
 
-/// A claim for one whole GPU, with a time-slicing config of `interval` when given.
-fn gpu_sliced(interval: Option<&str>) -> Value {
+/// A claim for one GPU of NVIDIA's class, with NVIDIA's GpuConfig `sharing` when given.
+fn nvidia_gpu(sharing: Option<Value>) -> Value {
     let mut devices =
-        json!({"requests": [{"name": "gpu", "exactly": {"deviceClassName": DRIVER}}]});
-    if let Some(interval) = interval {
-        devices["config"] = json!([{"requests": ["gpu"], "opaque": {"driver": DRIVER, "parameters": {
-            "apiVersion": "gpu.dra.dev/v1alpha1", "kind": "GpuConfig",
-            "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": interval}}
+        json!({"requests": [{"name": "gpu", "exactly": {"deviceClassName": NVIDIA_DRIVER_NAME}}]});
+    if let Some(sharing) = sharing {
+        devices["config"] = json!([{"requests": ["gpu"], "opaque": {"driver": NVIDIA_DRIVER_NAME, "parameters": {
+            "apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig", "sharing": sharing
         }}}]);
     }
     devices
 }
 
+async fn prepare_error(kubelet: &KubeletDouble, claim: &ClaimRef) -> String {
+    let answers = kubelet
+        .prepare(std::slice::from_ref(claim))
+        .await
+        .expect("kubelet call");
+    match answers.get(&claim.uid) {
+        Some(Err(error)) => error.clone(),
+        other => panic!("{} was prepared: {other:?}", claim.name),
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn claims_that_share_a_gpu_must_agree_on_its_configuration() {
-    let node = whole_gpu_node().await;
+async fn nvidias_consumable_shares_publish_its_shapes_and_refuse_what_it_refuses() {
+    let node = nvidia_node().await;
     let plugin = node.start_plugin().await;
     let kubelet = node.kubelet().await;
-    node.wait_for_slices_where(|s| {
-        devices(s)
-            .iter()
-            .any(|d| d.name == "gpu-0" && d.allow_multiple_allocations == Some(true))
-    })
-    .await;
+    let slices = node
+        .wait_for_slices_where(|s| {
+            devices(s)
+                .iter()
+                .any(|d| d.name == "gpu-0" && d.allow_multiple_allocations == Some(true))
+        })
+        .await;
+    let gpu = devices(&slices)
+        .into_iter()
+        .find(|d| d.name == "gpu-0")
+        .expect("gpu-0");
+    let shares = serde_json::to_value(&gpu.capacity.as_ref().expect("capacity")["shares"]).unwrap();
+    assert_eq!(
+        shares,
+        json!({"value": "4", "requestPolicy": {"default": "1", "validRange": {"min": "1", "max": "4", "step": "1"}}})
+    );
+    assert!(
+        !gpu.attributes
+            .as_ref()
+            .expect("attributes")
+            .contains_key("sharing"),
+        "NVIDIA's attributes only"
+    );
+
+    let sliced = json!({"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}});
     let first = node
-        .allocated_claim_with("long", gpu_sliced(Some("Long")))
+        .allocated_claim_with("long", nvidia_gpu(Some(sliced.clone())))
         .await
         .expect("first share");
     let same = node
-        .allocated_claim_with("long-too", gpu_sliced(Some("Long")))
+        .allocated_claim_with("long-too", nvidia_gpu(Some(sliced)))
         .await
         .expect("second share");
-    let other = node
-        .allocated_claim_with("plain", gpu_sliced(None))
+    let plain = node
+        .allocated_claim_with("plain", nvidia_gpu(None))
         .await
         .expect("third share");
+    let mps = node
+        .allocated_claim_with("mps", nvidia_gpu(Some(json!({"strategy": "MPS"}))))
+        .await
+        .expect("fourth share");
     prepared(&kubelet, &first).await;
     prepared(&kubelet, &same).await;
-    let answers = kubelet
-        .prepare(std::slice::from_ref(&other))
-        .await
-        .expect("kubelet call");
-    let error = match answers.get(&other.uid) {
-        Some(Err(error)) => error.clone(),
-        other => panic!("a share with another configuration was prepared: {other:?}"),
-    };
+    let error = prepare_error(&kubelet, &plain).await;
     assert!(
-        error.contains("requested device gpu-0 has conflicting configuration with already prepared claim default/long"),
+        error.contains(
+            "requested device gpu-0 has conflicting configuration with already prepared claim default/long"
+        ),
         "{error}"
     );
-    assert!(error.contains("TimeSlicing/Long"), "{error}");
-    assert!(!spec_of(&node, &other));
+    assert!(!spec_of(&node, &plain));
+    let error = prepare_error(&kubelet, &mps).await;
+    assert!(
+        error.contains("MPS sharing is not supported when consumable shares is enabled"),
+        "{error}"
+    );
     plugin.shutdown().await;
 }

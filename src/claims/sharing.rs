@@ -365,10 +365,11 @@ pub(super) fn interval_conflict(
 }
 
 /// What a share of a device gets, from the claim's own settings (`source`: the index of the config
-/// they come from, `None` when no config set them) and what the node enforces, or why the config
-/// does not fit: a share is never Exclusive; under MPS or time-slicing enforcement a config may tune
-/// that enforcement, not switch to the other; NVIDIA's `--consumable-shares` refuses MPS, as NVIDIA's
-/// plugin does.
+/// they come from, `None` when no config set them) and the node's enforcement, which is what a share
+/// gets when no config says otherwise, or why the config does not fit: a share is never Exclusive
+/// (except under NVIDIA's `--consumable-shares`, where that means no sharing setting); a GPU has one
+/// time-slice interval, so under time-slicing enforcement a config may not ask another one; NVIDIA's
+/// `--consumable-shares` refuses MPS, as NVIDIA's plugin does.
 pub(super) fn share_settings(
     settings: &SharingSettings,
     source: Option<usize>,
@@ -400,16 +401,6 @@ pub(super) fn share_settings(
              use TimeSlicing or no sharing config"
                 .into(),
         ),
-        (SharingSettings::Mps(_), index, Enforcement::TimeSlicing(_)) => Err(format!(
-            "{} asks for MPS, but this node keeps shares apart by time-slicing (its GpuNodePolicy's \
-             spec.sharing.shares.enforcement)",
-            config(index)
-        )),
-        (SharingSettings::TimeSlicing { .. }, index, Enforcement::Mps) => Err(format!(
-            "{} asks for TimeSlicing, but this node keeps shares apart by MPS (its GpuNodePolicy's \
-             spec.sharing.shares.enforcement)",
-            config(index)
-        )),
         (SharingSettings::TimeSlicing { interval: asked }, index, Enforcement::TimeSlicing(set))
             if *asked != set =>
         {
@@ -423,9 +414,9 @@ pub(super) fn share_settings(
     }
 }
 
-/// Why a share of `device` cannot join the shares `held` by another claim: NVIDIA's rule that the
-/// claims on one device have the same configuration (an MPS share is the claim's own daemon, and its
-/// limits differ by share, so MPS shares only need each other to be MPS). `None` when it fits.
+/// Why a share of `device` cannot join the shares `held` by another claim under NVIDIA's
+/// `--consumable-shares`: NVIDIA's rule that the claims on one device have the same configuration
+/// (MPS shares, which NVIDIA refuses anyway, only need each other to be MPS). `None` when it fits.
 pub(super) fn share_conflict(held: &SharingSettings, device: &SharingSettings) -> Option<String> {
     match (held, device) {
         (SharingSettings::Mps(_), SharingSettings::Mps(_)) => None,

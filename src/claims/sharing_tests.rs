@@ -38,23 +38,20 @@ fn a_share_without_config_gets_the_nodes_enforcement() {
 }
 
 #[test]
-fn a_config_may_tune_the_enforcement_but_not_switch_it() {
+fn a_config_chooses_its_own_sharing_but_never_exclusive_nor_another_interval() {
     let long = Enforcement::TimeSlicing(TimeSliceInterval::Long);
     assert_eq!(
         share_settings(&mps(Some(1 << 30)), Some(0), Enforcement::Mps, false),
         Ok(mps(Some(1 << 30)))
     );
-    let switched = share_settings(
-        &sliced(TimeSliceInterval::Long),
-        Some(1),
-        Enforcement::Mps,
-        false,
-    )
-    .unwrap_err();
-    assert!(
-        switched
-            .starts_with("config[1] asks for TimeSlicing, but this node keeps shares apart by MPS"),
-        "{switched}"
+    assert_eq!(
+        share_settings(
+            &sliced(TimeSliceInterval::Long),
+            Some(1),
+            Enforcement::Mps,
+            false
+        ),
+        Ok(sliced(TimeSliceInterval::Long))
     );
     let other =
         share_settings(&sliced(TimeSliceInterval::Short), Some(0), long, false).unwrap_err();
@@ -62,7 +59,10 @@ fn a_config_may_tune_the_enforcement_but_not_switch_it() {
         other.contains("interval Short, but this node time-slices shared GPUs with interval Long"),
         "{other}"
     );
-    assert!(share_settings(&mps(None), Some(0), long, false).is_err());
+    assert_eq!(
+        share_settings(&mps(None), Some(0), long, false),
+        Ok(mps(None))
+    );
     let exclusive = share_settings(
         &SharingSettings::Exclusive,
         Some(2),

@@ -38,7 +38,10 @@ impl Preparer {
                     reason,
                 });
             }
-            let disagrees = state.data.claims.iter().find_map(|(uid, record)| {
+            // NVIDIA's rule under its --consumable-shares; under our own name each share keeps its
+            // own config, as far as the GPU can honour all of them (one interval, checked above).
+            let nvidia = self.shares.borrow().is_some_and(|s| s.nvidia);
+            let disagrees = state.data.claims.iter().filter(|_| nvidia).find_map(|(uid, record)| {
                 let held = record.devices.iter().find(|held| {
                     *uid != claim.uid
                         && !held.admin_access

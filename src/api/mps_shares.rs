@@ -56,9 +56,9 @@ pub struct Shares {
     /// `[Gpus]`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub devices: Option<Vec<ShareDeviceKind>>,
-    /// What keeps the claims on one device apart: `MPS` (each claim its own MPS daemon, its memory
-    /// share its pinned-memory limit; the default), `TimeSlicing` (whole GPUs get `interval`) or
-    /// `None`.
+    /// What keeps the claims on one device apart, unless a claim's config asks for another strategy:
+    /// `MPS` (each claim its own MPS daemon, its memory share its pinned-memory limit; the default),
+    /// `TimeSlicing` (whole GPUs get `interval`, and a claim may not ask for another) or `None`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub enforcement: Option<ShareEnforcement>,
     /// With enforcement TimeSlicing: `Default`, `Short`, `Medium` or `Long` (default `Default`).

@@ -1,7 +1,8 @@
-//! `spec.sharing` of a `GpuNodePolicy`: publishing whole GPUs for MPS sharing, with `memory` as
-//! consumable capacity, so that the scheduler packs several claims onto one GPU by the memory each asks
-//! for. The sizes are quantities; `validate` names every problem by field path, and [`ShareSizes`]
-//! is what the device model gets once they are valid.
+//! `spec.sharing` of a `GpuNodePolicy`: publishing GPUs and MIG devices for sharing among claims
+//! (consumable shares): counted by memory, by a fixed number of shares per device, or unlimited,
+//! kept apart by MPS, time-slicing or nothing. `mpsMemoryShares` is the older spelling of whole GPUs
+//! shared by memory with MPS. `problems` names every problem by field path, and
+//! [`SharingSpec::resolved`] is what the device model gets once they are valid.
 
 use std::borrow::Cow;
 use std::fmt;
@@ -9,6 +10,9 @@ use std::fmt;
 use schemars::{json_schema, JsonSchema, Schema, SchemaGenerator};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
+use super::policy::{ShareDeviceKind, ShareEnforcement, ShareInterval, ShareMode};
+use crate::devices::{Enforcement, MemoryShares, ShareCapacity, Shares as DeviceShares};
+use crate::gpu::TimeSliceInterval;
 use crate::quantity::Quantity;
 
 /// The smallest share when `minimum` is left out: 1Gi.
@@ -21,13 +25,49 @@ const QUANTITY_PATTERN: &str = r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGT
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct SharingSpec {
+    /// Publish devices for sharing among claims: several claims get the same GPU or MIG device
+    /// while what they consume fits (DRA consumable capacity; needs the DRAConsumableCapacity feature
+    /// gate). Not together with `mpsMemoryShares`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shares: Option<Shares>,
     /// Publish each whole GPU for MPS sharing: several claims may get the same GPU, each with a share of
     /// its memory (`capacity.requests.memory` in the claim; `minimum` when it asks none), rounded up to
     /// `minimum` plus a multiple of `step`. The GPUs carry the attribute `sharing: MPS`. Needs the
-    /// DRAConsumableCapacity feature gate; not with `migMode: dynamic`.
+    /// DRAConsumableCapacity feature gate. The same as `shares` with mode Memory, devices [Gpus] and
+    /// enforcement MPS.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mps_memory_shares: Option<MpsMemoryShares>,
 }
+
+/// Devices published for sharing among claims.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Shares {
+    /// How a device is counted out: `Memory` (each claim takes the memory it asks for, in the sizes
+    /// of `memory`), `Count` (at most `count` claims per device) or `Unlimited`.
+    pub mode: ShareMode,
+    /// With mode Memory: the share sizes (default: minimum 1Gi, steps of the minimum).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory: Option<MpsMemoryShares>,
+    /// With mode Count: how many claims one device takes (at least 2).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub count: Option<i64>,
+    /// Which devices are shared: `Gpus` (whole GPUs), `MigDevices` (static and dynamic); default
+    /// `[Gpus]`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub devices: Option<Vec<ShareDeviceKind>>,
+    /// What keeps the claims on one device apart, unless a claim's config asks for another strategy:
+    /// `MPS` (each claim its own MPS daemon, its memory share its pinned-memory limit; the default),
+    /// `TimeSlicing` (whole GPUs get `interval`, and a claim may not ask for another) or `None`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub enforcement: Option<ShareEnforcement>,
+    /// With enforcement TimeSlicing: `Default`, `Short`, `Medium` or `Long` (default `Default`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub interval: Option<ShareInterval>,
+}
+
+/// The largest `count`: what a quantity's int64 holds is far beyond any use; this keeps it readable.
+pub const MAX_SHARE_COUNT: i64 = 1 << 20;
 
 /// The share sizes of a GPU published for MPS sharing.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
@@ -151,20 +191,139 @@ fn whole_bytes(text: &str) -> Result<u64, String> {
 
 impl SharingSpec {
     /// The problems of this spec, each prefixed with its field path under `path`.
-    pub(super) fn problems(&self, path: &str, dynamic_mig: bool) -> Vec<String> {
-        let Some(shares) = &self.mps_memory_shares else {
-            return Vec::new();
-        };
-        let path = format!("{path}.mpsMemoryShares");
-        let mut problems = shares.sizes(&path).err().unwrap_or_default();
-        if dynamic_mig {
-            problems.push(format!(
-                "{path}: not allowed with migMode dynamic: there a whole GPU takes the shared counters \
-                 of the MIG devices it may be split into, and cannot be split by memory among claims \
-                 at the same time; use migMode none or static (GPUs with MIG mode on are not shared)"
-            ));
+    pub(super) fn problems(&self, path: &str) -> Vec<String> {
+        let mut problems = Vec::new();
+        if let Some(shares) = &self.mps_memory_shares {
+            let path = format!("{path}.mpsMemoryShares");
+            problems.extend(shares.sizes(&path).err().unwrap_or_default());
+            if self.shares.is_some() {
+                problems.push(format!(
+                    "{path}: not together with {}.shares, which says the same in its general form \
+                     (mode Memory, devices [Gpus], enforcement MPS); keep one",
+                    path.trim_end_matches(".mpsMemoryShares")
+                ));
+            }
+        }
+        if let Some(shares) = &self.shares {
+            problems.extend(shares.problems(&format!("{path}.shares")));
         }
         problems
+    }
+
+    /// What the device model publishes, for a valid spec (`None` where it shares nothing or is
+    /// invalid: the watcher passes only accepted specs).
+    pub fn resolved(&self) -> Option<DeviceShares> {
+        if let Some(shares) = &self.shares {
+            return shares.resolved("spec.sharing.shares").ok();
+        }
+        let sizes = self
+            .mps_memory_shares
+            .as_ref()?
+            .sizes("spec.sharing.mpsMemoryShares")
+            .ok()?;
+        Some(DeviceShares::mps_memory(MemoryShares {
+            minimum_bytes: sizes.minimum_bytes,
+            step_bytes: sizes.step_bytes,
+        }))
+    }
+}
+
+impl Shares {
+    fn problems(&self, path: &str) -> Vec<String> {
+        self.resolved(path).err().unwrap_or_default()
+    }
+
+    /// The device model's form, or every problem prefixed with its field path under `path`.
+    pub fn resolved(&self, path: &str) -> Result<DeviceShares, Vec<String>> {
+        let mut problems = Vec::new();
+        let mut capacity = None;
+        match &self.mode {
+            ShareMode::Memory => {
+                let memory = self.memory.clone().unwrap_or_default();
+                match memory.sizes(&format!("{path}.memory")) {
+                    Ok(sizes) => {
+                        capacity = Some(ShareCapacity::Memory(MemoryShares {
+                            minimum_bytes: sizes.minimum_bytes,
+                            step_bytes: sizes.step_bytes,
+                        }))
+                    }
+                    Err(more) => problems.extend(more),
+                }
+            }
+            ShareMode::Count => match self.count {
+                None => problems.push(format!("{path}.count: required with mode Count")),
+                Some(n) if !(2..=MAX_SHARE_COUNT).contains(&n) => problems.push(format!(
+                    "{path}.count: {n} must be between 2 and {MAX_SHARE_COUNT} (one claim per device is not sharing)"
+                )),
+                Some(n) => capacity = Some(ShareCapacity::Count(n.unsigned_abs())),
+            },
+            ShareMode::Unlimited => capacity = Some(ShareCapacity::Unlimited),
+            unknown @ ShareMode::Unknown(_) => {
+                problems.extend(unknown.problem().map(|p| format!("{path}.mode: {p}")))
+            }
+        }
+        if self.memory.is_some() && !matches!(self.mode, ShareMode::Memory) {
+            problems.push(format!("{path}.memory: only with mode Memory"));
+        }
+        if self.count.is_some() && !matches!(self.mode, ShareMode::Count) {
+            problems.push(format!("{path}.count: only with mode Count"));
+        }
+        let kinds = self
+            .devices
+            .clone()
+            .unwrap_or_else(|| vec![ShareDeviceKind::Gpus]);
+        if kinds.is_empty() {
+            problems.push(format!(
+                "{path}.devices: must name Gpus, MigDevices or both (leave it out for Gpus)"
+            ));
+        }
+        for (index, kind) in kinds.iter().enumerate() {
+            if let Some(problem) = kind.problem() {
+                problems.push(format!("{path}.devices[{index}]: {problem}"));
+            } else if kinds[..index].contains(kind) {
+                problems.push(format!("{path}.devices[{index}]: {kind} is listed twice"));
+            }
+        }
+        let enforcement = match self.enforcement.clone().unwrap_or(ShareEnforcement::Mps) {
+            ShareEnforcement::Mps => Some(Enforcement::Mps),
+            ShareEnforcement::None => Some(Enforcement::None),
+            ShareEnforcement::TimeSlicing => {
+                let interval = match self.interval.clone().unwrap_or(ShareInterval::Default) {
+                    ShareInterval::Default => Some(TimeSliceInterval::Default),
+                    ShareInterval::Short => Some(TimeSliceInterval::Short),
+                    ShareInterval::Medium => Some(TimeSliceInterval::Medium),
+                    ShareInterval::Long => Some(TimeSliceInterval::Long),
+                    unknown @ ShareInterval::Unknown(_) => {
+                        problems.extend(unknown.problem().map(|p| format!("{path}.interval: {p}")));
+                        None
+                    }
+                };
+                interval.map(Enforcement::TimeSlicing)
+            }
+            unknown @ ShareEnforcement::Unknown(_) => {
+                problems.extend(
+                    unknown
+                        .problem()
+                        .map(|p| format!("{path}.enforcement: {p}")),
+                );
+                None
+            }
+        };
+        if self.interval.is_some() && self.enforcement != Some(ShareEnforcement::TimeSlicing) {
+            problems.push(format!(
+                "{path}.interval: only with enforcement TimeSlicing"
+            ));
+        }
+        match (capacity, enforcement) {
+            (Some(capacity), Some(enforcement)) if problems.is_empty() => Ok(DeviceShares {
+                capacity,
+                gpus: kinds.contains(&ShareDeviceKind::Gpus),
+                mig_devices: kinds.contains(&ShareDeviceKind::MigDevices),
+                enforcement,
+                nvidia: false,
+            }),
+            _ => Err(problems),
+        }
     }
 }
 

@@ -10,7 +10,7 @@ use std::fmt;
 
 use kube::{CustomResource, ResourceExt};
 
-pub use super::mps_shares::{MpsMemoryShares, QuantityText, ShareSizes, SharingSpec};
+pub use super::mps_shares::{MpsMemoryShares, QuantityText, ShareSizes, Shares, SharingSpec};
 use schemars::{json_schema, JsonSchema, Schema, SchemaGenerator};
 use serde::{Deserialize, Serialize};
 
@@ -60,7 +60,7 @@ pub struct GpuNodePolicySpec {
     /// How the driver manages MIG: none, static or dynamic.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mig_mode: Option<MigModeSpec>,
-    /// Whether and how whole GPUs are published for sharing among claims.
+    /// Whether and how GPUs and MIG devices are published for sharing among claims.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sharing: Option<SharingSpec>,
     /// Label this node as GPU feature discovery does (`nvidia.com/gpu.present`, `nvidia.com/gpu.product`,
@@ -169,7 +169,7 @@ macro_rules! string_enum {
             }
 
             /// The validation message for an unknown value, if this is one.
-            fn problem(&self) -> Option<String> {
+            pub(super) fn problem(&self) -> Option<String> {
                 match self {
                     Self::Unknown(text) => Some(format!(
                         "unknown {} {text:?}; expected one of {}",
@@ -246,6 +246,42 @@ string_enum!(
     }
 );
 
+string_enum!(
+    /// How a shared device is counted out among claims.
+    ShareMode, "share mode" {
+        Memory => "Memory",
+        Count => "Count",
+        Unlimited => "Unlimited",
+    }
+);
+
+string_enum!(
+    /// Which devices are published for sharing.
+    ShareDeviceKind, "device kind" {
+        Gpus => "Gpus",
+        MigDevices => "MigDevices",
+    }
+);
+
+string_enum!(
+    /// What keeps the claims on one shared device apart.
+    ShareEnforcement, "enforcement" {
+        Mps => "MPS",
+        TimeSlicing => "TimeSlicing",
+        None => "None",
+    }
+);
+
+string_enum!(
+    /// The time slice of a whole GPU shared with enforcement TimeSlicing.
+    ShareInterval, "interval" {
+        Default => "Default",
+        Short => "Short",
+        Medium => "Medium",
+        Long => "Long",
+    }
+);
+
 /// The largest XID NVML reports (a 32-bit event data word).
 const MAX_XID: i64 = u32::MAX as i64;
 
@@ -260,8 +296,7 @@ impl GpuNodePolicySpec {
             problems.push(format!("spec.migMode: {problem}"));
         }
         if let Some(sharing) = &self.sharing {
-            let dynamic = self.mig_mode == Some(MigModeSpec::Dynamic);
-            problems.extend(sharing.problems("spec.sharing", dynamic));
+            problems.extend(sharing.problems("spec.sharing"));
         }
         if problems.is_empty() {
             Ok(())

@@ -252,7 +252,7 @@ fn superseded_message_says_why_the_winner_won() {
 }
 
 #[test]
-fn mps_memory_shares_name_their_field_and_refuse_dynamic_mig() {
+fn mps_memory_shares_name_their_field_and_allow_dynamic_mig() {
     let valid = policy(
         "mps",
         T0,
@@ -287,7 +287,7 @@ fn mps_memory_shares_name_their_field_and_refuse_dynamic_mig() {
         }),
     );
     let problems = bad.spec.validate().expect_err("invalid");
-    assert_eq!(problems.len(), 3, "{problems:#?}");
+    assert_eq!(problems.len(), 2, "{problems:#?}");
     assert!(problems[0].starts_with(
         "spec.sharing.mpsMemoryShares.minimum: \"1Gb\" is not a quantity such as 10Gi"
     ));
@@ -295,10 +295,99 @@ fn mps_memory_shares_name_their_field_and_refuse_dynamic_mig() {
         problems[1],
         "spec.sharing.mpsMemoryShares.step: \"0.5\" must be a whole number of bytes"
     );
-    assert!(
-        problems[2].starts_with("spec.sharing.mpsMemoryShares: not allowed with migMode dynamic")
+    let dynamic = policy(
+        "dyn",
+        T0,
+        json!({ "migMode": "dynamic", "sharing": { "mpsMemoryShares": {} } }),
     );
+    assert_eq!(dynamic.spec.validate(), Ok(()));
     // Sharing nothing is no problem with any MIG mode.
     let empty = policy("e", T0, json!({ "migMode": "dynamic", "sharing": {} }));
     assert_eq!(empty.spec.validate(), Ok(()));
+}
+
+#[test]
+fn shares_in_each_mode_resolve_to_what_the_devices_publish() {
+    use crate::devices::{Enforcement, MemoryShares, ShareCapacity, Shares};
+    use crate::gpu::TimeSliceInterval;
+    let resolved = |sharing: serde_json::Value| {
+        let p = policy("s", T0, json!({ "migMode": "dynamic", "sharing": sharing }));
+        assert_eq!(p.spec.validate(), Ok(()), "{sharing}");
+        p.spec.sharing.as_ref().and_then(|s| s.resolved())
+    };
+    assert_eq!(
+        resolved(json!({ "shares": { "mode": "Count", "count": 4,
+            "devices": ["Gpus", "MigDevices"], "enforcement": "TimeSlicing", "interval": "Long" } })),
+        Some(Shares {
+            capacity: ShareCapacity::Count(4),
+            gpus: true,
+            mig_devices: true,
+            enforcement: Enforcement::TimeSlicing(TimeSliceInterval::Long),
+            nvidia: false,
+        })
+    );
+    assert_eq!(
+        resolved(
+            json!({ "shares": { "mode": "Unlimited", "devices": ["MigDevices"], "enforcement": "None" } })
+        ),
+        Some(Shares {
+            capacity: ShareCapacity::Unlimited,
+            gpus: false,
+            mig_devices: true,
+            enforcement: Enforcement::None,
+            nvidia: false,
+        })
+    );
+    let sizes = MemoryShares {
+        minimum_bytes: 4 << 30,
+        step_bytes: 4 << 30,
+    };
+    // The old spelling and the general form say the same.
+    assert_eq!(
+        resolved(json!({ "shares": { "mode": "Memory", "memory": { "minimum": "4Gi" } } })),
+        Some(Shares::mps_memory(sizes))
+    );
+    assert_eq!(
+        resolved(json!({ "mpsMemoryShares": { "minimum": "4Gi" } })),
+        Some(Shares::mps_memory(sizes))
+    );
+}
+
+#[test]
+fn shares_name_every_problem_by_field() {
+    let problems = |sharing: serde_json::Value| {
+        policy("s", T0, json!({ "sharing": sharing }))
+            .spec
+            .validate()
+            .expect_err("invalid")
+    };
+    assert_eq!(
+        problems(json!({ "shares": { "mode": "Count", "count": 1, "memory": {},
+            "devices": ["Gpus", "Gpus", "Vgpus"], "interval": "Short" } })),
+        [
+            "spec.sharing.shares.count: 1 must be between 2 and 1048576 (one claim per device is not sharing)",
+            "spec.sharing.shares.memory: only with mode Memory",
+            "spec.sharing.shares.devices[1]: Gpus is listed twice",
+            "spec.sharing.shares.devices[2]: unknown device kind \"Vgpus\"; expected one of Gpus, MigDevices",
+            "spec.sharing.shares.interval: only with enforcement TimeSlicing",
+        ]
+    );
+    assert_eq!(
+        problems(json!({ "shares": { "mode": "Count" } })),
+        ["spec.sharing.shares.count: required with mode Count"]
+    );
+    assert_eq!(
+        problems(json!({ "shares": { "mode": "ByVolume", "devices": [], "enforcement": "vGPU" } })),
+        [
+            "spec.sharing.shares.mode: unknown share mode \"ByVolume\"; expected one of Memory, Count, Unlimited",
+            "spec.sharing.shares.devices: must name Gpus, MigDevices or both (leave it out for Gpus)",
+            "spec.sharing.shares.enforcement: unknown enforcement \"vGPU\"; expected one of MPS, TimeSlicing, None",
+        ]
+    );
+    let both = problems(json!({ "mpsMemoryShares": {}, "shares": { "mode": "Unlimited" } }));
+    assert_eq!(both.len(), 1);
+    assert!(
+        both[0].starts_with("spec.sharing.mpsMemoryShares: not together with spec.sharing.shares"),
+        "{both:?}"
+    );
 }

@@ -27,7 +27,7 @@ mod request;
 mod search;
 mod taints;
 
-pub use capacity::{in_use, InUse};
+pub use capacity::{in_use, share_shortfall, InUse};
 pub use errors::{AllocationError, SelectorOrigin};
 pub use node::Node;
 pub use pools::{Pools, SkippedPool};

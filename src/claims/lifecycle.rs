@@ -401,7 +401,7 @@ impl Preparer {
         self.leave_domain(claim, record).await?;
         self.update_record(claim, |held| held.domain = None);
         let devices = &record.devices;
-        if let Some(reason) = self.destroy_created(devices).await {
+        if let Some(reason) = self.destroy_created(&claim.uid, devices).await {
             return Err(ClaimError::Mig {
                 claim: claim.to_string(),
                 device: devices

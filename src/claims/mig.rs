@@ -127,9 +127,19 @@ impl Preparer {
             let target = match resolve(inventory, &device) {
                 Ok(Some(target)) => target,
                 Ok(None) => continue,
-                Err(reason) => return self.fail(devices, device, reason).await,
+                Err(reason) => return self.fail(claim, devices, device, reason).await,
             };
+            let shared_with = devices[index]
+                .share_id
+                .as_ref()
+                .and_then(|_| self.share_holder(&claim.uid, &device));
             let prepared = match (mig_mode, &target.existing) {
+                // A share of a MIG device another claim made and holds: the same device, which
+                // the last claim holding it destroys.
+                (MigMode::Dynamic, Some(existing)) if shared_with.is_some() => {
+                    info!(uuid = %existing.uuid, device = %device, "MIG device shared with a claim that made it");
+                    Ok(prepared_mig(&target.gpu, existing, true))
+                }
                 (MigMode::Static, Some(existing)) => Ok(prepared_mig(&target.gpu, existing, false)),
                 (MigMode::Static, None) => Err(format!(
                     "no MIG device {} exists at memory slice {} (static MIG publishes only existing ones)",
@@ -144,7 +154,7 @@ impl Preparer {
             };
             match prepared {
                 Ok(mig) => devices[index].mig = Some(mig),
-                Err(reason) => return self.fail(devices, device, reason).await,
+                Err(reason) => return self.fail(claim, devices, device, reason).await,
             }
         }
         Ok(())
@@ -152,11 +162,12 @@ impl Preparer {
 
     async fn fail(
         &self,
+        claim: &ClaimRef,
         devices: &mut [PreparedDevice],
         device: String,
         reason: String,
     ) -> Result<(), (String, String)> {
-        self.destroy_created(devices).await;
+        self.destroy_created(&claim.uid, devices).await;
         for device in devices.iter_mut() {
             device.mig = None;
         }

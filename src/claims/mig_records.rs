@@ -92,15 +92,47 @@ impl Preparer {
         }
     }
 
-    /// Destroys the MIG devices these devices created (see [`mig::destroy_created`]) and forgets the
-    /// records of those that are gone. Returns the first error.
-    pub(super) async fn destroy_created(&self, devices: &[PreparedDevice]) -> Option<String> {
-        let (first_error, gone) =
-            mig::destroy_created(&self.gpu_modes, &self.backend, devices).await;
+    /// Destroys the MIG devices these devices of claim `claim_uid` created (see
+    /// [`mig::destroy_created`]) and forgets the records of those that are gone. A device that
+    /// another claim holds a share of (recorded, made or still being made for it) is left to the last
+    /// claim that holds it. Returns the first error.
+    pub(super) async fn destroy_created(
+        &self,
+        claim_uid: &str,
+        devices: &[PreparedDevice],
+    ) -> Option<String> {
+        let own: Vec<PreparedDevice> = devices
+            .iter()
+            .filter(|d| match self.share_holder(claim_uid, &d.device) {
+                Some(holder) => {
+                    if d.mig.as_ref().is_some_and(|m| m.created) {
+                        info!(device = %d.device, claim = %holder, "MIG device left in place: another claim holds a share of it");
+                    }
+                    false
+                }
+                None => true,
+            })
+            .cloned()
+            .collect();
+        let (first_error, gone) = mig::destroy_created(&self.gpu_modes, &self.backend, &own).await;
         if !gone.is_empty() {
             self.forget_made(|made| made.uuid.as_ref().is_some_and(|uuid| gone.contains(uuid)));
         }
         first_error
+    }
+
+    /// Another claim than `claim_uid` that holds a share of `device` (not with admin access), named
+    /// for messages.
+    pub(super) fn share_holder(&self, claim_uid: &str, device: &str) -> Option<String> {
+        let state = lock(&self.state);
+        state.data.claims.iter().find_map(|(uid, record)| {
+            let holds = uid != claim_uid
+                && record
+                    .devices
+                    .iter()
+                    .any(|d| d.device == device && d.share_id.is_some() && !d.admin_access);
+            holds.then(|| super::describe(uid, record))
+        })
     }
 
     /// Adds the record (in memory); `true` when one of the same device was there already.

@@ -134,6 +134,9 @@ pub struct ClaimsConfig {
     pub checkpoint_path: std::path::PathBuf,
     /// How MIG devices are handled now; the admin's policy may change it while the plugin runs.
     pub mig_mode: watch::Receiver<MigMode>,
+    /// What the node shares among claims and how it is enforced (`None`: nothing shared); the
+    /// admin's policy may change it while the plugin runs.
+    pub shares: watch::Receiver<Option<crate::devices::Shares>>,
     pub driver_edits: DriverEdits,
     /// How long start-up waits for the API server when it rebuilds a checkpoint it had to set aside.
     pub startup_api_timeout: Duration,
@@ -164,6 +167,7 @@ pub struct Preparer {
     checkpoint: CheckpointFile,
     backend: Arc<dyn GpuBackend>,
     mig_mode: watch::Receiver<MigMode>,
+    shares: watch::Receiver<Option<crate::devices::Shares>>,
     driver_edits: DriverEdits,
     startup_api_timeout: Duration,
     claim_read_budget: Duration,
@@ -204,6 +208,7 @@ impl Preparer {
             checkpoint: CheckpointFile::new(config.checkpoint_path),
             backend,
             mig_mode: config.mig_mode,
+            shares: config.shares,
             driver_edits: config.driver_edits,
             startup_api_timeout: config.startup_api_timeout,
             claim_read_budget: config.claim_read_budget,

@@ -445,6 +445,17 @@ impl Preparer {
             {
                 continue;
             }
+            // A share of a dynamic MIG device that another kept claim's restore made again just now.
+            if let (Some(existing), Some(_), true) =
+                (&target.existing, &device.share_id, prepared.created)
+            {
+                prepared.uuid = existing.uuid.clone();
+                prepared.gpu_instance_id = existing.gpu_instance_id;
+                prepared.compute_instance_id = existing.compute_instance_id;
+                prepared.device_files = existing.device_files.clone();
+                *rewrite = true;
+                continue;
+            }
             if !prepared.created {
                 return Err(format!(
                     "static MIG device {} ({}) no longer exists",

@@ -13,7 +13,7 @@ use super::checkpoint::{CheckpointData, RecordedGpuMode};
 use super::configs;
 use super::{lock, ClaimError, ClaimRecord, ClaimRef, PreparedDevice, Preparer};
 use crate::api::config::{MpsSettings, SharingSettings};
-use crate::devices::DeviceName;
+use crate::devices::{DeviceName, Enforcement};
 use crate::gpu::{GpuSharingMode, Inventory};
 
 impl Preparer {
@@ -61,23 +61,27 @@ impl Preparer {
             claim: claim.to_string(),
             reason: error.to_string(),
         })?;
+        // What keeps shares apart on this node now; a share allocated under a policy since removed
+        // keeps MPS, the enforcement of the first form of shares.
+        let (enforcement, nvidia) = match *self.shares.borrow() {
+            Some(shares) => (shares.enforcement, shares.nvidia),
+            None => (Enforcement::Mps, false),
+        };
         let mut chosen: BTreeMap<&str, (SharingSettings, &str)> = BTreeMap::new();
         for (result, resolved) in results.iter().zip(resolved) {
             let shared = result.share_id.is_some();
-            let settings = match (&resolved.settings, resolved.source, shared) {
-                (SharingSettings::Exclusive, None, true) => {
-                    SharingSettings::Mps(MpsSettings::default())
-                }
-                (SharingSettings::Exclusive, Some(index), true) => {
-                    return Err(ClaimError::Config {
+            let settings = if shared {
+                share_settings(&resolved.settings, resolved.source, enforcement, nvidia).map_err(
+                    |why| ClaimError::Config {
                         claim: claim.to_string(),
                         reason: format!(
-                            "config[{index}]: device {} is shared with other claims (published for MPS sharing by memory); it cannot be Exclusive",
+                            "device {} is shared with other claims: {why}",
                             result.device
                         ),
-                    })
-                }
-                (settings, _, _) => settings.clone(),
+                    },
+                )?
+            } else {
+                resolved.settings.clone()
             };
             let settings = match (settings, memory_share(result)) {
                 (SharingSettings::Mps(mut mps), Some(share)) if shared => {
@@ -360,6 +364,72 @@ pub(super) fn interval_conflict(
         })
 }
 
+/// What a share of a device gets, from the claim's own settings (`source`: the index of the config
+/// they come from, `None` when no config set them) and the node's enforcement, which is what a share
+/// gets when no config says otherwise, or why the config does not fit: a share is never Exclusive
+/// (except under NVIDIA's `--consumable-shares`, where that means no sharing setting); a GPU has one
+/// time-slice interval, so under time-slicing enforcement a config may not ask another one; NVIDIA's
+/// `--consumable-shares` refuses MPS, as NVIDIA's plugin does.
+pub(super) fn share_settings(
+    settings: &SharingSettings,
+    source: Option<usize>,
+    enforcement: Enforcement,
+    nvidia: bool,
+) -> Result<SharingSettings, String> {
+    let config = |index: Option<usize>| match index {
+        Some(index) => format!("config[{index}]"),
+        None => "its config".to_string(),
+    };
+    match (settings, source, enforcement) {
+        (SharingSettings::Exclusive, None, Enforcement::Mps) => {
+            Ok(SharingSettings::Mps(MpsSettings::default()))
+        }
+        (SharingSettings::Exclusive, None, Enforcement::TimeSlicing(interval)) => {
+            Ok(SharingSettings::TimeSlicing { interval })
+        }
+        (SharingSettings::Exclusive, None, Enforcement::None) => Ok(SharingSettings::Exclusive),
+        // NVIDIA's configs leave a GPU Exclusive unless they say otherwise: nothing to enforce.
+        (SharingSettings::Exclusive, Some(_), Enforcement::None) if nvidia => {
+            Ok(SharingSettings::Exclusive)
+        }
+        (SharingSettings::Exclusive, index, _) => Err(format!(
+            "{} asks for it Exclusive, which a share cannot be",
+            config(index)
+        )),
+        (SharingSettings::Mps(_), _, Enforcement::None) if nvidia => Err(
+            "MPS sharing is not supported when consumable shares is enabled (--consumable-shares); \
+             use TimeSlicing or no sharing config"
+                .into(),
+        ),
+        (SharingSettings::TimeSlicing { interval: asked }, index, Enforcement::TimeSlicing(set))
+            if *asked != set =>
+        {
+            Err(format!(
+                "{} asks for time-slice interval {asked}, but this node time-slices shared GPUs \
+                 with interval {set} (its GpuNodePolicy's spec.sharing.shares.interval)",
+                config(index)
+            ))
+        }
+        (settings, _, _) => Ok(settings.clone()),
+    }
+}
+
+/// Why a share of `device` cannot join the shares `held` by another claim under NVIDIA's
+/// `--consumable-shares`: NVIDIA's rule that the claims on one device have the same configuration
+/// (MPS shares, which NVIDIA refuses anyway, only need each other to be MPS). `None` when it fits.
+pub(super) fn share_conflict(held: &SharingSettings, device: &SharingSettings) -> Option<String> {
+    match (held, device) {
+        (SharingSettings::Mps(_), SharingSettings::Mps(_)) => None,
+        (a, b) if a == b => None,
+        (a, b) => Some(format!(
+            "it is shared with sharing {}, and this claim asks for {}: the claims on one device \
+             must have the same configuration",
+            a.env_value(),
+            b.env_value()
+        )),
+    }
+}
+
 fn is_whole_gpu(device: &str, minor: u32) -> bool {
     whole_gpu_minor(device) == Some(minor)
 }
@@ -393,3 +463,7 @@ fn describe_mode(mode: &GpuSharingMode) -> String {
         GpuSharingMode::ExclusiveProcess => "compute mode ExclusiveProcess (for MPS)".into(),
     }
 }
+
+#[cfg(test)]
+#[path = "sharing_tests.rs"]
+mod tests;

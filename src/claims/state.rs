@@ -38,6 +38,31 @@ impl Preparer {
                     reason,
                 });
             }
+            // NVIDIA's rule under its --consumable-shares; under our own name each share keeps its
+            // own config, as far as the GPU can honour all of them (one interval, checked above).
+            let nvidia = self.shares.borrow().is_some_and(|s| s.nvidia);
+            let disagrees = state.data.claims.iter().filter(|_| nvidia).find_map(|(uid, record)| {
+                let held = record.devices.iter().find(|held| {
+                    *uid != claim.uid
+                        && !held.admin_access
+                        && held.device == device.device
+                        && held.share_id.is_some()
+                        && device.share_id.is_some()
+                })?;
+                let why = sharing::share_conflict(&held.sharing, &device.sharing)?;
+                Some(format!(
+                    "requested device {} has conflicting configuration with already prepared claim {}: {why}",
+                    device.device,
+                    describe(uid, record)
+                ))
+            });
+            if let Some(reason) = disagrees {
+                return Err(ClaimError::SharingConflict {
+                    claim: claim.to_string(),
+                    device: device.device.clone(),
+                    reason,
+                });
+            }
             let holder = state.data.claims.iter().find_map(|(uid, record)| {
                 let held = record.devices.iter().find(|held| {
                     // Shares of a device published with allowMultipleAllocations (each has a

@@ -43,6 +43,10 @@ pub struct PluginArgs {
     /// Address for /healthz, /readyz and /metrics; empty disables.
     #[arg(long, env = "HTTP_ADDR", default_value = "0.0.0.0:8080")]
     http_addr: String,
+    /// NVIDIA's consumable shares, under --driver-name gpu.nvidia.com only: 'disabled', 'memory',
+    /// 'unlimited' or a number of shares per device. A GpuNodePolicy's spec.sharing wins over it.
+    #[arg(long, env = "CONSUMABLE_SHARES", default_value = "disabled")]
+    consumable_shares: String,
     #[arg(long, env = "LOG_FORMAT", value_enum, default_value = "text")]
     log_format: LogFormat,
     /// Seconds between checks of the backend for changed GPUs.
@@ -178,7 +182,9 @@ pub fn run_plugin(args: PluginArgs) -> Result<()> {
                 .with_context(|| format!("--http-addr {addr:?} is not an address:port"))?,
         ),
     };
+    let consumable_shares = consumable_shares(&args.consumable_shares, &args.driver_name)?;
     let config = PluginConfig {
+        consumable_shares,
         driver_name: args.driver_name,
         node_name: args.node_name,
         registry_dir: args.kubelet_registry_dir,
@@ -317,4 +323,48 @@ where
         .context("starting the async runtime")?
         .block_on(supervising)?;
     std::process::exit(code)
+}
+
+/// `--consumable-shares` with NVIDIA's meaning, accepted only under NVIDIA's driver name: under our
+/// own name a GpuNodePolicy says per node pool what is shared and how.
+fn consumable_shares(text: &str, driver: &str) -> Result<Option<crate::devices::Shares>> {
+    let shares = crate::devices::Shares::nvidia_flag(text).map_err(anyhow::Error::msg)?;
+    if shares.is_some() && driver != crate::api::NVIDIA_DRIVER_NAME {
+        anyhow::bail!(
+            "--consumable-shares (CONSUMABLE_SHARES) is NVIDIA's flag, taken only under --driver-name {}; \
+             under {driver} set spec.sharing.shares in a GpuNodePolicy instead",
+            crate::api::NVIDIA_DRIVER_NAME
+        );
+    }
+    Ok(shares)
+}
+
+#[cfg(test)]
+mod consumable_shares_tests {
+    use super::consumable_shares;
+    use crate::devices::ShareCapacity;
+
+    #[test]
+    fn the_flag_takes_nvidias_values_under_nvidias_name_only() {
+        let nvidia = crate::api::NVIDIA_DRIVER_NAME;
+        assert_eq!(consumable_shares("disabled", "gpu.dra.dev").unwrap(), None);
+        let four = consumable_shares("4", nvidia).unwrap().unwrap();
+        assert_eq!(four.capacity, ShareCapacity::Count(4));
+        assert!(four.gpus && four.mig_devices && four.nvidia);
+        let memory = consumable_shares(" memory ", nvidia).unwrap().unwrap();
+        assert_eq!(memory.capacity, ShareCapacity::NvidiaMemory);
+        let wrong = consumable_shares("-2", nvidia).unwrap_err().to_string();
+        assert_eq!(
+            wrong,
+            "invalid value for --consumable-shares: \"-2\" (must be 'disabled', 'memory', 'unlimited', or a positive integer)"
+        );
+        let ours = consumable_shares("unlimited", "gpu.dra.dev")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            ours.contains("set spec.sharing.shares in a GpuNodePolicy"),
+            "{ours}"
+        );
+        assert!(consumable_shares("1", nvidia).is_err());
+    }
 }

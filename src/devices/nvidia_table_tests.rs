@@ -135,6 +135,13 @@ fn fullest_devices(name: &str, full_profile: &str) -> Vec<Device> {
             .devices()
             .cloned(),
     );
+    // NVIDIA's --consumable-shares=4 adds the capacity `shares` to every GPU and MIG device.
+    let shares = super::Shares::nvidia_flag("4").unwrap().unwrap();
+    for mode in [MigMode::Static, MigMode::Dynamic] {
+        let mut shared = node_devices(&inventory, mode);
+        super::share_devices(&mut shared, &shares);
+        devices.extend(shared.devices().cloned());
+    }
     devices
 }
 

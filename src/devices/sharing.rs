@@ -1,17 +1,28 @@
-//! Whole GPUs published for MPS sharing: the device allows multiple allocations, and its `memory`
-//! capacity carries a request policy, so the scheduler hands one GPU to several claims, each with a share
-//! of its memory (what a claim asks for, rounded up to `minimum + n × step`; `minimum` when it asks none).
-//! The prepare side caps each claim's MPS pinned memory at its share. Pure.
+//! Devices published for sharing among claims (consumable shares): the device allows multiple
+//! allocations, and its capacities carry request policies, so the scheduler hands one GPU or MIG
+//! device to several claims while what they consume fits. Three ways to count: by `memory` (a claim
+//! asks for some, rounded up to `minimum + n × step`), by a fixed number of `shares` per device, or
+//! unlimited. [`Shares`] is what a GpuNodePolicy's `spec.sharing` or NVIDIA's `--consumable-shares`
+//! asks for; [`share_devices`] applies it. The prepare side enforces it (`claims/sharing.rs`). Pure.
 
-use k8s_openapi::api::resource::v1::{CapacityRequestPolicy, CapacityRequestPolicyRange, Device};
+use k8s_openapi::api::resource::v1::{
+    CapacityRequestPolicy, CapacityRequestPolicyRange, Device, DeviceCapacity,
+};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
 use super::{string, DeviceName, NodeDevices};
+use crate::gpu::TimeSliceInterval;
 
-/// The attribute that marks a GPU published for sharing, so a DeviceClass can select (or avoid) it.
+/// The attribute that marks a device published for sharing, so a DeviceClass can select (or avoid)
+/// it; its value is the enforcement (`MPS`, `TimeSlicing`, `None`). Not published under NVIDIA's
+/// `--consumable-shares`, whose devices carry NVIDIA's attributes only.
 pub const SHARING_ATTRIBUTE: &str = "sharing";
-/// Its value for MPS sharing by memory.
+/// Its value for MPS sharing.
 pub const SHARING_MPS: &str = "MPS";
+/// The capacity a device shared by count publishes: how many claims it takes.
+pub const SHARES_CAPACITY: &str = "shares";
+/// NVIDIA's step for memory shares: 1Mi.
+pub const MEBIBYTE: u64 = 1 << 20;
 
 /// The share sizes, in bytes (both positive).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -20,60 +31,241 @@ pub struct MemoryShares {
     pub step_bytes: u64,
 }
 
-/// Publishes every whole GPU of `node` for MPS sharing with `shares`. Left exclusive: MIG devices, a
-/// whole GPU that takes shared counters (dynamic MIG: it cannot be split by memory while its MIG
-/// devices may be created), and a GPU too small for the API's rule that one step above the minimum
-/// fits in the capacity. Returns the names of the whole GPUs left exclusive for their size.
+/// How a shared device is counted out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ShareCapacity {
+    /// By memory in sizes the admin chose: default and minimum `minimum`, steps of `step`.
+    Memory(MemoryShares),
+    /// NVIDIA's `--consumable-shares=memory`: steps of 1Mi, and a claim that names no memory takes
+    /// all of it.
+    NvidiaMemory,
+    /// At most this many claims per device (each takes one `shares` by default); memory may still be
+    /// asked for, and is counted, but takes nothing by default.
+    Count(u64),
+    /// Any number of claims; memory as for `Count`.
+    Unlimited,
+}
+
+/// What keeps the claims on one shared device apart.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Enforcement {
+    /// Each claim runs its own MPS control daemon, its memory share its pinned-memory limit.
+    Mps,
+    /// Whole GPUs are time-sliced with this interval (MIG devices take turns as the driver does).
+    TimeSlicing(TimeSliceInterval),
+    /// Nothing beyond what a claim's own config asks (NVIDIA's `--consumable-shares`).
+    None,
+}
+
+impl Enforcement {
+    /// The value of the `sharing` attribute.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Enforcement::Mps => SHARING_MPS,
+            Enforcement::TimeSlicing(_) => "TimeSlicing",
+            Enforcement::None => "None",
+        }
+    }
+}
+
+/// What the node publishes for sharing, and how.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shares {
+    pub capacity: ShareCapacity,
+    /// Whole GPUs are shared.
+    pub gpus: bool,
+    /// MIG devices (static and dynamic) are shared.
+    pub mig_devices: bool,
+    pub enforcement: Enforcement,
+    /// NVIDIA's `--consumable-shares` (compatibility mode): NVIDIA's capacity shapes exactly, on every
+    /// GPU and MIG device, and no `sharing` attribute.
+    pub nvidia: bool,
+}
+
+impl Shares {
+    /// `spec.sharing.mpsMemoryShares`: whole GPUs by memory, with MPS.
+    pub fn mps_memory(sizes: MemoryShares) -> Shares {
+        Shares {
+            capacity: ShareCapacity::Memory(sizes),
+            gpus: true,
+            mig_devices: false,
+            enforcement: Enforcement::Mps,
+            nvidia: false,
+        }
+    }
+
+    /// NVIDIA's `--consumable-shares` (env `CONSUMABLE_SHARES`): `disabled` (or empty) is `None`;
+    /// `memory`, `unlimited` or a whole number of shares per device. The message of a bad value is
+    /// NVIDIA's. A count of 1 is refused: a `shares` capacity of 1 has no room for a step above the
+    /// minimum, which the API server requires of a request policy.
+    pub fn nvidia_flag(text: &str) -> Result<Option<Shares>, String> {
+        let text = text.trim();
+        let capacity = match text {
+            "" | "disabled" => return Ok(None),
+            "memory" => ShareCapacity::NvidiaMemory,
+            "unlimited" => ShareCapacity::Unlimited,
+            other => match other.parse::<i64>() {
+                Ok(1) => {
+                    return Err(
+                        "invalid value for --consumable-shares: \"1\" (one share per \
+                         device is not sharing, and the API server refuses a shares capacity of 1; \
+                         use 2 or more, or 'disabled')"
+                            .into(),
+                    )
+                }
+                Ok(n) if n > 0 => ShareCapacity::Count(n.unsigned_abs()),
+                _ => {
+                    return Err(format!(
+                        "invalid value for --consumable-shares: {other:?} (must be 'disabled', \
+                         'memory', 'unlimited', or a positive integer)"
+                    ))
+                }
+            },
+        };
+        Ok(Some(Shares {
+            capacity,
+            gpus: true,
+            mig_devices: true,
+            enforcement: Enforcement::None,
+            nvidia: true,
+        }))
+    }
+}
+
+/// Compatibility for callers of the memory-only form: [`share_devices`] with
+/// [`Shares::mps_memory`].
 pub fn share_for_mps(node: &mut NodeDevices, shares: MemoryShares) -> Vec<String> {
+    share_devices(node, &Shares::mps_memory(shares))
+}
+
+/// Publishes the devices of `node` that `shares` names for sharing. Whole GPUs of dynamic MIG take
+/// shared counters: their shares take them once, so while one claim holds a share no MIG device of
+/// that GPU can be made, as the scheduler counts it. A device without room for the shares (memory
+/// smaller than the minimum plus one step, which the API server requires, or no room left within
+/// the API's 32 attributes and capacities) stays exclusive; returns their names.
+pub fn share_devices(node: &mut NodeDevices, shares: &Shares) -> Vec<String> {
     let mut too_small = Vec::new();
     for device in node.gpus.iter_mut().flat_map(|g| g.devices.iter_mut()) {
-        let whole = matches!(
-            DeviceName::parse(&device.name),
-            Some(DeviceName::Gpu { .. })
-        );
-        let partitionable = device
-            .consumes_counters
-            .as_ref()
-            .is_some_and(|c| !c.is_empty());
-        if !whole || partitionable {
-            continue;
-        }
-        if !share(device, shares) {
+        let wanted = match DeviceName::parse(&device.name) {
+            Some(DeviceName::Gpu { .. }) => shares.gpus,
+            Some(DeviceName::Mig { .. }) => shares.mig_devices,
+            None => false,
+        };
+        if wanted && !share(device, shares) {
             too_small.push(device.name.clone());
         }
     }
     too_small
 }
 
-/// Makes `device` shareable by memory; false (and unchanged) when it has no room for `shares`.
-fn share(device: &mut Device, shares: MemoryShares) -> bool {
-    let Some(memory) = device.capacity.as_mut().and_then(|c| c.get_mut("memory")) else {
+/// Makes `device` shareable; false (and unchanged) when it has no room for `shares`.
+fn share(device: &mut Device, shares: &Shares) -> bool {
+    let before = device.clone();
+    let Some(capacities) = device.capacity.as_mut() else {
         return false;
     };
-    let Some(total) = crate::quantity::parse_nanos(&memory.value.0) else {
+    let Some(total) = capacities
+        .get("memory")
+        .and_then(|m| crate::quantity::parse_nanos(&m.value.0))
+        .and_then(|nanos| u64::try_from(nanos / 1_000_000_000).ok())
+    else {
         return false;
     };
-    // `validRange.min + step` must not exceed the capacity (ResourceSlice validation).
-    let needed = i128::from(shares.minimum_bytes) + i128::from(shares.step_bytes);
-    if needed * 1_000_000_000 > total {
+    // Max and default must be multiples of the step: NVIDIA rounds the value down to 1Mi.
+    let rounded = total / MEBIBYTE * MEBIBYTE;
+    let memory_policy = match shares.capacity {
+        ShareCapacity::Memory(sizes) => {
+            // `validRange.min + step` must not exceed the capacity (ResourceSlice validation).
+            if u128::from(sizes.minimum_bytes) + u128::from(sizes.step_bytes) > u128::from(total) {
+                return false;
+            }
+            policy(
+                sizes.minimum_bytes,
+                sizes.minimum_bytes,
+                None,
+                sizes.step_bytes,
+            )
+        }
+        ShareCapacity::NvidiaMemory => policy(rounded, MEBIBYTE, Some(rounded), MEBIBYTE),
+        ShareCapacity::Count(_) | ShareCapacity::Unlimited => policy(0, 0, Some(rounded), MEBIBYTE),
+    };
+    if rounded < MEBIBYTE {
         return false;
     }
-    let minimum = bytes(shares.minimum_bytes);
-    memory.request_policy = Some(CapacityRequestPolicy {
-        default: Some(minimum.clone()),
+    let memory = capacities
+        .get_mut("memory")
+        .expect("read above: the device has a memory capacity");
+    if !matches!(shares.capacity, ShareCapacity::Memory(_)) {
+        memory.value = bytes(rounded);
+    }
+    memory.request_policy = Some(memory_policy);
+    if !shares.nvidia {
+        // Without a policy a claim takes all of a capacity it does not name (a MIG device's
+        // multiprocessors, engines): the others take nothing unless asked for.
+        for (name, capacity) in capacities.iter_mut() {
+            if name != "memory" && name != SHARES_CAPACITY {
+                capacity.request_policy = Some(CapacityRequestPolicy {
+                    default: Some(Quantity("0".into())),
+                    valid_range: Some(CapacityRequestPolicyRange {
+                        min: Quantity("0".into()),
+                        step: Some(Quantity("1".into())),
+                        max: None,
+                    }),
+                    valid_values: None,
+                });
+            }
+        }
+    }
+    if let ShareCapacity::Count(count) = shares.capacity {
+        let one = Quantity("1".into());
+        capacities.insert(
+            SHARES_CAPACITY.to_string(),
+            DeviceCapacity {
+                value: Quantity(count.to_string()),
+                request_policy: Some(CapacityRequestPolicy {
+                    default: Some(one.clone()),
+                    valid_range: Some(CapacityRequestPolicyRange {
+                        min: one.clone(),
+                        max: Some(Quantity(count.to_string())),
+                        step: Some(one),
+                    }),
+                    valid_values: None,
+                }),
+            },
+        );
+    }
+    device.allow_multiple_allocations = Some(true);
+    if !shares.nvidia {
+        device
+            .attributes
+            .get_or_insert_with(Default::default)
+            .insert(
+                SHARING_ATTRIBUTE.to_string(),
+                string(shares.enforcement.as_str()),
+            );
+    }
+    // `shares` and `sharing` count against the API's limit of attributes and capacities too: a
+    // device that cannot give up enough (a static MIG device spanning the GPU, with its memory
+    // slices) stays exclusive rather than make its ResourceSlice invalid.
+    super::fit_the_limit(device);
+    if super::attributes_and_capacities(device) > super::MAX_ATTRIBUTES_AND_CAPACITIES {
+        *device = before;
+        return false;
+    }
+    true
+}
+
+/// A request policy for memory: `default`, a range from `min` (to `max`) in `step`s, in bytes.
+fn policy(default: u64, min: u64, max: Option<u64>, step: u64) -> CapacityRequestPolicy {
+    CapacityRequestPolicy {
+        default: Some(bytes(default)),
         valid_range: Some(CapacityRequestPolicyRange {
-            min: minimum,
-            step: Some(bytes(shares.step_bytes)),
-            max: None,
+            min: bytes(min),
+            step: Some(bytes(step)),
+            max: max.map(bytes),
         }),
         valid_values: None,
-    });
-    device.allow_multiple_allocations = Some(true);
-    device
-        .attributes
-        .get_or_insert_with(Default::default)
-        .insert(SHARING_ATTRIBUTE.to_string(), string(SHARING_MPS));
-    true
+    }
 }
 
 /// A number of bytes as a quantity, with the largest binary suffix that keeps it exact (`1Gi`,
@@ -135,30 +327,111 @@ mod tests {
     }
 
     #[test]
-    fn mig_devices_and_partitionable_gpus_stay_exclusive() {
+    fn mig_devices_stay_exclusive_unless_named_and_dynamic_gpus_are_shared_too() {
+        // Dynamic MIG: whole GPUs take counters, and their shares take them once.
         let mut dynamic = node("dgx-h100", MigMode::Dynamic);
-        let before = dynamic.clone();
         assert!(share_for_mps(&mut dynamic, shares(1, 1)).is_empty());
-        assert_eq!(dynamic, before, "dynamic MIG GPUs take counters");
+        for device in dynamic.devices() {
+            let whole = matches!(
+                DeviceName::parse(&device.name),
+                Some(DeviceName::Gpu { .. })
+            );
+            assert_eq!(
+                device.allow_multiple_allocations == Some(true),
+                whole,
+                "{}",
+                device.name
+            );
+        }
+        let mut both = node("dgx-h100", MigMode::Dynamic);
+        let everything = Shares {
+            mig_devices: true,
+            ..Shares::mps_memory(shares(1, 1))
+        };
+        let too_small = share_devices(&mut both, &everything);
+        // 1g.10gb MIG devices (9.75Gi) have room for 1Gi + 1Gi; every device is shared.
+        assert!(too_small.is_empty(), "{too_small:?}");
+        assert!(both
+            .devices()
+            .all(|d| d.allow_multiple_allocations == Some(true)));
+        // Other capacities of a MIG device take nothing by default, or a second claim would not fit.
+        let mig = both
+            .devices()
+            .find(|d| d.name.contains("-mig-1g10gb-"))
+            .expect("a 1g.10gb device");
+        let sms = &mig.capacity.as_ref().unwrap()["multiprocessors"];
+        let policy = sms.request_policy.as_ref().expect("a policy");
+        assert_eq!(policy.default, Some(Quantity("0".into())));
+    }
 
-        // A100 with MIG mode on offers only MIG devices, which stay exclusive; with it off (and no way
-        // to switch it without a reset) the whole GPU takes no counters and is shared.
-        let mut inventory = FakeBackend::new("n", "dgx-a100")
+    fn nvidia(flag: &str) -> Shares {
+        Shares::nvidia_flag(flag).unwrap().unwrap()
+    }
+
+    fn policy_json(device: &Device, capacity: &str) -> serde_json::Value {
+        serde_json::to_value(&device.capacity.as_ref().unwrap()[capacity]).unwrap()
+    }
+
+    #[test]
+    fn nvidias_flag_gives_nvidias_capacity_shapes() {
+        // 81559Mi of memory: already a whole number of Mi.
+        let total = "81559Mi";
+        let mut memory = node("dgx-h100", MigMode::None);
+        assert!(share_devices(&mut memory, &nvidia("memory")).is_empty());
+        let gpu = memory.devices().next().unwrap();
+        assert_eq!(gpu.allow_multiple_allocations, Some(true));
+        assert_eq!(
+            policy_json(gpu, "memory"),
+            serde_json::json!({"value": total, "requestPolicy": {"default": total,
+                "validRange": {"min": "1Mi", "max": total, "step": "1Mi"}}})
+        );
+        assert!(
+            !gpu.attributes
+                .as_ref()
+                .unwrap()
+                .contains_key(SHARING_ATTRIBUTE),
+            "NVIDIA's devices carry NVIDIA's attributes only"
+        );
+
+        let mut unlimited = node("dgx-h100", MigMode::None);
+        share_devices(&mut unlimited, &nvidia("unlimited"));
+        let gpu = unlimited.devices().next().unwrap();
+        let zero_default = serde_json::json!({"value": total, "requestPolicy": {"default": "0",
+            "validRange": {"min": "0", "max": total, "step": "1Mi"}}});
+        assert_eq!(policy_json(gpu, "memory"), zero_default);
+        assert!(!gpu.capacity.as_ref().unwrap().contains_key(SHARES_CAPACITY));
+
+        let mut four = node("dgx-h100", MigMode::None);
+        share_devices(&mut four, &nvidia("4"));
+        let gpu = four.devices().next().unwrap();
+        assert_eq!(policy_json(gpu, "memory"), zero_default);
+        assert_eq!(
+            policy_json(gpu, SHARES_CAPACITY),
+            serde_json::json!({"value": "4", "requestPolicy": {"default": "1",
+                "validRange": {"min": "1", "max": "4", "step": "1"}}})
+        );
+    }
+
+    #[test]
+    fn nvidias_flag_rounds_memory_down_to_a_mebibyte_and_reads_its_values() {
+        let mut inventory = FakeBackend::new("n", "dgx-h100")
             .unwrap()
             .inventory()
             .unwrap();
-        inventory.gpus[0].mig.as_mut().unwrap().enabled = true;
-        let mut node = node_devices(&inventory, MigMode::Dynamic);
-        share_for_mps(&mut node, shares(1, 1));
-        assert!(node.gpus[0].devices.len() > 1);
-        assert!(node.gpus[0]
-            .devices
-            .iter()
-            .all(|d| d.allow_multiple_allocations.is_none()));
-        assert_eq!(node.gpus[1].devices.len(), 1);
+        inventory.gpus[0].memory_bytes = (4 << 30) + 12345;
+        let mut node = node_devices(&inventory, MigMode::None);
+        share_devices(&mut node, &nvidia("memory"));
+        let memory = &node.gpus[0].devices[0].capacity.as_ref().unwrap()["memory"];
+        assert_eq!(memory.value.0, "4Gi");
+        assert_eq!(Shares::nvidia_flag("disabled"), Ok(None));
+        assert_eq!(Shares::nvidia_flag(""), Ok(None));
         assert_eq!(
-            node.gpus[1].devices[0].allow_multiple_allocations,
-            Some(true)
+            Shares::nvidia_flag("half"),
+            Err("invalid value for --consumable-shares: \"half\" (must be 'disabled', 'memory', 'unlimited', or a positive integer)".into())
+        );
+        assert_eq!(
+            Shares::nvidia_flag("0").unwrap_err(),
+            Shares::nvidia_flag("-3").unwrap_err().replace("-3", "0")
         );
     }
 

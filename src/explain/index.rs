@@ -164,6 +164,9 @@ impl Held {
                 for (device, consumed) in &pool.shares {
                     held.add_share(device.clone(), consumed.clone());
                 }
+                for (device, holders) in &pool.share_holders {
+                    held.share_holders.insert(device.clone(), *holders);
+                }
             }
         }
         held

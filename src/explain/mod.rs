@@ -39,6 +39,8 @@ mod tests;
 mod tests_domains;
 #[cfg(test)]
 mod tests_extended;
+#[cfg(test)]
+mod tests_shares;
 
 use std::path::PathBuf;
 

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::resource::v1::{DeviceSelector, DeviceToleration};
+use k8s_openapi::api::resource::v1::{CapacityRequirements, DeviceSelector, DeviceToleration};
 
 use crate::cel::Selector;
 
@@ -30,6 +30,8 @@ pub(super) struct Alternative {
     pub(super) wanted: Option<usize>,
     pub(super) admin: bool,
     pub(super) tolerations: Vec<DeviceToleration>,
+    /// The request's `capacity` (what it consumes of a device's capacities).
+    pub(super) capacity: Option<CapacityRequirements>,
 }
 
 pub(super) struct RequestPlan {
@@ -69,7 +71,8 @@ pub(super) fn plan(
                        mode: Option<&str>,
                        count: Option<i64>,
                        admin: bool,
-                       tolerations: &[DeviceToleration]|
+                       tolerations: &[DeviceToleration],
+                       capacity: Option<&CapacityRequirements>|
          -> Result<(), ExplainError> {
             let expressions = classes.get(class).ok_or_else(|| {
                 error(format!(
@@ -122,6 +125,7 @@ pub(super) fn plan(
                 wanted,
                 admin,
                 tolerations: tolerations.to_vec(),
+                capacity: capacity.cloned(),
             });
             Ok(())
         };
@@ -134,6 +138,7 @@ pub(super) fn plan(
                 e.count,
                 e.admin_access == Some(true),
                 e.tolerations.as_deref().unwrap_or_default(),
+                e.capacity.as_ref(),
             )?,
             (None, Some(subs)) if !subs.is_empty() => {
                 for s in subs {
@@ -145,6 +150,7 @@ pub(super) fn plan(
                         s.count,
                         false,
                         s.tolerations.as_deref().unwrap_or_default(),
+                        s.capacity.as_ref(),
                     )?
                 }
             }

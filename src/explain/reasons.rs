@@ -9,7 +9,9 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use k8s_openapi::api::resource::v1::{Device, DeviceToleration};
 
-use crate::cel::allocator::{untolerated_taint, AllocationError, Candidate, InUse, Pools};
+use crate::cel::allocator::{
+    share_shortfall, untolerated_taint, AllocationError, Candidate, InUse, Pools,
+};
 use crate::cel::quantity::Quantity;
 use crate::cel::DeviceView;
 
@@ -187,6 +189,17 @@ fn tally(
             }
         } else if let Some(taint) = untolerated(dev.device, &alternative.tolerations) {
             *counts.tainted.entry(taint).or_default() += 1;
+        } else if let Some(why) = share_shortfall(
+            dev.device,
+            alternative.capacity.as_ref(),
+            node.in_use.shares.get(dev.candidate),
+            node.in_use
+                .share_holders
+                .get(dev.candidate)
+                .copied()
+                .unwrap_or_default(),
+        ) {
+            counts.capacity_short.insert(dev.device.name.clone(), why);
         } else if !alternative.admin && counters_used_up(dev, remaining) {
             counts.shared_counters_used_up += 1;
         } else {
@@ -263,6 +276,9 @@ fn shortfall(prefix: &str, alternative: &Alternative, tally: Tally, devices: &[D
             n => parts.push(format!(
                 "{n} overlap allocated devices (shared counters used up)"
             )),
+        }
+        for (device, why) in &counts.capacity_short {
+            parts.push(format!("{device}: {why}"));
         }
         if counts.free == 0 && parts.is_empty() {
             parts.push("0 free".into());

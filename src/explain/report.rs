@@ -182,6 +182,10 @@ pub struct DeviceCounts {
     pub tainted: BTreeMap<String, usize>,
     /// Devices whose shared counters (the GPU's memory and engines, for MIG) allocated devices use up.
     pub shared_counters_used_up: usize,
+    /// Devices whose capacities cannot give the request what it asks (shares of other claims took
+    /// it, or the request policy refuses it), with why, by device name.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub capacity_short: BTreeMap<String, String>,
     /// Selector errors on devices, by message.
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub selector_errors: BTreeMap<String, usize>,

@@ -43,6 +43,9 @@ pub struct PluginConfig {
     pub rescan_interval: Duration,
     /// `--mig-mode`; a GpuNodePolicy that sets one takes precedence, from the start.
     pub mig_mode: MigMode,
+    /// NVIDIA's `--consumable-shares` (only under NVIDIA's driver name): what the node shares where
+    /// no GpuNodePolicy in force sets `spec.sharing`.
+    pub consumable_shares: Option<crate::devices::Shares>,
     /// How long start-up waits for the API server (the GpuNodePolicy, a checkpoint rebuild).
     pub startup_api_timeout: Duration,
     /// Timeouts towards the API server: the client's, the watches', and the per-claim budget of a
@@ -116,6 +119,7 @@ impl PluginConfig {
             http_addr: None,
             rescan_interval: Duration::from_secs(5),
             mig_mode: MigMode::Static,
+            consumable_shares: None,
             startup_api_timeout: startup::DEFAULT_STARTUP_API_TIMEOUT,
             api: ApiTimeouts::default(),
             mps: MpsConfig::default(),

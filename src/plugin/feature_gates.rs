@@ -18,7 +18,7 @@ pub const REASON_DISABLED: &str = "FeatureGateDisabled";
 pub const REASON_ENABLED: &str = "FeatureGateEnabled";
 
 /// The Event's note for a dropped field: the gate, what the node does instead, what the admin can do.
-/// `mig_mode` and `mps_shares` (a GpuNodePolicy sets `spec.sharing.mpsMemoryShares`) say whether the
+/// `mig_mode` and `mps_shares` (a GpuNodePolicy sets `spec.sharing`, or `--consumable-shares` is set) say whether the
 /// node uses the field now.
 pub fn disabled_note(field: GatedField, mig_mode: MigMode, mps_shares: bool) -> String {
     let relevance = match (field, mig_mode) {
@@ -27,7 +27,7 @@ pub fn disabled_note(field: GatedField, mig_mode: MigMode, mps_shares: bool) -> 
         (GatedField::Taints, _) => "",
         (GatedField::ConsumableCapacity, _) if mps_shares => "",
         (GatedField::ConsumableCapacity, _) => {
-            " (it matters only where a GpuNodePolicy sets spec.sharing.mpsMemoryShares)"
+            " (it matters only where a GpuNodePolicy sets spec.sharing or --consumable-shares is set)"
         }
     };
     format!(

@@ -13,14 +13,14 @@ use tokio::sync::{mpsc, watch};
 use tracing::{debug, info, warn};
 
 use crate::api::{self, EffectivePolicy};
-use crate::devices::{node_devices, share_for_mps, MemoryShares, MigMode, NodeDevices};
+use crate::devices::{node_devices, share_devices, MigMode, NodeDevices, Shares};
 use crate::domains::channels::channel_devices;
 use crate::gpu::{GpuBackend, GpuEvent, Inventory};
 use crate::health::{Fault, HealthPolicy, HealthState, TaintEffect};
 use crate::kubelet::DeviceHealthReport;
 use crate::observability::Metrics;
 use crate::slices::kept_fields::{
-    effective_mig_mode, effective_mps_shares, withhold_faulty, KeptFields,
+    effective_mig_mode, effective_shares, withhold_faulty, KeptFields,
 };
 
 use super::startup::FaultStore;
@@ -36,8 +36,8 @@ pub struct NodePolicy {
     pub health: HealthPolicy,
     /// `None` keeps the plugin's `--mig-mode`.
     pub mig_mode: Option<MigMode>,
-    /// Whole GPUs published for MPS sharing by memory, with these share sizes.
-    pub mps_memory_shares: Option<MemoryShares>,
+    /// Devices published for sharing (`spec.sharing`); `None` leaves it to `--consumable-shares`.
+    pub shares: Option<Shares>,
     /// Write GPU feature discovery's labels on this node (`node_labels`).
     pub classic_node_labels: bool,
 }
@@ -77,19 +77,11 @@ impl NodePolicy {
             Some(api::MigModeSpec::Dynamic) => Some(MigMode::Dynamic),
             _ => None,
         };
-        let mps_memory_shares = policy
-            .sharing
-            .as_ref()
-            .and_then(|s| s.mps_memory_shares.as_ref())
-            .and_then(|m| m.sizes("spec.sharing.mpsMemoryShares").ok())
-            .map(|sizes| MemoryShares {
-                minimum_bytes: sizes.minimum_bytes,
-                step_bytes: sizes.step_bytes,
-            });
+        let shares = policy.sharing.as_ref().and_then(|s| s.resolved());
         NodePolicy {
             health,
             mig_mode,
-            mps_memory_shares,
+            shares,
             classic_node_labels: policy.classic_node_labels,
         }
     }
@@ -121,6 +113,8 @@ pub struct MonitorChannels {
     pub devices: watch::Sender<Arc<NodeDevices>>,
     pub health: watch::Sender<Arc<Vec<DeviceHealthReport>>>,
     pub mig_mode: watch::Sender<MigMode>,
+    /// The sharing in force (published, so allocated): what prepares enforce.
+    pub shares: watch::Sender<Option<Shares>>,
     /// What the API server keeps of counters, taints and shared devices (from the publisher): dynamic
     /// MIG falls back to whole GPUs without counters, faulty devices are withheld without taints, GPUs
     /// are published exclusive without the fields of shared devices.
@@ -133,6 +127,8 @@ pub struct Monitor {
     pub driver: String,
     pub pool: String,
     pub default_mig_mode: MigMode,
+    /// `--consumable-shares`, where the policy sets no sharing.
+    pub default_shares: Option<Shares>,
     pub metrics: Arc<Metrics>,
     /// IMEX channels published where the node is in an NVLink clique.
     pub imex_channels: u32,
@@ -252,8 +248,9 @@ impl Monitor {
             &ch.channel_taints.borrow(),
             &self.driver,
         );
-        if let Some(shares) = effective_mps_shares(policy.mps_memory_shares, kept) {
-            let too_small = share_for_mps(&mut node, shares);
+        let shares = effective_shares(policy.shares.or(self.default_shares), kept);
+        if let Some(shares) = &shares {
+            let too_small = share_devices(&mut node, shares);
             if !too_small.is_empty() {
                 debug!(devices = ?too_small, ?shares, "GPUs published exclusive: their memory has no room for the minimum share plus one step");
             }
@@ -293,6 +290,11 @@ impl Monitor {
         ));
         send_if_changed(&ch.devices, node);
         send_if_changed(&ch.health, reports);
+        ch.shares.send_if_modified(|current| {
+            let changed = *current != shares;
+            *current = shares;
+            changed
+        });
         ch.mig_mode.send_if_modified(|current| {
             let changed = *current != mode;
             *current = mode;

@@ -134,6 +134,10 @@ pub(super) struct Policy {
     pub mig_mode_rx: watch::Receiver<MigMode>,
     pub mig_mode_at_start: MigMode,
     pub mps_shares_at_start: bool,
+    /// The sharing in force (the policy's, else `--consumable-shares`); the monitor sets it, prepares
+    /// read it.
+    pub shares: watch::Sender<Option<crate::devices::Shares>>,
+    pub shares_rx: watch::Receiver<Option<crate::devices::Shares>>,
 }
 
 /// `policy`: the GpuNodePolicy in force, read once within the start-up API timeout, because its MIG
@@ -147,7 +151,9 @@ pub(super) async fn policy(part: Part, shared: &Shared) -> Result<Policy, Plugin
         .map(NodePolicy::from_effective)
         .unwrap_or_default();
     let mig_mode = node_policy.mig_mode.unwrap_or(config.mig_mode);
-    let mps_shares_at_start = node_policy.mps_memory_shares.is_some();
+    let shares = node_policy.shares.or(config.consumable_shares);
+    let mps_shares_at_start = shares.is_some();
+    let (shares_tx, shares_rx) = watch::channel(shares);
     let (mig_mode_tx, mig_mode_rx) = watch::channel(mig_mode);
     let (node, node_rx) = watch::channel(node_policy);
     // Starts from what was read above, so the watcher's first answer is compared with it.
@@ -168,6 +174,8 @@ pub(super) async fn policy(part: Part, shared: &Shared) -> Result<Policy, Plugin
         mig_mode_rx,
         mig_mode_at_start: mig_mode,
         mps_shares_at_start,
+        shares: shares_tx,
+        shares_rx,
     })
 }
 
@@ -204,6 +212,7 @@ pub(super) async fn recovery(
             cdi: CdiRegistry::new(&config.cdi_root, &config.driver_name),
             checkpoint_path: claims::checkpoint_path(&plugin_dir, &config.driver_name),
             mig_mode: policy.mig_mode_rx.clone(),
+            shares: policy.shares_rx.clone(),
             driver_edits: gpus.driver_edits.clone(),
             startup_api_timeout: config.startup_api_timeout,
             claim_read_budget: config.api.claim_read,
@@ -294,6 +303,7 @@ pub(super) async fn health_monitor(
         driver: config.driver_name.clone(),
         pool: config.node_name.clone(),
         default_mig_mode: config.mig_mode,
+        default_shares: config.consumable_shares,
         metrics: shared.metrics.clone(),
         imex_channels: config.domains.imex_channels,
     };
@@ -307,6 +317,7 @@ pub(super) async fn health_monitor(
         devices: devices_tx,
         health: health_tx,
         mig_mode: policy.mig_mode.clone(),
+        shares: policy.shares.clone(),
         kept_fields: publisher.kept_fields(),
         channel_taints: claims.channel_taints.clone(),
     };

@@ -12,7 +12,7 @@ use k8s_openapi::api::resource::v1::{
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
-use crate::devices::{GpuDevices, MemoryShares, MigMode, NodeDevices};
+use crate::devices::{GpuDevices, MigMode, NodeDevices, Shares};
 
 /// The name of the device and counter set in the dry-run probe slice (a valid DNS label).
 const PROBE_NAME: &str = "dry-run-probe";
@@ -62,8 +62,9 @@ impl GatedField {
             }
             GatedField::ConsumableCapacity => {
                 "the API server drops allowMultipleAllocations and the request policies of device \
-                 capacities, so a GPU cannot be published for sharing by memory; this node publishes its \
-                 GPUs for exclusive use, also where a GpuNodePolicy sets spec.sharing.mpsMemoryShares. \
+                 capacities, so a device cannot be published for sharing among claims; this node publishes its \
+                 devices for exclusive use, also where a GpuNodePolicy sets spec.sharing (shares or \
+                 mpsMemoryShares) or --consumable-shares is set. \
                  Enable the DRAConsumableCapacity feature gate (kube-apiserver, kube-scheduler, kubelet) \
                  and restart this plugin to share them"
             }
@@ -173,12 +174,9 @@ pub fn effective_mig_mode(requested: MigMode, kept: KeptFields) -> MigMode {
     }
 }
 
-/// The MPS memory shares in force: without the fields of shared devices, GPUs are published (and so
+/// The shares in force: without the fields of shared devices, devices are published (and so
 /// allocated) for exclusive use.
-pub fn effective_mps_shares(
-    requested: Option<MemoryShares>,
-    kept: KeptFields,
-) -> Option<MemoryShares> {
+pub fn effective_shares(requested: Option<Shares>, kept: KeptFields) -> Option<Shares> {
     requested.filter(|_| kept.consumable_capacity)
 }
 
@@ -292,7 +290,7 @@ pub fn probe_devices(driver: &str) -> NodeDevices {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::devices;
+    use crate::devices::{self, MemoryShares};
     use crate::gpu::{FakeBackend, GpuBackend};
     use crate::slices::{desired_slices, ServerVersion};
 
@@ -434,10 +432,11 @@ mod tests {
             minimum_bytes: 1 << 30,
             step_bytes: 1 << 30,
         };
-        assert_eq!(effective_mps_shares(Some(shares), no_sharing), None);
+        let general = Shares::mps_memory(shares);
+        assert_eq!(effective_shares(Some(general), no_sharing), None);
         assert_eq!(
-            effective_mps_shares(Some(shares), KeptFields::default()),
-            Some(shares)
+            effective_shares(Some(general), KeptFields::default()),
+            Some(general)
         );
         let mut shared = node(MigMode::None);
         devices::share_for_mps(&mut shared, shares);

@@ -27,6 +27,8 @@ pub struct InUse {
     /// Devices held in shares (results with a `shareID`), with the capacity the shares consume summed
     /// per device (empty where they consume none). Other claims may still get shares of them.
     pub shares: BTreeMap<Candidate, BTreeMap<String, Quantity>>,
+    /// How many shares (allocation results with a `shareID`) hold each device of `shares`.
+    pub share_holders: BTreeMap<Candidate, usize>,
 }
 
 impl From<BTreeSet<Candidate>> for InUse {
@@ -34,7 +36,7 @@ impl From<BTreeSet<Candidate>> for InUse {
     fn from(devices: BTreeSet<Candidate>) -> InUse {
         InUse {
             devices,
-            shares: BTreeMap::new(),
+            ..InUse::default()
         }
     }
 }
@@ -42,6 +44,7 @@ impl From<BTreeSet<Candidate>> for InUse {
 impl InUse {
     /// Records one share of `device` that consumes `consumed`.
     pub fn add_share(&mut self, device: Candidate, consumed: BTreeMap<String, Quantity>) {
+        *self.share_holders.entry(device.clone()).or_default() += 1;
         let total = self.shares.entry(device).or_default();
         for (name, amount) in consumed {
             let sum = total.entry(name).or_insert_with(Quantity::zero);
@@ -403,6 +406,49 @@ pub(super) fn demand(
         Some(why) => Err(why),
         None => Ok(demand),
     }
+}
+
+/// Why a request with `capacity` does not get `device` for what its capacities have left after
+/// the shares that hold it (`used`, consumed by `holders` shares), in an operator's words, as the
+/// allocator decides it (`None` when it fits, or when the device's capacities cannot be read: the
+/// allocator's message says that): `memory 40Gi requested, 9Gi left of 79Gi (2 claims hold 70Gi)`,
+/// `shares: 4 of 4 taken`, or the request policy the request breaks.
+pub fn share_shortfall(
+    device: &Device,
+    capacity: Option<&CapacityRequirements>,
+    used: Option<&BTreeMap<String, Quantity>>,
+    holders: usize,
+) -> Option<String> {
+    let capacities = Capacities::of(device).ok()?;
+    let requests = requests(capacity).ok()?;
+    let demand = match capacities.demand(&requests) {
+        Ok(demand) => demand,
+        Err(why) => return Some(why),
+    };
+    let empty = BTreeMap::new();
+    let used = used.unwrap_or(&empty);
+    demand.iter().find_map(|(name, amount)| {
+        let total = &capacities.by_name.get(name)?.value.value;
+        let taken = used.get(name).cloned().unwrap_or_default();
+        if taken.add(&amount.value) <= *total {
+            return None;
+        }
+        let claims = if holders == 1 {
+            "claim holds"
+        } else {
+            "claims hold"
+        };
+        if name == "shares" {
+            return Some(format!("shares: {} of {} taken", show(&taken), show(total)));
+        }
+        Some(format!(
+            "{name} {} requested, {} left of {} ({holders} {claims} {})",
+            amount.text,
+            show(&total.sub(&taken)),
+            show(total),
+            show(&taken)
+        ))
+    })
 }
 
 /// A new share ID: a random UUID, as the scheduler makes (the API requires RFC 4122 form).

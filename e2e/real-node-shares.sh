@@ -137,6 +137,9 @@ start_plugin() { # driver, extra flags...
 }
 clean_namespace() {
   kubectl delete namespace $NS --wait=true --timeout=120s >/dev/null 2>&1
+  # The next case starts from no claim at all: its replicas must not meet this case's terminating ones.
+  gone() { ! kubectl get namespace $NS >/dev/null 2>&1 && [ -z "$(kubectl get resourceclaims -A -o name 2>/dev/null)" ]; }
+  check "namespace $NS and every claim gone" wait_until 300 gone
   unprepared() { [ "$(ls "$CDI" 2>/dev/null | grep -c "^k8s.$DRIVER-")" = 0 ]; }
   check "every claim unprepared: no CDI spec of $DRIVER left" wait_until 60 unprepared
   no_daemons() { [ "$(kubectl get pods -n gpu-dra -o name 2>/dev/null | grep -c /gpu-dra-mps-)" = 0 ] &&
@@ -337,6 +340,11 @@ EOF
           check "gpu-0 published with allowMultipleAllocations" wait_until 60 shared_published gpu-0
           example unlimited-sharing.yaml 2 '{"memory":"0"}' Exclusive 1 ;;
         own-mig)
+          mig7_name() { slices_json | python3 -c "
+import json, sys
+print(next(d['name'] for s in json.load(sys.stdin)['items'] for d in s['spec'].get('devices') or [] if '-mig-7g80gb-' in d['name']))" 2>/dev/null; }
+          # The plugin publishes the dynamic MIG devices once it has read the policy: wait for them.
+          wait_until 60 eval '[ -n "$(mig7_name)" ]'
           mig7=$(slices_json | python3 -c "
 import json, sys
 print(next(d['name'] for s in json.load(sys.stdin)['items'] for d in s['spec'].get('devices') or [] if '-mig-7g80gb-' in d['name']))" 2>/dev/null)

@@ -40,6 +40,8 @@ pub struct NodePolicy {
     pub mps_memory_shares: Option<MemoryShares>,
     /// Write GPU feature discovery's labels on this node (`node_labels`).
     pub classic_node_labels: bool,
+    /// GPUs published for VFIO passthrough only (`devices::passthrough`).
+    pub passthrough: Option<api::policy::PassthroughSpec>,
 }
 
 impl NodePolicy {
@@ -91,6 +93,7 @@ impl NodePolicy {
             mig_mode,
             mps_memory_shares,
             classic_node_labels: policy.classic_node_labels,
+            passthrough: policy.passthrough.clone(),
         }
     }
 }
@@ -246,6 +249,11 @@ impl Monitor {
         let kept = *ch.kept_fields.borrow();
         let mode = effective_mig_mode(policy.mig_mode.unwrap_or(self.default_mig_mode), kept);
         let mut node = node_devices(&inventory, mode);
+        if let Some(passthrough) = &policy.passthrough {
+            crate::devices::passthrough::publish(&mut node, &inventory, |minor, address| {
+                passthrough.selects(minor, address)
+            });
+        }
         node.channels = channel_devices(&inventory, self.imex_channels);
         taint_channels(
             &mut node.channels,

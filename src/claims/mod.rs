@@ -34,6 +34,7 @@ mod rebuild;
 mod recovery;
 mod sharing;
 mod state;
+pub mod vfio;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;

@@ -316,6 +316,7 @@ impl Preparer {
                     }
                     None => None,
                 };
+                let mps = super::vfio::with_common_edits(mps, &inventory, &record);
                 write_spec_with(
                     &self.cdi,
                     &uid,

@@ -97,6 +97,7 @@ impl Preparer {
                 devices: devices.to_vec(),
                 mps: None,
                 domain: None,
+                vfio: None,
             },
         );
         // A spec left in place by a rebuild is this claim's again from here on.

@@ -266,9 +266,17 @@ impl SysfsWriter for FakeKernel {
             _ => Err(errno(Errno::EACCES)),
         }
     }
+
+    fn in_use(&self, _root: &Path, address: &str) -> io::Result<bool> {
+        Ok(self.in_use_now(address))
+    }
 }
 
 impl FakeKernel {
+    fn in_use_now(&self, address: &str) -> bool {
+        super::fake::lock(&self.lock).contains(address)
+    }
+
     fn device(&self, address: &str) -> io::Result<PathBuf> {
         let dir = self.root.join("bus/pci/devices").join(address);
         if address.is_empty() || address.contains('/') || !dir.is_dir() {

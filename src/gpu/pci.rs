@@ -66,6 +66,8 @@ pub enum PciError {
 pub trait SysfsWriter: Send + Sync + fmt::Debug {
     /// Writes `value` to the attribute at `path`, as one `write(2)`; the error is the kernel's.
     fn write(&self, path: &Path, value: &str) -> io::Result<()>;
+    /// Whether a process has the function open, so that its driver cannot let it go now.
+    fn in_use(&self, root: &Path, address: &str) -> io::Result<bool>;
 }
 
 /// The node's own kernel: the attribute is opened for writing (never created) and written.
@@ -77,6 +79,36 @@ impl SysfsWriter for KernelWrites {
         use std::io::Write;
         let mut file = std::fs::OpenOptions::new().write(true).open(path)?;
         file.write_all(value.as_bytes())
+    }
+
+    /// As NVIDIA's driver checks before it unbinds a GPU (`fuser` on its device file): a GPU the
+    /// NVIDIA driver holds is in use while a process has `/dev/nvidia<minor>` open, its minor read
+    /// from `/proc/driver/nvidia/gpus/<address>/information`. Other functions are not checked.
+    fn in_use(&self, root: &Path, address: &str) -> io::Result<bool> {
+        let driver = link_target_name(&root.join("bus/pci/devices").join(address).join("driver"))?;
+        if driver.as_deref() != Some("nvidia") {
+            return Ok(false);
+        }
+        let info = format!("/proc/driver/nvidia/gpus/{address}/information");
+        let Some(minor) = std::fs::read_to_string(info)?.lines().find_map(|l| {
+            l.strip_prefix("Device Minor:")
+                .map(|m| m.trim().to_string())
+        }) else {
+            return Ok(false);
+        };
+        let device_file = PathBuf::from(format!("/dev/nvidia{minor}"));
+        for process in std::fs::read_dir("/proc")?.flatten() {
+            let Ok(fds) = std::fs::read_dir(process.path().join("fd")) else {
+                continue;
+            };
+            if fds
+                .flatten()
+                .any(|fd| std::fs::read_link(fd.path()).is_ok_and(|t| t == device_file))
+            {
+                return Ok(true);
+            }
+        }
+        Ok(false)
     }
 }
 
@@ -251,6 +283,13 @@ impl PciSysfs {
             )
             .map_err(Self::io(address, format!("binding it to {original}")))?;
         Ok(())
+    }
+
+    /// Whether a process has `address` open (see [`SysfsWriter::in_use`]).
+    pub fn in_use(&self, address: &str) -> Result<bool, PciError> {
+        self.writer
+            .in_use(&self.root, address)
+            .map_err(Self::io(address, "checking whether it is in use"))
     }
 
     /// Lets the function's driver go, if it has one.

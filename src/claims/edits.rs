@@ -185,6 +185,7 @@ pub(super) fn write_spec_with(
     if let Some(mps) = mps {
         common.env.extend(mps.env.iter().cloned());
         common.mounts.extend(mps.mounts.iter().cloned());
+        common.device_nodes.extend(mps.device_nodes.iter().cloned());
     }
     cdi.write_claim_spec_with(uid, &common, &edits).map(|_| ())
 }

@@ -283,6 +283,11 @@ impl Preparer {
                 // GPU modes go with the sweeps below, which keep only what completed claims own;
                 // its domain is left here, from the record.
                 self.leave_recorded_domain(&uid, &record, &held_domains);
+                if let Err(reason) = self.give_back_at_start(&record) {
+                    warn!(claim = %describe(&uid, &record), %reason, "a passthrough GPU cannot be given back to its driver yet; the claim stays recorded for the kubelet's unprepare");
+                    data.claims.insert(uid, record);
+                    continue;
+                }
                 self.roll_back_at_start(uid, &record, &mut recovery)?;
                 continue;
             }

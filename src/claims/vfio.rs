@@ -327,6 +327,23 @@ impl Preparer {
         Ok(())
     }
 
+    /// At start, for a claim rolled back: every function its record names given back, on this
+    /// thread (recovery runs before any call). An error leaves the claim recorded, for the kubelet's
+    /// unprepare to finish.
+    pub(super) fn give_back_at_start(&self, record: &ClaimRecord) -> Result<(), String> {
+        let Some(vfio) = &record.vfio else {
+            return Ok(());
+        };
+        let pci = self.pci()?;
+        for group in &vfio.groups {
+            for function in &group.functions {
+                pci.restore(&function.address, function.driver.as_deref())
+                    .map_err(|e| format!("giving {} back: {e}", function.address))?;
+            }
+        }
+        Ok(())
+    }
+
     fn pci(&self) -> Result<PciSysfs, String> {
         match self.backend.pci() {
             Ok(Some(pci)) => Ok(pci),

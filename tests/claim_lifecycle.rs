@@ -115,7 +115,7 @@ fn leftovers(node: &Harness) -> Vec<String> {
             left.push(format!("mount {point}"));
         }
     }
-    for dir in ["mps", "imex"] {
+    for dir in ["mps", "imex", "dra-device-metadata"] {
         let path = node.config.plugin_dir().join(dir);
         for entry in std::fs::read_dir(&path).into_iter().flatten().flatten() {
             left.push(format!("directory {}", entry.path().display()));

@@ -169,14 +169,32 @@ async fn a_chosen_gpu_is_bound_with_its_group_for_a_vm_and_given_back() {
             ("/dev/vfio/vfio".to_string(), Some("c".to_string()))
         ]
     );
-    assert!(spec["containerEdits"]["mounts"]
-        .as_array()
-        .is_none_or(|m| m.is_empty()));
     let text = spec.to_string();
     assert!(text.contains("NVIDIA_VISIBLE_DEVICES=void"), "{text}");
     assert!(
         text.contains("0000:41:00.0"),
         "the PCI address reaches the VM: {text}"
+    );
+    // KEP-5304: the VM's launcher finds the PCI address in the device metadata file; no driver
+    // files are mounted.
+    let mounts = spec["containerEdits"]["mounts"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(mounts.len(), 1, "{mounts:?}");
+    assert_eq!(
+        mounts[0]["containerPath"],
+        "/var/run/kubernetes.io/dra-device-attributes/resourceclaims/vm/vm/gpu.dra.dev-metadata.json"
+    );
+    let host_file = PathBuf::from(mounts[0]["hostPath"].as_str().unwrap());
+    let metadata: Value = serde_json::from_slice(&std::fs::read(&host_file).unwrap()).unwrap();
+    assert_eq!(metadata["apiVersion"], "metadata.resource.k8s.io/v1alpha1");
+    assert_eq!(metadata["kind"], "DeviceMetadata");
+    let device = &metadata["requests"][0]["devices"][0];
+    assert_eq!(device["name"], "gpu-vfio-1");
+    assert_eq!(
+        device["attributes"]["resource.kubernetes.io/pciBusID"]["string"],
+        "0000:41:00.0"
     );
 
     unprepare(&kubelet, &claim).await;
@@ -186,6 +204,7 @@ async fn a_chosen_gpu_is_bound_with_its_group_for_a_vm_and_given_back() {
         Some("snd_hda_intel")
     );
     assert!(node.cdi_files().is_empty());
+    assert!(!host_file.exists(), "the metadata file goes with the claim");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

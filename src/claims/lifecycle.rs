@@ -193,7 +193,7 @@ impl Preparer {
                     .await
             }
             (None, Some(api_device)) => {
-                self.make_vfio(claim, &inventory, api_device, &devices)
+                self.make_vfio(claim, &inventory, api_device, &devices, &fetched.claim)
                     .await
             }
             (None, None) => self.make_devices(claim, &inventory, &mut devices).await,

@@ -18,6 +18,7 @@ mod channels;
 pub mod checkpoint;
 pub mod configs;
 pub mod daemon_pod;
+pub mod device_metadata;
 mod edits;
 mod error;
 mod gpu_modes;

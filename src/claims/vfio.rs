@@ -32,6 +32,9 @@ pub struct VfioRecord {
     pub api_device: bool,
     /// Each IOMMU group the claim binds, every function with its driver before the bind.
     pub groups: Vec<VfioGroup>,
+    /// The claim's KEP-5304 device metadata files, bind-mounted into its containers.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub metadata: Vec<super::device_metadata::MetadataFile>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -109,6 +112,11 @@ pub(super) fn common_edits(inventory: &Inventory, record: &ClaimRecord) -> Optio
             .device_nodes
             .push(vfio_node(inventory, "/dev/vfio/vfio".into()));
     }
+    edits.mounts = vfio
+        .metadata
+        .iter()
+        .map(super::device_metadata::mount)
+        .collect();
     Some(edits)
 }
 
@@ -123,6 +131,7 @@ pub(super) fn with_common_edits(
     };
     let mut edits = extra.unwrap_or_default();
     edits.device_nodes.extend(vfio.device_nodes);
+    edits.mounts.extend(vfio.mounts);
     Some(edits)
 }
 
@@ -207,6 +216,7 @@ impl Preparer {
         inventory: &Arc<Inventory>,
         api_device: bool,
         devices: &[PreparedDevice],
+        resource_claim: &k8s_openapi::api::resource::v1::ResourceClaim,
     ) -> Result<(), ClaimError> {
         let failed = |device: &str, reason: String| ClaimError::Vfio {
             claim: claim.to_string(),
@@ -258,10 +268,27 @@ impl Preparer {
                 functions,
             });
         }
+        let published: Vec<(String, k8s_openapi::api::resource::v1::Device)> = devices
+            .iter()
+            .flat_map(|d| {
+                let device = passthrough::device(inventory, &d.device);
+                d.request_names
+                    .iter()
+                    .filter_map(move |r| device.clone().map(|device| (r.clone(), device)))
+            })
+            .collect();
+        let metadata = super::device_metadata::files(
+            &self.plugin_dir(),
+            &self.driver,
+            &self.pool,
+            resource_claim,
+            &published,
+        );
         self.update_record(claim, |record| {
             record.vfio = Some(VfioRecord {
                 api_device,
                 groups: groups.clone(),
+                metadata: metadata.iter().map(|(file, _)| file.clone()).collect(),
             });
             record.phase = Phase::VfioBinding;
         });
@@ -277,6 +304,12 @@ impl Preparer {
             info!(device = %group.device, group = group.iommu_group, functions = group.functions.len(), "IOMMU group bound to vfio-pci");
         }
         reached(&claim.uid, Step::VfioBind).await;
+        super::device_metadata::write(&metadata).map_err(|e| {
+            failed(
+                &devices[0].device,
+                format!("writing its device metadata file: {e}"),
+            )
+        })?;
         let record = super::state::lock(&self.state)
             .data
             .claims
@@ -323,6 +356,16 @@ impl Preparer {
             }
             info!(device = %group.device, group = group.iommu_group, "IOMMU group given back to its drivers");
         }
+        super::device_metadata::remove(&self.plugin_dir(), &record.namespace, &record.name)
+            .map_err(|e| ClaimError::Vfio {
+                claim: claim.to_string(),
+                device: vfio
+                    .groups
+                    .first()
+                    .map(|g| g.device.clone())
+                    .unwrap_or_default(),
+                reason: format!("removing its device metadata files: {e}"),
+            })?;
         self.update_record(claim, |held| held.vfio = None);
         Ok(())
     }
@@ -341,7 +384,17 @@ impl Preparer {
                     .map_err(|e| format!("giving {} back: {e}", function.address))?;
             }
         }
-        Ok(())
+        super::device_metadata::remove(&self.plugin_dir(), &record.namespace, &record.name)
+            .map_err(|e| format!("removing its device metadata files: {e}"))
+    }
+
+    /// The plugin's own directory (the checkpoint's).
+    fn plugin_dir(&self) -> std::path::PathBuf {
+        self.checkpoint
+            .path()
+            .parent()
+            .map(std::path::Path::to_path_buf)
+            .unwrap_or_default()
     }
 
     fn pci(&self) -> Result<PciSysfs, String> {

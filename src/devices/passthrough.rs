@@ -37,6 +37,13 @@ pub fn find<'a>(inventory: &'a Inventory, name: &str) -> Option<&'a PciGpu> {
     inventory.pci_gpus.get(parse_device_name(name)?)
 }
 
+/// The passthrough device `name` as this node publishes it.
+pub fn device(inventory: &Inventory, name: &str) -> Option<Device> {
+    let rank = parse_device_name(name)?;
+    let pci = inventory.pci_gpus.get(rank)?;
+    Some(passthrough_device(rank, pci, pci.iommu_group?, inventory))
+}
+
 /// The passthrough device of `address`, as a name, if it has one on this node.
 pub fn name_of(inventory: &Inventory, address: &str) -> Option<String> {
     inventory

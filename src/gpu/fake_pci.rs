@@ -10,7 +10,8 @@
 //!   use" check fails here, as it would hang on a node.
 //! - `drivers/<d>/bind`: `ENODEV` unless `d` matches the function (its override, or else its id
 //!   table: `nvidia` takes NVIDIA display controllers, `snd_hda_intel` audio functions, `vfio-pci`
-//!   nothing without an override); `EBUSY` when the function has a driver.
+//!   nothing without an override); `EBUSY` when the function has a driver (`__driver_probe_device`;
+//!   kernels before 5.13 answered `ENODEV` there).
 //! - `drivers_probe`: binds an unbound function to the driver that matches, if any (success without
 //!   a match, as in the kernel: the caller checks the `driver` link).
 //! - any other attribute: `EACCES` (read-only), a path that does not exist: `ENOENT`.

@@ -346,7 +346,7 @@ async fn nvidias_vfio_config_decides_the_api_device_in_compatibility_mode() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn switching_a_gpu_to_passthrough_never_offers_it_both_ways_and_refuses_the_overlap() {
+async fn a_gpu_switched_either_way_stays_as_a_claim_holds_it_until_the_claim_is_gone() {
     let node = node(false).await;
     let _plugin = node.start_plugin().await;
     let kubelet = node.kubelet().await;
@@ -357,17 +357,17 @@ async fn switching_a_gpu_to_passthrough_never_offers_it_both_ways_and_refuses_th
         .expect("allocated");
     prepare(&kubelet, &gpu).await.expect("GPU prepared");
 
-    // The admin switches gpu-1 to passthrough while a claim still has it as a GPU.
-    node.api.insert("gpunodepolicies", policy(&["gpu-1"]));
-    published(&node, &["gpu-0", "gpu-2", "gpu-3", "gpu-vfio-1"]).await;
+    // The admin switches gpu-1 to passthrough while a claim still has it as a GPU: it stays a GPU
+    // (and gpu-3 turns passthrough) until that claim is gone.
+    node.api
+        .insert("gpunodepolicies", policy(&["gpu-1", "gpu-3"]));
+    published(&node, &["gpu-0", "gpu-1", "gpu-2", "gpu-vfio-3"]).await;
+    unprepare(&kubelet, &gpu).await;
+    published(&node, &["gpu-0", "gpu-2", "gpu-vfio-1", "gpu-vfio-3"]).await;
     let vm = node
         .allocated_claim_with("vm", vfio_claim("vfio.gpu.dra.dev", "0000:41:00.0", None))
         .await
         .expect("allocated");
-    let error = prepare(&kubelet, &vm).await.expect_err("refused");
-    assert!(error.contains("default/train"), "{error}");
-    assert_eq!(driver_of(&node, "0000:41:00.0").as_deref(), Some("nvidia"));
-    unprepare(&kubelet, &gpu).await;
     prepare(&kubelet, &vm)
         .await
         .expect("prepared once the GPU is free");
@@ -375,5 +375,12 @@ async fn switching_a_gpu_to_passthrough_never_offers_it_both_ways_and_refuses_th
         driver_of(&node, "0000:41:00.0").as_deref(),
         Some("vfio-pci")
     );
+
+    // Back: the policy no longer chooses gpu-1 (and now chooses gpu-0), but the VM holds gpu-1: it
+    // stays gpu-vfio-1 until the VM's claim is gone.
+    node.api
+        .insert("gpunodepolicies", policy(&["0000:01:00.0", "gpu-3"]));
+    published(&node, &["gpu-2", "gpu-vfio-0", "gpu-vfio-1", "gpu-vfio-3"]).await;
     unprepare(&kubelet, &vm).await;
+    published(&node, &["gpu-1", "gpu-2", "gpu-vfio-0", "gpu-vfio-3"]).await;
 }

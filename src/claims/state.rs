@@ -128,6 +128,7 @@ impl Preparer {
     /// Writes the checkpoint if it is behind the in-memory state. Concurrent callers share one write:
     /// whoever takes the writer lock writes everything changed so far.
     pub(super) async fn persist(&self, claim: &ClaimRef) -> Result<(), ClaimError> {
+        self.note_held_ways();
         let wanted = lock(&self.state).revision;
         let mut persisted = self.persisted.lock().await;
         if *persisted >= wanted {

@@ -47,6 +47,22 @@ pub struct VfioGroup {
     pub functions: Vec<PciFunction>,
 }
 
+/// Which GPUs the claims in `records` hold as GPUs and which as passthrough devices.
+pub(super) fn held_ways<'a>(
+    inventory: &Inventory,
+    devices: impl Iterator<Item = &'a str>,
+) -> passthrough::HeldWays {
+    let mut held = passthrough::HeldWays::default();
+    for device in devices {
+        if let Some(pci) = passthrough::find(inventory, device) {
+            held.as_vfio.insert(pci.address.to_ascii_lowercase());
+        } else if let Some(gpu) = super::edits::find_gpu(inventory, device) {
+            held.as_gpu.insert(gpu.pci_bus_id.to_ascii_lowercase());
+        }
+    }
+    held
+}
+
 /// Whether `device` is a passthrough device name.
 pub(super) fn is_vfio(device: &str) -> bool {
     passthrough::parse_device_name(device).is_some()
@@ -386,6 +402,35 @@ impl Preparer {
         }
         super::device_metadata::remove(&self.plugin_dir(), &record.namespace, &record.name)
             .map_err(|e| format!("removing its device metadata files: {e}"))
+    }
+
+    /// The GPUs prepared claims hold, each way, for the slices (see [`passthrough::HeldWays`]).
+    pub fn held_ways(&self) -> tokio::sync::watch::Receiver<passthrough::HeldWays> {
+        self.held_ways.subscribe()
+    }
+
+    /// Sends the GPUs held each way now, if that changed.
+    pub(super) fn note_held_ways(&self) {
+        let inventory = self.inventory.borrow().clone();
+        let held = {
+            let state = super::state::lock(&self.state);
+            let ours = state.data.claims.values().flat_map(|r| r.devices.iter());
+            let theirs = state
+                .data
+                .nvidia_claims
+                .values()
+                .flat_map(|c| c.devices.iter());
+            held_ways(
+                &inventory,
+                ours.map(|d| d.device.as_str())
+                    .chain(theirs.map(|d| d.device.as_str())),
+            )
+        };
+        self.held_ways.send_if_modified(|now| {
+            let changed = *now != held;
+            *now = held;
+            changed
+        });
     }
 
     /// The plugin's own directory (the checkpoint's).

@@ -15,6 +15,29 @@ use crate::gpu::{Inventory, PciGpu};
 /// The `type` attribute of passthrough devices, as NVIDIA's.
 pub const VFIO_TYPE: &str = "vfio";
 
+/// GPUs (by PCI address) that prepared claims hold one way or the other: a GPU keeps being published
+/// the way a claim holds it until that claim is gone, whatever the policy says meanwhile, so that a
+/// switch never offers it the new way while the old way is in use.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HeldWays {
+    /// Held as a GPU or MIG device.
+    pub as_gpu: std::collections::BTreeSet<String>,
+    /// Held as a passthrough device.
+    pub as_vfio: std::collections::BTreeSet<String>,
+}
+
+impl HeldWays {
+    /// Whether the GPU at `address` is published for passthrough, when the policy would choose so
+    /// (`chosen`): the policy's choice, unless a claim holds the GPU the other way.
+    pub fn passthrough(&self, chosen: bool, address: &str) -> bool {
+        let address = address.to_ascii_lowercase();
+        if self.as_vfio.contains(&address) {
+            return true;
+        }
+        chosen && !self.as_gpu.contains(&address)
+    }
+}
+
 /// `gpu-vfio-<n>`.
 pub fn device_name(rank: usize) -> String {
     format!("gpu-vfio-{rank}")

@@ -309,6 +309,7 @@ pub(super) async fn health_monitor(
         mig_mode: policy.mig_mode.clone(),
         kept_fields: publisher.kept_fields(),
         channel_taints: claims.channel_taints.clone(),
+        held_ways: claims.preparer.held_ways(),
     };
     health_monitor.recompute(&fault_state, &monitor_channels);
     part.spawn_vital(

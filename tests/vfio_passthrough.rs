@@ -384,3 +384,41 @@ async fn a_gpu_switched_either_way_stays_as_a_claim_holds_it_until_the_claim_is_
     unprepare(&kubelet, &vm).await;
     published(&node, &["gpu-1", "gpu-2", "gpu-vfio-0", "gpu-vfio-3"]).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kept_passthrough_claim_is_bound_again_at_start_when_its_gpu_went_back() {
+    use gpu_dra::gpu::GpuBackend;
+    let node = node(false).await;
+    node.api
+        .insert("gpunodepolicies", policy(&["0000:41:00.0"]));
+    let plugin = node.start_plugin().await;
+    let kubelet = node.kubelet().await;
+    published(&node, &["gpu-0", "gpu-2", "gpu-3", "gpu-vfio-1"]).await;
+    let claim = node
+        .allocated_claim_with("vm", vfio_claim("vfio.gpu.dra.dev", "0000:41:00.0", None))
+        .await
+        .expect("allocated");
+    prepare(&kubelet, &claim).await.expect("prepared");
+    plugin.shutdown().await;
+
+    // What a reboot does to the bindings: every function back with its default driver.
+    let pci = node.fake_backend().pci().unwrap().unwrap();
+    pci.restore("0000:41:00.0", Some("nvidia")).unwrap();
+    pci.restore("0000:41:00.1", Some("snd_hda_intel")).unwrap();
+    assert_eq!(driver_of(&node, "0000:41:00.0").as_deref(), Some("nvidia"));
+
+    let _plugin = node.start_plugin().await;
+    let kubelet = node.kubelet().await;
+    // The kubelet prepares the claim again after the reboot: it is kept, and its group is vfio-pci's.
+    prepare(&kubelet, &claim).await.expect("prepared again");
+    assert_eq!(
+        driver_of(&node, "0000:41:00.0").as_deref(),
+        Some("vfio-pci")
+    );
+    assert_eq!(
+        driver_of(&node, "0000:41:00.1").as_deref(),
+        Some("vfio-pci")
+    );
+    unprepare(&kubelet, &claim).await;
+    assert_eq!(driver_of(&node, "0000:41:00.0").as_deref(), Some("nvidia"));
+}

@@ -299,6 +299,9 @@ impl Preparer {
                 self.roll_back_at_start(uid, &record, &mut recovery)?;
                 continue;
             }
+            if let Err(reason) = self.rebind_at_start(&record) {
+                warn!(claim = %describe(&uid, &record), %reason, "a passthrough claim's GPU is not bound to vfio-pci and cannot be bound again; its VM will not start until it is");
+            }
             kept.push((uid, record, rewrite));
         }
         // The MPS daemons of all kept claims side by side, within a bound: one after another, a

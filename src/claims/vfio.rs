@@ -404,6 +404,23 @@ impl Preparer {
             .map_err(|e| format!("removing its device metadata files: {e}"))
     }
 
+    /// At start, for a claim kept: every function its record names bound to vfio-pci again where it
+    /// is not (after a reboot the kernel gave each GPU back to its default driver, and the kubelet's
+    /// next prepare finds the claim completed). Already bound: nothing to do.
+    pub(super) fn rebind_at_start(&self, record: &ClaimRecord) -> Result<(), String> {
+        let Some(vfio) = &record.vfio else {
+            return Ok(());
+        };
+        let pci = self.pci()?;
+        for group in &vfio.groups {
+            for function in &group.functions {
+                pci.bind(&function.address, VFIO_PCI)
+                    .map_err(|e| format!("binding {} to vfio-pci again: {e}", function.address))?;
+            }
+        }
+        Ok(())
+    }
+
     /// The GPUs prepared claims hold, each way, for the slices (see [`passthrough::HeldWays`]).
     pub fn held_ways(&self) -> tokio::sync::watch::Receiver<passthrough::HeldWays> {
         self.held_ways.subscribe()

@@ -132,8 +132,8 @@ fi
 published() { [ "$(kubectl get resourceslices --field-selector "spec.driver=$DRIVER" -o name | wc -l)" -gt 0 ]; }
 check "slices of $DRIVER published" wait_until 60 published
 check "and none of gpu.dra.dev" test -z "$(kubectl get resourceslices --field-selector spec.driver=gpu.dra.dev -o name)"
-check "NVIDIA's DeviceClasses only (gpu.nvidia.com, mig.nvidia.com)" \
-  test "$(kubectl get deviceclasses -o jsonpath='{.items[*].metadata.name}')" = "gpu.nvidia.com mig.nvidia.com"
+check "NVIDIA's DeviceClasses only (gpu.nvidia.com, mig.nvidia.com, vfio.gpu.nvidia.com)" \
+  test "$(kubectl get deviceclasses -o jsonpath='{.items[*].metadata.name}' | tr ' ' '\n' | grep -v '^imex-channel\.' | tr '\n' ' ')" = "gpu.nvidia.com mig.nvidia.com vfio.gpu.nvidia.com "
 kubectl create namespace $NS >/dev/null 2>&1
 
 echo "----- 01 two pods with a GPU each"

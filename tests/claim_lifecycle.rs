@@ -1,8 +1,9 @@
 //! A claim's life as one state machine, as the kubelet and a crash see it. A prepare is held right
 //! after each thing it makes (MIG device created, GPU mode changed, tmpfs mounted, daemon Pod created,
-//! domain joined, CDI spec written); the kubelet's call is cancelled there (its deadline), or the
+//! domain joined, IOMMU group bound to vfio-pci, CDI spec written); the kubelet's call is cancelled there (its deadline), or the
 //! plugin is killed with SIGKILL and started again; then the kubelet unprepares the claim, and nothing
-//! may be left: no MIG device, daemon Pod, mount, MPS directory, GPU sharing mode, CDI spec, checkpoint
+//! may be left: no MIG device, daemon Pod, mount, MPS directory, GPU sharing mode, PCI function bound
+//! to vfio-pci (or with a driver_override), CDI spec, checkpoint
 //! entry or ComputeDomain status entry. A call answers within its budget while the work goes on, and
 //! the kubelet's retry gets the outcome.
 
@@ -13,6 +14,7 @@ use gpu_dra::claims::checkpoint::CheckpointFile;
 use gpu_dra::claims::lifecycle::holds;
 use gpu_dra::claims::{checkpoint_path, Step};
 use gpu_dra::devices::MigMode;
+use gpu_dra::gpu::GpuBackend;
 use gpu_dra::support::apiserver::ServerVersion;
 use gpu_dra::support::harness::{Harness, DRIVER, MIG_CLASS};
 use gpu_dra::support::kubelet::{ClaimRef, KubeletDouble};
@@ -43,10 +45,24 @@ fn dynamic_mig() -> Value {
     }}]})
 }
 
-/// A two-H100 node in dynamic MIG mode on a 1.35 API server (partitionable devices).
+/// `spec.devices` for the passthrough GPU (bound to vfio-pci with its IOMMU group).
+fn vfio_gpu() -> Value {
+    json!({"requests": [{"name": "vm", "exactly": {"deviceClassName": "vfio.gpu.dra.dev"}}]})
+}
+
+/// An eight-H100 node in dynamic MIG mode on a 1.35 API server (partitionable devices), whose last
+/// GPU an admin's policy chose for passthrough.
 async fn node() -> Harness {
     let mut node = Harness::with_version("dgx-h100", ServerVersion::V1_35).await;
     node.config.mig_mode = MigMode::Dynamic;
+    node.api.insert(
+        "gpunodepolicies",
+        json!({
+            "apiVersion": "gpu.dra.dev/v1alpha1", "kind": "GpuNodePolicy",
+            "metadata": {"name": "vms", "generation": 1},
+            "spec": {"passthrough": {"gpus": ["gpu-7"]}},
+        }),
+    );
     node
 }
 
@@ -67,6 +83,25 @@ fn leftovers(node: &Harness) -> Vec<String> {
     for (uuid, mode) in node.fake_backend().sharing_modes() {
         left.push(format!("GPU {uuid} in sharing mode {mode}"));
     }
+    let pci = node
+        .fake_backend()
+        .pci()
+        .expect("fake /sys")
+        .expect("a PCI bus");
+    let devices = pci.root().join("bus/pci/devices");
+    for function in std::fs::read_dir(&devices).into_iter().flatten().flatten() {
+        let address = function.file_name().to_string_lossy().into_owned();
+        if pci.driver(&address).ok().flatten().as_deref() == Some("vfio-pci") {
+            left.push(format!("PCI function {address} bound to vfio-pci"));
+        }
+        let over =
+            std::fs::read_to_string(function.path().join("driver_override")).unwrap_or_default();
+        if over.trim() != "(null)" {
+            left.push(format!(
+                "PCI function {address} with driver_override {over:?}"
+            ));
+        }
+    }
     for pod in node.api.list("pods") {
         let labels = &pod["metadata"]["labels"];
         if labels["app.kubernetes.io/name"] == "gpu-dra" {
@@ -80,7 +115,7 @@ fn leftovers(node: &Harness) -> Vec<String> {
             left.push(format!("mount {point}"));
         }
     }
-    for dir in ["mps", "imex"] {
+    for dir in ["mps", "imex", "dra-device-metadata"] {
         let path = node.config.plugin_dir().join(dir);
         for entry in std::fs::read_dir(&path).into_iter().flatten().flatten() {
             left.push(format!("directory {}", entry.path().display()));
@@ -204,6 +239,12 @@ async fn a_prepare_cancelled_after_the_daemon_pod_start_leaves_nothing_after_unp
 async fn a_prepare_cancelled_after_the_spec_write_leaves_nothing_after_unprepare() {
     cancelled_at(Step::SpecWrite, mps_gpu()).await;
     cancelled_at(Step::SpecWrite, dynamic_mig()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_passthrough_prepare_cancelled_after_the_bind_or_the_spec_write_gives_the_gpu_back() {
+    cancelled_at(Step::VfioBind, vfio_gpu()).await;
+    cancelled_at(Step::SpecWrite, vfio_gpu()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -406,6 +447,12 @@ async fn a_plugin_killed_at_each_step_of_an_mps_prepare_leaves_nothing_after_res
 async fn a_plugin_killed_after_a_mig_create_leaves_nothing_after_restart_and_unprepare() {
     killed_at(Step::MigCreate, dynamic_mig()).await;
     killed_at(Step::SpecWrite, dynamic_mig()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plugin_killed_after_a_vfio_bind_gives_the_gpu_back_after_restart_and_unprepare() {
+    killed_at(Step::VfioBind, vfio_gpu()).await;
+    killed_at(Step::SpecWrite, vfio_gpu()).await;
 }
 
 /// A one-tray rack in NVLink clique 0 with the controller, a domain of one node and its worker

@@ -26,6 +26,7 @@
 
 mod decode;
 pub mod nvidia;
+pub mod vfio;
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;

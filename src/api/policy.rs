@@ -63,6 +63,10 @@ pub struct GpuNodePolicySpec {
     /// Whether and how GPUs and MIG devices are published for sharing among claims.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sharing: Option<SharingSpec>,
+    /// GPUs published for VFIO passthrough to virtual machines (KubeVirt, Kata) instead of as GPUs:
+    /// bound to vfio-pci at prepare and given back to their driver at unprepare.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub passthrough: Option<PassthroughSpec>,
     /// Label this node as GPU feature discovery does (`nvidia.com/gpu.present`, `nvidia.com/gpu.product`,
     /// `nvidia.com/gpu.count`, `nvidia.com/gpu.memory`, `nvidia.com/mig.capable`), so that nodeSelectors
     /// written for the device plugin keep working. Do not turn it on where GPU feature discovery runs.
@@ -72,6 +76,71 @@ pub struct GpuNodePolicySpec {
     /// policy, then to the name that sorts first.
     #[serde(default)]
     pub priority: i32,
+}
+
+/// Which GPUs of the selected nodes are published for passthrough (only as passthrough devices,
+/// `gpu-vfio-<n>`, never as GPUs or MIG devices at the same time).
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PassthroughSpec {
+    /// `all`, or GPUs by PCI address (`0000:41:00.0`) or by device name (`gpu-<minor>`, resolved
+    /// while the NVIDIA driver holds the GPU; a PCI address stays right while vfio-pci holds it).
+    pub gpus: Vec<String>,
+}
+
+impl PassthroughSpec {
+    /// Whether the GPU with this minor (when the NVIDIA driver holds it) and PCI address is chosen.
+    pub fn selects(&self, minor: Option<u32>, pci_address: &str) -> bool {
+        self.gpus.iter().any(|entry| {
+            entry == "all"
+                || entry.eq_ignore_ascii_case(pci_address)
+                || minor.is_some_and(|m| *entry == format!("gpu-{m}"))
+        })
+    }
+
+    fn problems(&self, path: &str) -> Vec<String> {
+        let mut problems = Vec::new();
+        if self.gpus.is_empty() {
+            problems.push(format!(
+                "{path}.gpus: must not be empty (`all`, PCI addresses or gpu-<minor> names)"
+            ));
+        }
+        let mut seen = HashSet::new();
+        for (index, entry) in self.gpus.iter().enumerate() {
+            let at = format!("{path}.gpus[{index}]");
+            let name_ok = entry.strip_prefix("gpu-").is_some_and(|m| {
+                !m.is_empty()
+                    && m.bytes().all(|b| b.is_ascii_digit())
+                    && (m == "0" || !m.starts_with('0'))
+                    && m.parse::<u32>().is_ok()
+            });
+            if entry != "all" && !name_ok && !is_pci_address(entry) {
+                problems.push(format!(
+                    "{at}: {entry:?} is neither `all`, a PCI address (0000:41:00.0) nor a GPU device name (gpu-<minor>)"
+                ));
+            }
+            if entry == "all" && self.gpus.len() > 1 {
+                problems.push(format!("{at}: `all` must be the only entry"));
+            }
+            if !seen.insert(entry.to_ascii_lowercase()) {
+                problems.push(format!("{at}: {entry:?} is listed twice"));
+            }
+        }
+        problems
+    }
+}
+
+/// `dddd:bb:dd.f` in hexadecimal, as sysfs names PCI functions.
+fn is_pci_address(text: &str) -> bool {
+    let hex =
+        |part: &str, len: usize| part.len() == len && part.bytes().all(|b| b.is_ascii_hexdigit());
+    let Some((rest, function)) = text.rsplit_once('.') else {
+        return false;
+    };
+    let parts: Vec<&str> = rest.split(':').collect();
+    matches!(parts.as_slice(), [domain, bus, device] if hex(domain, 4) && hex(bus, 2) && hex(device, 2))
+        && function.len() == 1
+        && function.bytes().all(|b| (b'0'..=b'7').contains(&b))
 }
 
 /// A Kubernetes label selector: every `matchLabels` entry and every expression must hold.
@@ -298,6 +367,9 @@ impl GpuNodePolicySpec {
         if let Some(sharing) = &self.sharing {
             problems.extend(sharing.problems("spec.sharing"));
         }
+        if let Some(passthrough) = &self.passthrough {
+            problems.extend(passthrough.problems("spec.passthrough"));
+        }
         if problems.is_empty() {
             Ok(())
         } else {
@@ -455,3 +527,7 @@ pub fn superseded_message(loser: &GpuNodePolicy, winner: &GpuNodePolicy) -> Stri
 #[cfg(test)]
 #[path = "policy_tests.rs"]
 mod tests;
+
+#[cfg(test)]
+#[path = "policy_passthrough_tests.rs"]
+mod passthrough_tests;

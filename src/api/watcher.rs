@@ -38,6 +38,8 @@ pub struct EffectivePolicy {
     pub sharing: Option<SharingSpec>,
     /// Whether the plugin writes GPU feature discovery's labels on its Node.
     pub classic_node_labels: bool,
+    /// GPUs published for VFIO passthrough only.
+    pub passthrough: Option<super::policy::PassthroughSpec>,
 }
 
 impl EffectivePolicy {
@@ -49,6 +51,7 @@ impl EffectivePolicy {
             mig_mode: policy.spec.mig_mode.clone(),
             sharing: policy.spec.sharing.clone(),
             classic_node_labels: policy.spec.classic_node_labels,
+            passthrough: policy.spec.passthrough.clone(),
         }
     }
 }

@@ -156,6 +156,7 @@ async fn an_invalid_edit_keeps_the_last_good_generation_in_force() {
             mig_mode: Some(MigModeSpec::Static),
             sharing: None,
             classic_node_labels: true,
+            passthrough: None,
         })
     );
     h.accepted("h100", "True", "Valid", 1).await;

@@ -159,6 +159,10 @@ pub struct ClaimRecord {
     /// until it left.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub domain: Option<crate::domains::membership::ChannelMembership>,
+    /// The IOMMU groups a passthrough claim binds to vfio-pci, with every function's driver before:
+    /// written before the first bind, kept until every function is given back.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vfio: Option<super::vfio::VfioRecord>,
 }
 
 /// The checkpoint's content.
@@ -335,6 +339,7 @@ mod tests {
                 }],
                 mps: None,
                 domain: None,
+                vfio: None,
             },
         );
         data

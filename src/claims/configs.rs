@@ -117,7 +117,7 @@ pub fn resolve_with_uuids(
     // ComputeDomain channel configs are read where the claim joins its domain, not here.
     for entry in entries
         .iter()
-        .filter(|e| e.driver == driver && channel_config(driver, e).is_none())
+        .filter(|e| e.driver == driver && channel_config(driver, e).is_none() && !is_vfio_config(e))
     {
         let config = decode_entry(entry).map_err(|(kind, error)| ConfigEntryError {
             index: entry.index,
@@ -186,6 +186,22 @@ pub fn resolve_with_uuids(
             })
         })
         .collect()
+}
+
+/// Whether the entry is NVIDIA's `VfioDeviceConfig`: read where passthrough devices are prepared
+/// (`claims::vfio`), never applied to a GPU or MIG device.
+pub fn is_vfio_config(entry: &ConfigEntry<'_>) -> bool {
+    vfio_config(entry).is_some()
+}
+
+/// The entry as NVIDIA's `VfioDeviceConfig`, decoded, if it is one.
+pub fn vfio_config(
+    entry: &ConfigEntry<'_>,
+) -> Option<Result<crate::api::config::vfio::VfioSettings, ConfigError>> {
+    match entry.raw {
+        Some(raw) => crate::api::config::vfio::parse(&serde_json::from_str::<Value>(raw).ok()?),
+        None => crate::api::config::vfio::parse(entry.value?),
+    }
 }
 
 const PER_DEVICE_PATH: &str = "sharing.mpsConfig.defaultPerDevicePinnedMemoryLimit";
@@ -456,6 +472,9 @@ pub fn check_opaque_configs<'a>(
 pub fn check_opaque_parameters(driver: &str, parameters: &Value) -> Option<ConfigError> {
     if let Some(Ok(_)) = ChannelConfig::parse(driver, parameters) {
         return None;
+    }
+    if let Some(vfio) = crate::api::config::vfio::parse(parameters) {
+        return vfio.err();
     }
     decode_config_value(parameters).err()
 }

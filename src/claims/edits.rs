@@ -149,7 +149,12 @@ pub(super) fn write_spec_with(
                 edits.device_nodes.clear();
             }
             if let Some(dev_root) = &driver.dev_root {
-                for node in edits.device_nodes.iter_mut() {
+                // /dev/vfio is the host's own, never the driver container's.
+                for node in edits
+                    .device_nodes
+                    .iter_mut()
+                    .filter(|n| !n.path.starts_with("/dev/vfio/"))
+                {
                     node.host_path = device_host_path(dev_root, &node.path);
                 }
             }
@@ -161,7 +166,14 @@ pub(super) fn write_spec_with(
     };
     let mut common = match &driver.host {
         // A claim of IMEX channels alone needs none of the driver's files.
-        Some(host) if !devices.iter().all(|d| uses_toolkit(d) || is_channel(d)) => host.clone(),
+        // Nor does a passthrough claim: its GPUs are the virtual machine's.
+        Some(host)
+            if !devices
+                .iter()
+                .all(|d| uses_toolkit(d) || is_channel(d) || super::vfio::is_vfio(&d.device)) =>
+        {
+            host.clone()
+        }
         _ => ContainerEdits::default(),
     };
     // CUDA images set NVIDIA_VISIBLE_DEVICES=all; where the NVIDIA container runtime is the node's
@@ -173,6 +185,7 @@ pub(super) fn write_spec_with(
     if let Some(mps) = mps {
         common.env.extend(mps.env.iter().cloned());
         common.mounts.extend(mps.mounts.iter().cloned());
+        common.device_nodes.extend(mps.device_nodes.iter().cloned());
     }
     cdi.write_claim_spec_with(uid, &common, &edits).map(|_| ())
 }
@@ -183,6 +196,9 @@ pub(super) fn write_spec_with(
 /// given. Each device file carries its type and numbers where they are known, so the runtime makes it
 /// without looking on the host, which has no file for a MIG capability or the fake backend's devices.
 pub fn container_edits(inventory: &Inventory, device: &PreparedDevice) -> ContainerEdits {
+    if let Some(edits) = super::vfio::container_edits(inventory, device) {
+        return edits;
+    }
     let mut edits = ContainerEdits::default();
     if let Some(channel) = crate::domains::channels::parse_device_name(&device.device) {
         // An IMEX channel: its device file only (or with `allocationMode: All` every channel's), with

@@ -57,6 +57,12 @@ pub enum ClaimError {
     },
     #[error("ResourceClaim {claim}: sharing: {reason}")]
     Sharing { claim: String, reason: String },
+    #[error("ResourceClaim {claim}: passthrough device {device}: {reason}")]
+    Vfio {
+        claim: String,
+        device: String,
+        reason: String,
+    },
     #[error("ResourceClaim {claim}: ComputeDomain: {reason}")]
     Domain { claim: String, reason: String },
     #[error("ResourceClaim {claim}: writing CDI spec: {source}")]

@@ -9,6 +9,7 @@
 //! | `migDevices` | MIG devices being made: each is in the MIG journal (`mig_records.rs`) before its create, and in the claim's devices once made | destroy what the claim made |
 //! | `gpuModes` | GPU sharing modes: each is in the checkpoint (`gpu_modes`) before it is set | set each GPU to what the other claims need |
 //! | `mpsDaemon` | the claim's tmpfs and MPS daemon Pod: `mps` is written before either is made | delete the Pod, unmount, remove the directories |
+//! | `vfioBinding` | the claim's IOMMU groups bound to vfio-pci: `vfio` names every function and its driver before the first bind | give each function back to its driver |
 //! | `domain` | this node's entry in a ComputeDomain and its IMEX daemon: `domain` is written before the join | leave, unless another claim here holds the domain |
 //! | `cdiSpec` | the claim's CDI spec, named by the claim's UID | remove it |
 //! | `completed` | all of the above, as recorded | all of the above, last made first |
@@ -47,6 +48,7 @@ pub enum Phase {
     MigDevices,
     GpuModes,
     MpsDaemon,
+    VfioBinding,
     Domain,
     CdiSpec,
     Completed,
@@ -69,6 +71,7 @@ impl Phase {
             Phase::MigDevices => "migDevices",
             Phase::GpuModes => "gpuModes",
             Phase::MpsDaemon => "mpsDaemon",
+            Phase::VfioBinding => "vfioBinding",
             Phase::Domain => "domain",
             Phase::CdiSpec => "cdiSpec",
             Phase::Completed => "completed",
@@ -95,16 +98,18 @@ pub enum Step {
     DaemonPodStart,
     DomainJoin,
     SpecWrite,
+    VfioBind,
 }
 
 impl Step {
-    pub const ALL: [Step; 6] = [
+    pub const ALL: [Step; 7] = [
         Step::MigCreate,
         Step::ModeChange,
         Step::TmpfsMount,
         Step::DaemonPodStart,
         Step::DomainJoin,
         Step::SpecWrite,
+        Step::VfioBind,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -115,6 +120,7 @@ impl Step {
             Step::DaemonPodStart => "daemon-pod-start",
             Step::DomainJoin => "domain-join",
             Step::SpecWrite => "spec-write",
+            Step::VfioBind => "vfio-bind",
         }
     }
 
@@ -173,18 +179,24 @@ impl Preparer {
         let inventory = self.inventory.borrow().clone();
         let mut devices = self.allocated_devices(claim, &fetched.claim, &inventory)?;
         let channel = self.channel_request(claim, &fetched, &devices, &inventory)?;
-        match &channel {
-            Some(request) => Self::apply_allocation_mode(request, &mut devices),
-            None => self.resolve_sharing(claim, &fetched, &inventory, &mut devices)?,
+        let vfio = self.vfio_request(claim, &fetched, &devices)?;
+        match (&channel, vfio) {
+            (Some(request), _) => Self::apply_allocation_mode(request, &mut devices),
+            (None, Some(_)) => {}
+            (None, None) => self.resolve_sharing(claim, &fetched, &inventory, &mut devices)?,
         }
 
         self.reserve(claim, &inventory, &devices)?;
-        let made = match &channel {
-            Some(request) => {
+        let made = match (&channel, vfio) {
+            (Some(request), _) => {
                 self.make_channel(claim, &inventory, request, &devices)
                     .await
             }
-            None => self.make_devices(claim, &inventory, &mut devices).await,
+            (None, Some(api_device)) => {
+                self.make_vfio(claim, &inventory, api_device, &devices, &fetched.claim)
+                    .await
+            }
+            (None, None) => self.make_devices(claim, &inventory, &mut devices).await,
         };
         let failed = |error| Failed {
             error,
@@ -268,7 +280,7 @@ impl Preparer {
     /// The last phase: the claim's CDI spec, which names everything made before it. Written in
     /// place on this worker, like every file on the prepare path: without fsync a write only reaches
     /// the page cache, which costs less than a hand-off to a blocking thread.
-    async fn write_spec(
+    pub(super) async fn write_spec(
         &self,
         claim: &ClaimRef,
         devices: &[PreparedDevice],
@@ -391,6 +403,7 @@ impl Preparer {
     /// at once; the first failure stops it, and the rest stays recorded for the next try. The
     /// spec and the record itself are the caller's.
     async fn undo(&self, claim: &ClaimRef, record: &ClaimRecord) -> Result<(), ClaimError> {
+        self.unbind_vfio(claim, record).await?;
         if let Err(reason) = self.stop_mps(record).await {
             return Err(ClaimError::Sharing {
                 claim: claim.to_string(),
@@ -467,6 +480,7 @@ impl ClaimRecord {
     pub fn names_more_than_a_spec(&self) -> bool {
         self.mps.is_some()
             || self.domain.is_some()
+            || self.vfio.is_some()
             || self
                 .devices
                 .iter()

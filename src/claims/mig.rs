@@ -40,6 +40,11 @@ pub(super) fn resolve(inventory: &Inventory, device: &str) -> Result<Option<MigT
         // An IMEX channel: published only where the node is in an NVLink clique.
         return crate::domains::channels::node_clique(inventory).map(|_| None);
     }
+    if super::vfio::is_vfio(device) {
+        return crate::devices::passthrough::find(inventory, device)
+            .map(|_| None)
+            .ok_or_else(|| "the node has no such passthrough GPU on its PCI bus".to_string());
+    }
     let name = DeviceName::parse(device).ok_or("not a device name this driver publishes")?;
     let gpu = inventory
         .gpus
@@ -89,6 +94,9 @@ pub(super) fn resolve(inventory: &Inventory, device: &str) -> Result<Option<MigT
 pub(super) fn conflict(inventory: &Inventory, a: &str, b: &str) -> bool {
     if a == b {
         return true;
+    }
+    if let Some(overlap) = super::vfio::conflict(inventory, a, b) {
+        return overlap;
     }
     type Footprint = (u32, Option<(MigPlacement, Option<u32>)>);
     let footprint = |device: &str| -> Option<Footprint> {

@@ -18,6 +18,7 @@ mod channels;
 pub mod checkpoint;
 pub mod configs;
 pub mod daemon_pod;
+pub mod device_metadata;
 mod edits;
 mod error;
 mod gpu_modes;
@@ -34,6 +35,7 @@ mod rebuild;
 mod recovery;
 mod sharing;
 mod state;
+pub mod vfio;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
@@ -186,6 +188,8 @@ pub struct Preparer {
     /// The API groups of ComputeDomains this driver name serves.
     domain_groups: Vec<crate::domains::api::DomainGroup>,
     call_budget: Duration,
+    /// The GPUs prepared claims hold as GPUs and as passthrough devices (`vfio.rs`).
+    held_ways: watch::Sender<crate::devices::passthrough::HeldWays>,
 }
 
 impl Preparer {
@@ -226,8 +230,10 @@ impl Preparer {
             domain_groups: crate::domains::api::DomainGroup::served_by(&config.driver_name),
             domains: config.domains,
             call_budget: config.call_budget,
+            held_ways: watch::channel(Default::default()).0,
         });
         let recovery = preparer.recover_at_start().await?;
+        preparer.note_held_ways();
         Ok((preparer, recovery))
     }
 

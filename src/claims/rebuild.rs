@@ -118,6 +118,7 @@ impl Preparer {
             // `sweep_mps`) and the daemon goes with the next sweep after the claim is gone.
             mps: None,
             domain: None,
+            vfio: None,
         })
     }
 }

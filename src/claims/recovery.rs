@@ -283,6 +283,11 @@ impl Preparer {
                 // GPU modes go with the sweeps below, which keep only what completed claims own;
                 // its domain is left here, from the record.
                 self.leave_recorded_domain(&uid, &record, &held_domains);
+                if let Err(reason) = self.give_back_at_start(&record) {
+                    warn!(claim = %describe(&uid, &record), %reason, "a passthrough GPU cannot be given back to its driver yet; the claim stays recorded for the kubelet's unprepare");
+                    data.claims.insert(uid, record);
+                    continue;
+                }
                 self.roll_back_at_start(uid, &record, &mut recovery)?;
                 continue;
             }
@@ -293,6 +298,9 @@ impl Preparer {
                 warn!(claim = %describe(&uid, &record), %reason, "MIG device of a prepared claim is gone and cannot be made again; rolling the claim back");
                 self.roll_back_at_start(uid, &record, &mut recovery)?;
                 continue;
+            }
+            if let Err(reason) = self.rebind_at_start(&record) {
+                warn!(claim = %describe(&uid, &record), %reason, "a passthrough claim's GPU is not bound to vfio-pci and cannot be bound again; its VM will not start until it is");
             }
             kept.push((uid, record, rewrite));
         }
@@ -316,6 +324,7 @@ impl Preparer {
                     }
                     None => None,
                 };
+                let mps = super::vfio::with_common_edits(mps, &inventory, &record);
                 write_spec_with(
                     &self.cdi,
                     &uid,

@@ -122,6 +122,7 @@ impl Preparer {
                 devices: devices.to_vec(),
                 mps: None,
                 domain: None,
+                vfio: None,
             },
         );
         // A spec left in place by a rebuild is this claim's again from here on.
@@ -152,6 +153,7 @@ impl Preparer {
     /// Writes the checkpoint if it is behind the in-memory state. Concurrent callers share one write:
     /// whoever takes the writer lock writes everything changed so far.
     pub(super) async fn persist(&self, claim: &ClaimRef) -> Result<(), ClaimError> {
+        self.note_held_ways();
         let wanted = lock(&self.state).revision;
         let mut persisted = self.persisted.lock().await;
         if *persisted >= wanted {

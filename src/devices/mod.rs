@@ -8,6 +8,7 @@ pub mod names;
 pub mod node_labels;
 #[cfg(test)]
 mod nvidia_table_tests;
+pub mod passthrough;
 pub mod sharing;
 
 pub use names::DeviceName;

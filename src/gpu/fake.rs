@@ -17,6 +17,7 @@ use super::caps::{CapsError, MigMinors};
 use super::device_files::{control_device_files, DeviceNumber};
 use super::fake_check::check_profile;
 use super::fake_faults::FaultWatch;
+use super::fake_pci::FakeSys;
 use super::fake_proc::FakeProc;
 use super::mig::{MigDestroyed, MigInstance, MigRequest};
 use super::profiles::{builtin_profile, builtin_profile_names, FakeGpuSpec, FakeProfile};
@@ -73,6 +74,8 @@ pub struct FakeBackend {
     state_file: Option<PathBuf>,
     /// The driver's `/proc` files of the fake node (device majors, MIG capability minors).
     pub(super) proc: FakeProc,
+    /// The fake node's `/sys` (PCI bus, drivers, IOMMU groups) and its kernel.
+    sys: FakeSys,
     /// The numbers every fake device file gets: `/dev/null`'s, so containers open them harmlessly.
     stand_in: DeviceNumber,
     pub(super) faults: Mutex<FaultWatch>,
@@ -115,6 +118,7 @@ impl FakeBackend {
             source,
             hardware: Mutex::new(FakeHardware::default()),
             proc: FakeProc::beside(state_file.as_deref())?,
+            sys: FakeSys::beside(state_file.as_deref())?,
             stand_in,
             state_file,
             faults: Mutex::new(FaultWatch::default()),
@@ -233,6 +237,14 @@ impl GpuBackend for FakeBackend {
         let profile = self.profile()?;
         let hardware = lock(&self.hardware).clone();
         let (gpus, unreadable) = self.gpus(&profile, &hardware);
+        let pci_gpus =
+            self.sys
+                .sync(&profile)?
+                .nvidia_gpus()
+                .map_err(|e| GpuError::Unavailable {
+                    backend: "fake".into(),
+                    reason: e.to_string(),
+                })?;
         Ok(Inventory {
             driver_version: profile.driver_version.clone(),
             cuda_driver_version: profile.cuda_driver_version.clone(),
@@ -243,6 +255,7 @@ impl GpuBackend for FakeBackend {
             device_majors: self.proc.device_majors(),
             stand_in_device: Some(self.stand_in),
             unreadable,
+            pci_gpus,
         })
     }
 
@@ -281,6 +294,10 @@ impl GpuBackend for FakeBackend {
 
     fn sharing(&self, gpu_uuid: &str) -> Result<GpuSharingMode, GpuError> {
         self.sharing_mode(gpu_uuid)
+    }
+
+    fn pci(&self) -> Result<Option<super::PciSysfs>, GpuError> {
+        self.sys.sync(&self.profile()?).map(Some)
     }
 
     fn wait_event(&self, timeout: std::time::Duration) -> Result<Option<GpuEvent>, GpuError> {

@@ -10,6 +10,7 @@ mod fake_check;
 mod fake_faults;
 mod fake_gpus;
 mod fake_mig;
+mod fake_pci;
 mod fake_proc;
 mod fake_sharing;
 #[cfg(test)]
@@ -26,6 +27,7 @@ mod nvml_mig;
 mod nvml_probe;
 mod nvml_sharing;
 mod nvml_support;
+pub mod pci;
 mod profiles;
 
 pub use device_files::{DeviceMajors, DeviceNumber, DriverProc};
@@ -38,9 +40,10 @@ pub use mig::{
     NO_COMPUTE_INSTANCE,
 };
 pub use nvml::{NvmlBackend, NvmlOptions};
+pub use pci::{PciFunction, PciGpu, PciSysfs};
 pub use profiles::{
     builtin_profile, builtin_profile_names, gb200_tray, FakeFault, FakeFaultKind, FakeGpuSpec,
-    FakeProfile, GB200_CLUSTER_UUID,
+    FakePci, FakeProfile, GB200_CLUSTER_UUID,
 };
 
 use serde::{Deserialize, Serialize};
@@ -111,6 +114,10 @@ pub struct Inventory {
     /// GPUs the backend sees but could not read (lost, in a MIG mode change, any per-GPU error): left
     /// out of `gpus`, reported, and read again at the next rescan.
     pub unreadable: Vec<UnreadableGpu>,
+    /// NVIDIA GPU functions on the PCI bus (sysfs), whatever driver they are bound to: GPUs bound
+    /// to vfio-pci are here and not in `gpus` on a node, where NVML no longer sees them. Empty where
+    /// sysfs could not be read.
+    pub pci_gpus: Vec<PciGpu>,
 }
 
 impl Inventory {
@@ -333,6 +340,11 @@ pub trait GpuBackend: Send + Sync {
             gpu: gpu_uuid.to_string(),
             reason: format!("the {} GPU backend cannot read GPU sharing", self.name()),
         })
+    }
+    /// The node's PCI bus in sysfs, through which GPUs are bound to vfio-pci for passthrough and
+    /// given back; `None` where the backend has none.
+    fn pci(&self) -> Result<Option<PciSysfs>, GpuError> {
+        Ok(None)
     }
     /// Waits up to `timeout` for the next event; `Ok(None)` on timeout. Backends without events sleep.
     fn wait_event(&self, timeout: std::time::Duration) -> Result<Option<GpuEvent>, GpuError> {

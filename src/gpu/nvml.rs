@@ -209,6 +209,10 @@ impl GpuBackend for NvmlBackend {
         self.read_sharing(gpu_uuid)
     }
 
+    fn pci(&self) -> Result<Option<super::PciSysfs>, GpuError> {
+        Ok(Some(super::PciSysfs::host(std::path::Path::new("/sys"))))
+    }
+
     fn wait_event(&self, timeout: Duration) -> Result<Option<GpuEvent>, GpuError> {
         self.next_event(timeout)
     }

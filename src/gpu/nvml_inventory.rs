@@ -39,6 +39,12 @@ impl NvmlBackend {
         }
         gpus.sort_by_key(|gpu| gpu.minor);
         nvlink::assign_domains(&mut gpus);
+        let pci_gpus = super::PciSysfs::host(Path::new("/sys"))
+            .nvidia_gpus()
+            .unwrap_or_else(|error| {
+                tracing::warn!(%error, "reading the PCI bus in /sys: no GPU can be passed through");
+                Vec::new()
+            });
         Ok(Inventory {
             driver_version,
             cuda_driver_version: support::cuda_version(cuda),
@@ -49,6 +55,7 @@ impl NvmlBackend {
             device_majors: DriverProc::new(&self.driver_root).device_majors(),
             stand_in_device: None,
             unreadable,
+            pci_gpus,
         })
     }
 

@@ -17,6 +17,31 @@ pub struct FakeProfile {
     /// a second to several seconds); split between the operation's steps, as the hardware's are.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mig_operation_delay_ms: Option<u64>,
+    /// The PCI side of the node, for VFIO passthrough (`fake_pci.rs`).
+    #[serde(default, skip_serializing_if = "FakePci::is_default")]
+    pub pci: FakePci,
+}
+
+/// The fake node's PCI bus beyond its GPUs: each GPU has an IOMMU group of its own unless listed here.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct FakePci {
+    /// Each GPU has an HDMI audio function (`<slot>.1`, driver `snd_hda_intel`) in its IOMMU group.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub audio_functions: bool,
+    /// PCI addresses that share one IOMMU group each (functions behind a PCIe switch without ACS).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub shared_iommu_groups: Vec<Vec<String>>,
+    /// PCI addresses of functions a process holds open: the kernel cannot unbind their driver.
+    /// Editable at run time, like faults.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub in_use: Vec<String>,
+}
+
+impl FakePci {
+    fn is_default(&self) -> bool {
+        *self == FakePci::default()
+    }
 }
 
 /// One GPU of a fake profile. Values a real node derives from its hardware (UUID, minor) are filled in
@@ -276,6 +301,7 @@ fn uniform(
         cuda_driver_version: cuda.to_string(),
         gpus,
         mig_operation_delay_ms: None,
+        pci: FakePci::default(),
     }
 }
 
@@ -354,14 +380,22 @@ pub fn builtin_profile(name: &str) -> Option<FakeProfile> {
             }
             Some(profile)
         }
-        "l40s-4" => Some(uniform(
-            "l40s-4",
-            "4x L40S PCIe, no MIG, no NVLink",
-            &L40S,
-            &[0x01, 0x41, 0x81, 0xc1],
-            "550.90.07",
-            "12.4",
-        )),
+        "l40s-4" => {
+            let mut profile = uniform(
+                "l40s-4",
+                "4x L40S PCIe, no MIG, no NVLink; each with an audio function, the last two in one IOMMU group",
+                &L40S,
+                &[0x01, 0x41, 0x81, 0xc1],
+                "550.90.07",
+                "12.4",
+            );
+            profile.pci = FakePci {
+                audio_functions: true,
+                shared_iommu_groups: vec![vec!["0000:81:00.0".into(), "0000:c1:00.0".into()]],
+                in_use: Vec::new(),
+            };
+            Some(profile)
+        }
         "gb200-nvl72" => Some(gb200_tray(GB200_CLUSTER_UUID, 0)),
         _ => None,
     }

@@ -40,6 +40,8 @@ pub struct NodePolicy {
     pub shares: Option<Shares>,
     /// Write GPU feature discovery's labels on this node (`node_labels`).
     pub classic_node_labels: bool,
+    /// GPUs published for VFIO passthrough only (`devices::passthrough`).
+    pub passthrough: Option<api::policy::PassthroughSpec>,
 }
 
 impl NodePolicy {
@@ -83,6 +85,7 @@ impl NodePolicy {
             mig_mode,
             shares,
             classic_node_labels: policy.classic_node_labels,
+            passthrough: policy.passthrough.clone(),
         }
     }
 }
@@ -121,6 +124,8 @@ pub struct MonitorChannels {
     pub kept_fields: watch::Receiver<KeptFields>,
     /// IMEX channel devices to taint (ComputeDomains whose daemon here is not ready), and why.
     pub channel_taints: watch::Receiver<BTreeMap<String, &'static str>>,
+    /// The GPUs prepared claims hold as GPUs and as passthrough devices.
+    pub held_ways: watch::Receiver<crate::devices::passthrough::HeldWays>,
 }
 
 pub struct Monitor {
@@ -178,6 +183,7 @@ impl Monitor {
         // A publisher that is gone leaves what it last learned in force; it does not stop the monitor.
         let mut kept_open = true;
         let mut taints_open = true;
+        let mut held_open = true;
         loop {
             tokio::select! {
                 event = ch.events.recv() => {
@@ -207,6 +213,13 @@ impl Monitor {
                         continue;
                     }
                     ch.channel_taints.borrow_and_update();
+                }
+                result = ch.held_ways.changed(), if held_open => {
+                    if result.is_err() {
+                        held_open = false;
+                        continue;
+                    }
+                    ch.held_ways.borrow_and_update();
                 }
                 result = ch.kept_fields.changed(), if kept_open => {
                     if result.is_err() {
@@ -242,6 +255,14 @@ impl Monitor {
         let kept = *ch.kept_fields.borrow();
         let mode = effective_mig_mode(policy.mig_mode.unwrap_or(self.default_mig_mode), kept);
         let mut node = node_devices(&inventory, mode);
+        let held = ch.held_ways.borrow().clone();
+        crate::devices::passthrough::publish(&mut node, &inventory, |minor, address| {
+            let chosen = policy
+                .passthrough
+                .as_ref()
+                .is_some_and(|p| p.selects(minor, address));
+            held.passthrough(chosen, address)
+        });
         node.channels = channel_devices(&inventory, self.imex_channels);
         taint_channels(
             &mut node.channels,

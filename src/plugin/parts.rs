@@ -320,6 +320,7 @@ pub(super) async fn health_monitor(
         shares: policy.shares.clone(),
         kept_fields: publisher.kept_fields(),
         channel_taints: claims.channel_taints.clone(),
+        held_ways: claims.preparer.held_ways(),
     };
     health_monitor.recompute(&fault_state, &monitor_channels);
     part.spawn_vital(

@@ -83,7 +83,8 @@ fn the_component_runs_the_plugin_as_gpu_nvidia_com_with_nvidias_classes() {
             [
                 "gpu.nvidia.com",
                 "imex-channel.gpu.dra.dev",
-                "mig.nvidia.com"
+                "mig.nvidia.com",
+                "vfio.gpu.nvidia.com"
             ],
             "{overlay}"
         );
@@ -704,7 +705,8 @@ fn the_script_installs_the_component_as_a_user_does() {
         [
             "gpu.nvidia.com",
             "imex-channel.gpu.dra.dev",
-            "mig.nvidia.com"
+            "mig.nvidia.com",
+            "vfio.gpu.nvidia.com"
         ]
     );
     let ds: DaemonSet = one(&installed, "DaemonSet", "gpu-dra-plugin").typed();

@@ -40,6 +40,7 @@ fn record(name: &str, state: ClaimState, device: &str, uid: &str) -> ClaimRecord
         }],
         mps: None,
         domain: None,
+        vfio: None,
     }
 }
 

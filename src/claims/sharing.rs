@@ -447,6 +447,10 @@ fn memory_share(
     result: &k8s_openapi::api::resource::v1::DeviceRequestAllocationResult,
 ) -> Option<u64> {
     let quantity = result.consumed_capacity.as_ref()?.get("memory")?;
+    // A share of no memory (Count and Unlimited shares by default) sets no limit.
+    if crate::quantity::parse_nanos(&quantity.0) == Some(0) {
+        return None;
+    }
     let bytes = crate::api::config::ByteQuantity::parse(&quantity.0).map(|q| q.bytes());
     if bytes.is_none() {
         warn!(device = %result.device, quantity = %quantity.0, "unreadable consumed memory in an allocation result");

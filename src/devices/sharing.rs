@@ -201,9 +201,12 @@ fn share(device: &mut Device, shares: &Shares) -> bool {
     memory.request_policy = Some(memory_policy);
     if !shares.nvidia {
         // Without a policy a claim takes all of a capacity it does not name (a MIG device's
-        // multiprocessors, engines): the others take nothing unless asked for.
+        // multiprocessors, engines): the others take nothing unless asked for. A capacity of 0 (a
+        // small profile's encoders) keeps none: all of nothing is nothing, and the API server
+        // refuses a range whose one step above `min` exceeds the capacity.
         for (name, capacity) in capacities.iter_mut() {
-            if name != "memory" && name != SHARES_CAPACITY {
+            let empty = crate::quantity::parse_nanos(&capacity.value.0) == Some(0);
+            if name != "memory" && name != SHARES_CAPACITY && !empty {
                 capacity.request_policy = Some(CapacityRequestPolicy {
                     default: Some(Quantity("0".into())),
                     valid_range: Some(CapacityRequestPolicyRange {

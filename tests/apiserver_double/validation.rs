@@ -27,6 +27,10 @@ fn invalid_cases() -> Vec<(&'static str, &'static str, Value, &'static str)> {
         .map(|i| json!({"key": format!("k{i}"), "effect": "NoSchedule"}))
         .collect::<Vec<_>>());
     let counters = json!([{"name": "gpu-0-counters", "counters": {"memory": {"value": "80Gi"}}}]);
+    // A device that allows multiple allocations with one capacity.
+    let shared = |name: &str, capacity: Value| {
+        json!({"name": "gpu-0", "allowMultipleAllocations": true, "capacity": {name: capacity}})
+    };
     vec![
         ("bad name", "/metadata/name", json!("Not_A_Name"), "metadata.name: Invalid value"),
         ("bad label value", "/metadata/labels", json!({"nvidia.com/gpu.product": "NVIDIA H100"}), "metadata.labels: Invalid value: \"NVIDIA H100\": a valid label must"),
@@ -58,6 +62,11 @@ fn invalid_cases() -> Vec<(&'static str, &'static str, Value, &'static str)> {
         ("too many taints", "/spec/devices/0/taints", taints, "spec.devices[0].taints: Too many: 17: must have at most 16"),
         ("bad effect", "/spec/devices/0/taints", json!([{"key": "k", "effect": "PreferNoSchedule"}]), "taints[0].effect: Unsupported value"),
         ("devices and counters", "/spec/sharedCounters", counters, "spec.sharedCounters: Forbidden"),
+        ("request policy, one allocation", "/spec/devices/0/capacity", json!({"memory": {"value": "80Gi", "requestPolicy": {"default": "1Gi", "validRange": {"min": "1Gi"}}}}), "capacity[memory].requestPolicy: Forbidden: allowMultipleAllocations must be true"),
+        ("a step above an empty capacity", "/spec/devices/0", shared("encoders", json!({"value": "0", "requestPolicy": {"default": "0", "validRange": {"min": "0", "step": "1"}}})), "capacity[encoders].requestPolicy.validRange.step: Invalid value: \"1\": one step 1 is larger than capacity value: 0"),
+        ("default off the steps", "/spec/devices/0", shared("memory", json!({"value": "80Gi", "requestPolicy": {"default": "2Gi", "validRange": {"min": "1Gi", "step": "2Gi"}}})), "validRange.step: Invalid value: \"2Gi\": value is not a multiple of a given step (2Gi) from (1Gi)"),
+        ("default above max", "/spec/devices/0", shared("memory", json!({"value": "80Gi", "requestPolicy": {"default": "8Gi", "validRange": {"min": "1Gi", "max": "4Gi"}}})), "validRange.max: Invalid value: \"8Gi\": default is more than max: 4Gi"),
+        ("values and range", "/spec/devices/0", shared("memory", json!({"value": "80Gi", "requestPolicy": {"default": "1Gi", "validValues": ["1Gi"], "validRange": {"min": "1Gi"}}})), "capacity[memory].requestPolicy: Forbidden: exactly one policy"),
     ]
 }
 

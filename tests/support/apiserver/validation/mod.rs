@@ -5,6 +5,7 @@
 //! quantities, versions) are in `formats`, the ResourceSlice rules in `resource_slice`.
 
 mod formats;
+mod request_policy;
 mod resource_slice;
 
 use serde_json::{json, Value};

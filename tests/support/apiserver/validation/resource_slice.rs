@@ -10,6 +10,7 @@ use super::formats::{
     dns_label, dns_subdomain, is_dns_subdomain, is_label_value, is_quantity, is_semver, label_key,
     qualified_name, DNS_SUBDOMAIN_MSG, LABEL_NAME_MSG, QUANTITY_MSG, SEMVER_MSG,
 };
+use super::request_policy::validate_request_policy;
 use super::{immutable, render, ErrorKind, Errors, ServerVersion};
 
 const DRIVER_NAME_MAX: usize = 63;
@@ -249,6 +250,8 @@ fn validate_device(
         if !is_quantity(value) {
             errors.invalid(&format!("{field}.value"), &json!(value), QUANTITY_MSG);
         }
+        let allows_multiple = is_true(device.get("allowMultipleAllocations"));
+        validate_request_policy(errors, &field, capacity, allows_multiple);
     }
     validate_taints(version, errors, path, as_array(device.get("taints")));
     validate_consumed_counters(

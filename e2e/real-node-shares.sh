@@ -83,7 +83,8 @@ trap 'stop_plugin; rm -rf "$WORK"' EXIT
 DRIVER=
 NS=
 slices_json() { kubectl get resourceslices --field-selector "spec.driver=$DRIVER" -o json 2>/dev/null; }
-# A device of the slices, as JSON: its capacities and allowMultipleAllocations.
+# A device of the slices, as JSON: its capacities and allowMultipleAllocations (and its UUID, which a
+# dynamic MIG device has only once made).
 device_json() { # name
   slices_json | python3 -c "
 import json, sys
@@ -91,14 +92,15 @@ for s in json.load(sys.stdin)['items']:
     for d in s['spec'].get('devices') or []:
         if d['name'] == sys.argv[1]:
             print(json.dumps({'multiple': d.get('allowMultipleAllocations', False), 'capacity': d.get('capacity', {}),
-                              'uuid': next(iter(d['attributes']['uuid'].values()))}, sort_keys=True))" "$1"
+                              'uuid': next(iter(d['attributes'].get('uuid', {}).values()), None)}, sort_keys=True))" "$1"
 }
 field() { python3 -c "import json, sys; v = json.loads(sys.argv[1]); print(eval(sys.argv[2], {}, {'d': v}))" "$1" "$2" 2>/dev/null; }
 shared_published() { [ "$(field "$(device_json "$1")" "d['multiple']")" = True ]; }
 pod_names() { kubectl get pods -n $NS -o jsonpath='{range .items[*]}{.metadata.name}{"\n"}{end}' 2>/dev/null; }
 running() { [ "$(kubectl get pods -n $NS --field-selector status.phase=Running -o name 2>/dev/null | wc -l)" -ge "$1" ]; }
+# A claim made from a template is named in the pod's status, one named by the pod in its spec.
 claims_of_pods() {
-  kubectl get pods -n $NS -o jsonpath='{range .items[*]}{.status.resourceClaimStatuses[0].resourceClaimName}{"\n"}{end}' 2>/dev/null | grep .
+  kubectl get pods -n $NS -o jsonpath='{range .items[*]}{.status.resourceClaimStatuses[0].resourceClaimName}{.spec.resourceClaims[0].resourceClaimName}{"\n"}{end}' 2>/dev/null | grep .
 }
 # One line per claim: device, consumedCapacity (JSON), shareID.
 results() {

@@ -68,10 +68,10 @@ install() { # kustomization dir, driver
   kubectl apply -k "$1" >/dev/null
   sleep 2
   check "plugin DaemonSet Pod Ready ($2)" kubectl wait -n gpu-dra --for=condition=Ready pod -l $SEL --timeout=120s
-  chosen() { slice_devices "$2" | grep -qx gpu-vfio-1; }
-  check "slices of $2 publish gpu-vfio-0 and gpu-vfio-1" wait_until 60 chosen
+  chosen() { slice_devices "$1" | grep -qx gpu-vfio-0 && slice_devices "$1" | grep -qx gpu-vfio-1; }
+  check "slices of $2 publish gpu-vfio-0 and gpu-vfio-1" wait_until 60 chosen "$2"
   local devices; devices=$(slice_devices "$2" | tr '\n' ' ')
-  check "the chosen GPUs are not published as GPUs or MIG devices ($devices)" \
+  check "the chosen GPUs are not published as GPUs or MIG devices (gpu-0, gpu-1 and theirs)" \
     bash -c "! grep -qE '(^| )gpu-[01](-mig-[^ ]*)?( |$)' <<<'$devices'"
   check "the other GPUs stay GPUs (gpu-2 .. gpu-7)" bash -c "grep -q 'gpu-7 ' <<<'$devices'"
 }

@@ -151,18 +151,25 @@ pub fn check(
     let any_channel = devices
         .iter()
         .any(|d| crate::domains::channels::parse_device_name(&d.id.device).is_some());
+    // So are passthrough devices, by nodes where a GpuNodePolicy chose GPUs for passthrough.
+    let any_passthrough = devices
+        .iter()
+        .any(|d| crate::devices::passthrough::parse_device_name(&d.id.device).is_some());
     let expected_empty = |subject: &Subject| {
-        !any_channel
-            && subject.claim.is_none()
-            && by_name.get(subject.class.as_str()).is_some_and(|class| {
-                crate::domains::channels::is_channel_class(
-                    class
-                        .spec
-                        .iter()
-                        .flat_map(|spec| spec.selectors.iter().flatten())
-                        .filter_map(|s| s.cel.as_ref().map(|c| c.expression.as_str())),
-                )
-            })
+        let Some(class) = by_name.get(subject.class.as_str()) else {
+            return false;
+        };
+        let expressions = || {
+            class
+                .spec
+                .iter()
+                .flat_map(|spec| spec.selectors.iter().flatten())
+                .filter_map(|s| s.cel.as_ref().map(|c| c.expression.as_str()))
+        };
+        subject.claim.is_none()
+            && ((!any_channel && crate::domains::channels::is_channel_class(expressions()))
+                || (!any_passthrough
+                    && crate::devices::passthrough::is_passthrough_class(expressions())))
     };
     let exit_code = if subjects.iter().any(|s| !s.errors.is_empty()) {
         2

@@ -38,6 +38,16 @@ impl HeldWays {
     }
 }
 
+/// Whether a DeviceClass with these CEL expressions selects passthrough devices (`type == "vfio"`, in
+/// either quote). Only nodes a GpuNodePolicy chose GPUs on publish any, so such a class matching nothing
+/// elsewhere is expected.
+pub fn is_passthrough_class<'a>(expressions: impl IntoIterator<Item = &'a str>) -> bool {
+    let (double, single) = (format!("\"{VFIO_TYPE}\""), format!("'{VFIO_TYPE}'"));
+    expressions
+        .into_iter()
+        .any(|e| e.contains(&double) || e.contains(&single))
+}
+
 /// `gpu-vfio-<n>`.
 pub fn device_name(rank: usize) -> String {
     format!("gpu-vfio-{rank}")
@@ -163,6 +173,18 @@ mod tests {
     use super::*;
     use crate::devices::{node_devices, MigMode};
     use crate::gpu::{FakeBackend, GpuBackend};
+
+    #[test]
+    fn passthrough_classes_are_told_by_their_type_in_either_quote() {
+        let ours =
+            r#"device.driver == "gpu.dra.dev" && device.attributes["gpu.dra.dev"].type == "vfio""#;
+        let nvidias = "device.driver == 'gpu.nvidia.com' && device.attributes['gpu.nvidia.com'].type == 'vfio'";
+        assert!(is_passthrough_class([ours]));
+        assert!(is_passthrough_class([nvidias]));
+        assert!(!is_passthrough_class([
+            r#"device.attributes["gpu.dra.dev"].type == "gpu""#
+        ]));
+    }
 
     fn names(node: &NodeDevices) -> Vec<String> {
         node.devices().map(|d| d.name.clone()).collect()

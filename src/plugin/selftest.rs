@@ -184,6 +184,15 @@ fn check_class(
     if channels_class && !node_has_channels {
         return None;
     }
+    // Likewise passthrough devices: only GPUs a GpuNodePolicy chose are published so.
+    let passthrough_class =
+        crate::devices::passthrough::is_passthrough_class(expressions.iter().copied());
+    let node_has_passthrough = devices
+        .iter()
+        .any(|(name, _)| crate::devices::passthrough::parse_device_name(name).is_some());
+    if passthrough_class && !node_has_passthrough {
+        return None;
+    }
     (!matched && names_driver && !devices.is_empty()).then_some(ClassProblem::MatchesNothing {
         devices: devices.len(),
         first_refusal,

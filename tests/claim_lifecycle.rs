@@ -16,7 +16,7 @@ use gpu_dra::claims::{checkpoint_path, Step};
 use gpu_dra::devices::MigMode;
 use gpu_dra::gpu::GpuBackend;
 use gpu_dra::support::apiserver::ServerVersion;
-use gpu_dra::support::harness::{Harness, DRIVER, MIG_CLASS};
+use gpu_dra::support::harness::{Harness, PluginProcess, DRIVER, MIG_CLASS};
 use gpu_dra::support::kubelet::{ClaimRef, KubeletDouble};
 use gpu_dra::support::rack;
 use serde_json::{json, Value};
@@ -332,53 +332,16 @@ async fn a_call_answers_within_its_budget_while_the_work_goes_on() {
 /// `gpu-dra plugin` as a process of its own for this node (dynamic MIG, MPS daemons in Pods), paused
 /// for ever at `pause` (writing `marker` when it gets there) when given.
 fn plugin_process(node: &Harness, pause: Option<(Step, &Path)>) -> PluginProcess {
-    let kubeconfig = node.dir.path().join("kubeconfig");
-    node.api.write_kubeconfig(&kubeconfig).expect("kubeconfig");
-    let gpu_dra::plugin::BackendChoice::Fake {
-        profile,
-        state_file,
-    } = &node.config.backend
-    else {
-        panic!("a fake backend")
-    };
-    let mut command = node.plugin_command(
+    node.plugin_process(
         Path::new(env!("CARGO_BIN_EXE_gpu-dra")),
-        Path::new(profile),
-        &kubeconfig,
-    );
-    command
-        .args([
+        &[
             "--mig-mode",
             "dynamic",
             "--mps-daemon-image",
             "gpu-dra:test",
-        ])
-        .arg("--fake-state")
-        .arg(state_file.as_ref().expect("a state file"))
-        .stdout(std::process::Stdio::null());
-    if let Some((step, marker)) = pause {
-        command
-            .env("GPU_DRA_PAUSE_AT", step.as_str())
-            .env("GPU_DRA_PAUSE_MARKER", marker);
-    }
-    PluginProcess(command.spawn().expect("plugin binary starts"))
-}
-
-/// A plugin process, killed when the test ends however it ends.
-struct PluginProcess(std::process::Child);
-
-impl PluginProcess {
-    fn kill(&mut self) {
-        self.0.kill().expect("SIGKILL");
-        self.0.wait().expect("reaped");
-    }
-}
-
-impl Drop for PluginProcess {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
+        ],
+        pause,
+    )
 }
 
 async fn registered(node: &Harness) -> KubeletDouble {

@@ -13,7 +13,7 @@ use gpu_dra::claims::Step;
 use gpu_dra::devices::{MigMode, Shares};
 use gpu_dra::plugin::BackendChoice;
 use gpu_dra::support::apiserver::ServerVersion;
-use gpu_dra::support::harness::{Harness, DRIVER, MIG_CLASS};
+use gpu_dra::support::harness::{Harness, PluginProcess, DRIVER, MIG_CLASS};
 use gpu_dra::support::kubelet::{ClaimRef, KubeletDouble};
 use gpu_dra::support::scheduler::AllocationError;
 use k8s_openapi::api::resource::v1::{Device, ResourceSlice};
@@ -225,45 +225,14 @@ async fn a_cancelled_share_of_a_dynamic_mig_device_leaves_the_other_claims_devic
     plugin.shutdown().await;
 }
 
-/// `gpu-dra plugin` as a process of its own for this node, paused for ever at `pause` of a prepare
-/// (writing `marker` there) when given; killed when dropped.
-struct PluginProcess(std::process::Child);
-
-impl PluginProcess {
-    fn start(node: &Harness, pause: Option<(Step, &std::path::Path)>) -> PluginProcess {
-        let kubeconfig = node.dir.path().join("kubeconfig");
-        node.api.write_kubeconfig(&kubeconfig).expect("kubeconfig");
-        let BackendChoice::Fake {
-            profile,
-            state_file,
-        } = &node.config.backend
-        else {
-            panic!("a fake backend")
-        };
-        let mut command = node.plugin_command(
-            std::path::Path::new(env!("CARGO_BIN_EXE_gpu-dra")),
-            std::path::Path::new(profile),
-            &kubeconfig,
-        );
-        command
-            .args(["--mig-mode", "dynamic"])
-            .arg("--fake-state")
-            .arg(state_file.as_ref().expect("a state file"))
-            .stdout(std::process::Stdio::null());
-        if let Some((step, marker)) = pause {
-            command
-                .env("GPU_DRA_PAUSE_AT", step.as_str())
-                .env("GPU_DRA_PAUSE_MARKER", marker);
-        }
-        PluginProcess(command.spawn().expect("plugin binary starts"))
-    }
-}
-
-impl Drop for PluginProcess {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
+/// `gpu-dra plugin` as a process of its own for this node (dynamic MIG), paused for ever at `pause` of a
+/// prepare (writing the marker there) when given; killed when dropped.
+fn plugin_process(node: &Harness, pause: Option<(Step, &std::path::Path)>) -> PluginProcess {
+    node.plugin_process(
+        std::path::Path::new(env!("CARGO_BIN_EXE_gpu-dra")),
+        &["--mig-mode", "dynamic"],
+        pause,
+    )
 }
 
 async fn registered(node: &Harness) -> KubeletDouble {
@@ -277,7 +246,7 @@ async fn a_plugin_killed_during_a_second_share_keeps_the_first_claims_mig_device
     let node = node().await;
     let marker = node.dir.path().join("paused");
     let first = {
-        let _plugin = PluginProcess::start(&node, None);
+        let _plugin = plugin_process(&node, None);
         let kubelet = registered(&node).await;
         shared_mig_published(&node).await;
         let first = node
@@ -295,7 +264,7 @@ async fn a_plugin_killed_during_a_second_share_keeps_the_first_claims_mig_device
         .expect("second share");
 
     // Killed right after the second claim got the MIG device, before its spec.
-    let mut plugin = PluginProcess::start(&node, Some((Step::MigCreate, &marker)));
+    let mut plugin = plugin_process(&node, Some((Step::MigCreate, &marker)));
     let kubelet = registered(&node).await;
     let call = tokio::spawn({
         let (kubelet, claim) = (kubelet.clone(), second.clone());
@@ -309,7 +278,7 @@ async fn a_plugin_killed_during_a_second_share_keeps_the_first_claims_mig_device
     let _ = call.await;
 
     // The restart rolls the second claim back and keeps the first claim's device.
-    plugin = PluginProcess::start(&node, None);
+    plugin = plugin_process(&node, None);
     let kubelet = registered(&node).await;
     unprepared(&kubelet, &second).await;
     assert_eq!(

@@ -344,6 +344,37 @@ impl Harness {
         command
     }
 
+    /// `gpu-dra plugin` as a process of its own for this node, with its fake backend's state file and
+    /// `extra_args`, paused for ever at `pause` (writing the marker file when it gets there) when given.
+    pub fn plugin_process(
+        &self,
+        binary: &std::path::Path,
+        extra_args: &[&str],
+        pause: Option<(crate::claims::lifecycle::Step, &std::path::Path)>,
+    ) -> PluginProcess {
+        let kubeconfig = self.dir.path().join("kubeconfig");
+        self.api.write_kubeconfig(&kubeconfig).expect("kubeconfig");
+        let crate::plugin::BackendChoice::Fake {
+            profile,
+            state_file,
+        } = &self.config.backend
+        else {
+            panic!("a fake backend")
+        };
+        let mut command = self.plugin_command(binary, std::path::Path::new(profile), &kubeconfig);
+        command
+            .args(extra_args)
+            .arg("--fake-state")
+            .arg(state_file.as_ref().expect("a state file"))
+            .stdout(std::process::Stdio::null());
+        if let Some((step, marker)) = pause {
+            command
+                .env("GPU_DRA_PAUSE_AT", step.as_str())
+                .env("GPU_DRA_PAUSE_MARKER", marker);
+        }
+        PluginProcess(command.spawn().expect("plugin binary starts"))
+    }
+
     /// The plugin binary at `binary` started as a separate process (stdout dropped) on `gpus` fake
     /// H100s; returns once it has registered with a kubelet double and published its slices.
     pub async fn spawn_plugin_process(
@@ -431,4 +462,22 @@ pub fn admin_split_h100_profile() -> crate::gpu::FakeProfile {
 /// `spec.devices` of a claim for `count` whole GPUs.
 fn gpus_request(count: i64) -> serde_json::Value {
     serde_json::json!({"requests": [{"name": "gpus", "exactly": {"deviceClassName": DRIVER, "count": count}}]})
+}
+
+/// A plugin process, killed when the test ends however it ends.
+pub struct PluginProcess(std::process::Child);
+
+impl PluginProcess {
+    /// SIGKILL, and wait until it is gone.
+    pub fn kill(&mut self) {
+        self.0.kill().expect("SIGKILL");
+        self.0.wait().expect("reaped");
+    }
+}
+
+impl Drop for PluginProcess {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }

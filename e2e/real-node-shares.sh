@@ -78,7 +78,12 @@ stop_plugin() {
   wait_until 30 bash -c "! kill -0 $pid 2>/dev/null"
   rm -f "$STATE/pids/gpu-dra.pid"
 }
-trap 'stop_plugin; rm -rf "$WORK"' EXIT
+# The DeviceClasses it applies go with it, so that a later script finds the classes its own install makes.
+remove_classes() {
+  [ -f "$WORK/classes.yaml" ] && kubectl delete --ignore-not-found -f "$WORK/classes.yaml" >/dev/null 2>&1
+  kubectl delete --ignore-not-found -f deploy/base/deviceclasses.yaml >/dev/null 2>&1
+}
+trap 'stop_plugin; remove_classes; rm -rf "$WORK"' EXIT
 
 DRIVER=
 NS=
